@@ -1,0 +1,19 @@
+"""kvserve: a high-throughput, memory-efficient LLM inference and serving engine."""
+from kvserve.config import EngineConfig
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError, ModelLoadError
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "CompletionOutput", "ContextLengthExceededError", "EngineConfig", "InvalidRequestError",
+           "KVServeError", "Logprob", "ModelLoadError", "RequestOutput", "RequestOutputKind", "SamplingParams",
+           "__version__"]
+
+
+def __getattr__(name):
+    # LLM pulls in torch, the model code and the tokenizer stack: load it only when asked for
+    if name == "LLM":
+        from kvserve.entrypoints.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'kvserve' has no attribute {name!r}")

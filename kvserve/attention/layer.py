@@ -1,0 +1,53 @@
+"""The Attention module every model layer calls; it owns a view of its layer's KV cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.attention.backends import TorchPagedAttention
+from kvserve.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged multi-head / grouped-query attention over the layer's KV cache blocks."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        # bound by bind_kv_cache(); shape [num_blocks, block_size, num_kv_heads, head_dim]
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.backend = TorchPagedAttention()
+
+    def forward(self, q, k, v, attn_metadata: AttentionMetadata):
+        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata,
+                                    self.num_heads, self.scale)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's Attention modules in layer order."""
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (K and V)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in attention_layers(model))
+
+
+def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu", backend=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Allocate one K and one V pool per layer and bind them to the model's Attention modules."""
+    caches = []
+    for layer in attention_layers(model):
+        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        if backend is not None:
+            layer.backend = backend
+        caches.append((layer.k_cache, layer.v_cache))
+    return caches

@@ -1,0 +1,75 @@
+"""EngineConfig: the one configuration object of the engine, validated once."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from kvserve.errors import InvalidRequestError
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Parse a byte size such as 2GiB, 512MiB, 1e9 or 1073741824 into bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = _SIZE_RE.match(value)
+    if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
+        raise InvalidRequestError(f"cannot parse memory size {value!r}; use e.g. 2GiB, 512MiB or a byte count",
+                                  "kv_cache_memory")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know; fields keep vLLM's names where vLLM has one."""
+
+    model: str | None = None            # HF directory or .gguf file; None = bundled SmolLM2-135M-Instruct
+    tokenizer: str | None = None        # defaults to the model's own tokenizer
+    dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
+    device: str = "auto"                # auto | cpu | cuda
+    seed: int = 0
+    max_model_len: int | None = None    # defaults to the model's context length
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes or "2GiB"; default: 1 GiB on CPU
+    gpu_memory_utilization: float = 0.9       # CUDA only, used when kv_cache_memory is not set
+    num_kv_blocks: int | None = None    # overrides the memory budget (tests)
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"     # fcfs | priority
+    chat_template: str | None = None    # path or inline Jinja; defaults to the checkpoint's
+    num_threads: int | None = None      # CPU threads; default: all cores
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg, param):
+            raise InvalidRequestError(msg, param)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float"):
+            bad(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}", "dtype")
+        if self.block_size < 1 or self.block_size > 1024:
+            bad(f"block_size must be in [1, 1024], got {self.block_size}", "block_size")
+        if self.max_num_seqs < 1:
+            bad(f"max_num_seqs must be >= 1, got {self.max_num_seqs}", "max_num_seqs")
+        if self.max_num_batched_tokens < 1:
+            bad(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}", "max_num_batched_tokens")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            bad(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}", "scheduling_policy")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            bad(f"max_model_len must be >= 1, got {self.max_model_len}", "max_model_len")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            bad(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}", "num_kv_blocks")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            bad("gpu_memory_utilization must be in (0, 1]", "gpu_memory_utilization")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+            if self.kv_cache_memory <= 0:
+                bad("kv_cache_memory must be positive", "kv_cache_memory")
+        if not self.enable_chunked_prefill and self.max_model_len and self.max_model_len > self.max_num_batched_tokens:
+            bad("without chunked prefill, max_num_batched_tokens must be >= max_model_len", "max_num_batched_tokens")

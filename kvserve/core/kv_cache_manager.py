@@ -1,0 +1,105 @@
+"""KVCacheManager: each request's block table, slot allocation and prefix-cache lookups.
+
+    request tokens:  | block 0 | block 1 | block 2 | blk 3 (partial) |
+    cached (hit):    |<---- get_computed_blocks ---->|
+    computed:        |<---------- num_computed_tokens ------->|
+    allocate_slots:  makes room for the next num_new_tokens, taking new blocks only when the tail is full
+"""
+from __future__ import annotations
+
+from kvserve.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from kvserve.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns the BlockPool; maps request ids to their blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}   # leading blocks of the request already in the cache map
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks for this request's tokens, and how many tokens they hold."""
+        if not self.enable_caching or req.params.prompt_logprobs is not None:
+            return [], 0   # prompt logprobs need every prompt position computed
+        self._update_block_hashes(req, req.num_tokens)
+        # the last token is always recomputed so there are logits to sample from
+        max_hit_blocks = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in req.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens; None when the pool cannot (preempt or wait)."""
+        blocks = self.req_to_blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        # cached blocks nobody holds sit on the free list; touching them uses up free capacity too
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            if not blocks:
+                del self.req_to_blocks[req.request_id]
+            return None
+        self.pool.touch(list(new_computed_blocks))
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks; the tail goes on the free list first, so it is evicted first."""
+        blocks = self.req_to_blocks.pop(req.request_id, [])
+        self.num_cached_blocks.pop(req.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def _extra_keys(self, req: Request) -> tuple:
+        return tuple(k for k in (("lora", req.lora_name) if req.lora_name else None,
+                                 ("salt", req.cache_salt) if req.cache_salt else None) if k)
+
+    def _update_block_hashes(self, req: Request, num_tokens: int) -> None:
+        bs = self.block_size
+        extra = self._extra_keys(req)
+        while len(req.block_hashes) < num_tokens // bs:
+            i = len(req.block_hashes)
+            parent: BlockHash | None = req.block_hashes[-1] if i else None
+            req.block_hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register the request's blocks whose KV is fully written (called after each step)."""
+        if not self.enable_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(req, num_full * self.block_size)
+        blocks = self.req_to_blocks[req.request_id]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        self.num_cached_blocks[req.request_id] = num_full

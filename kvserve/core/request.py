@@ -1,0 +1,113 @@
+"""Request: one sequence's state as the scheduler and the model runner see it.
+
+    all_token_ids:  | prompt ............................ | outputs ........ |
+    num_computed_tokens:  ---------------------------->|        (KV written)
+    num_tokens = len(all_token_ids); the next step computes [num_computed_tokens, num_tokens)
+    (a prefill chunk stops short of num_tokens; only a step that reaches the end samples a token)
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6   # rejected: can never fit
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_IGNORED: "length"}
+
+
+class Request:
+    """A single sequence being generated (a parent request with n > 1 fans out into n of these)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: set[int] | None = None, arrival_time: float | None = None, priority: int = 0,
+                 max_tokens: int | None = None, cache_salt: str | None = None, lora_name: str | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids = eos_token_ids or set()
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.priority = priority
+        self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1          # prefix-cache hit at first scheduling; -1 = not yet scheduled
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.block_hashes: list = []         # chained hashes of the full blocks, filled by the KV cache manager
+        # logprobs collected by the model runner
+        self.logprobs: list = []
+        self.prompt_logprobs: list = []
+        self.num_prompt_logprobs_done = 0
+        self.cumulative_logprob = 0.0
+        # timing, for metrics
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def sort_key(self) -> tuple:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Token-level stop checks after a token was appended; sets status and stop_reason."""
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in self.params.all_stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

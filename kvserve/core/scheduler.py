@@ -1,0 +1,206 @@
+"""Scheduler: continuous batching with one token budget per step.
+
+Every step: running requests first (decodes and unfinished prefill chunks), then waiting ones, while
+the token budget (max_num_batched_tokens) and max_num_seqs allow. A prompt longer than what is left
+of the budget is split into chunks across steps (chunked prefill), so decodes never stall behind it.
+When the pool has no block for a running request, the lowest-priority running request is preempted by
+recompute: its blocks are freed and it goes back to the front of the waiting queue.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes: requests in batch order with their number of new tokens."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    """Decides every step which requests run and how many tokens each computes."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True):
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ----- requests in and out -----
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        if self.policy == "priority":
+            self._insert_by_priority(req)
+        else:
+            self.waiting.append(req)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """Finish (stop or abort) requests wherever they are; frees their blocks at once."""
+        done = []
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self.kv.free(req)
+            if not req.is_finished:
+                req.status = status
+            done.append(req)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ----- one step -----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        # decodes first, then prefill chunks: the attention backend groups them that way
+        out.scheduled.sort(key=lambda item: item[1] > 1)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1
+                budget += self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue   # req itself was preempted; the same index now holds the next request
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit_tokens
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(req, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:   # counted once, at first scheduling
+                req.num_cached_tokens = num_hit_tokens
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_hit_tokens
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: r.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+        """Preempt by recompute: free the blocks, forget computed tokens, requeue at the front.
+
+        Returns the tokens it had been given this step (now back in the budget)."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.policy == "priority":
+            self._insert_by_priority(req)
+        else:
+            self.waiting.appendleft(req)
+        out.preempted.append(req)
+        for j, (r, n) in enumerate(out.scheduled):
+            if r is req:
+                del out.scheduled[j]
+                return n
+        return 0
+
+    def _insert_by_priority(self, req: Request) -> None:
+        key = req.sort_key
+        for i, other in enumerate(self.waiting):
+            if key < other.sort_key:
+                self.waiting.insert(i, req)
+                return
+        self.waiting.append(req)
+
+    # ----- merge the model's output -----
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, list[int]]]:
+        """Advance computed tokens, append sampled tokens, apply token-level stops; returns (req, new tokens)."""
+        now = time.monotonic()
+        updates = []
+        for req, num_new in out.scheduled:
+            req.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue   # a prefill chunk that did not reach the end of the prompt
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            if req.check_stop(self.max_model_len):
+                self._finish(req)
+            updates.append((req, [token]))
+        return updates
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.kv.free(req)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
+                              self.prefix_cache_queries, self.prefix_cache_hits)

@@ -1,0 +1,119 @@
+"""SamplingParams: per-request generation settings, validated on construction (vLLM's names)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields, replace
+
+from kvserve.errors import InvalidRequestError
+
+_MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0   # every output carries everything generated so far
+    DELTA = 1        # every output carries only what is new since the last one
+    FINAL_ONLY = 2   # one output, when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request; greedy when temperature == 0."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16     # None: up to max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None          # top-k logprobs per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None   # top-k logprobs per prompt token
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # filled by the engine, not by users
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.temperature is not None and 0 < self.temperature < 1e-5:
+            self.temperature = 0.0
+        self._verify()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        return replace(self, **changes)
+
+    def _verify(self) -> None:
+        def bad(msg: str, param: str):
+            raise InvalidRequestError(msg, param)
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n!r}", "n")
+        if self.temperature is None or self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        if not -2 <= self.presence_penalty <= 2:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}", "presence_penalty")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}", "frequency_penalty")
+        if not 0 < self.repetition_penalty <= 2:
+            bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}", "repetition_penalty")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            bad(f"max_tokens must be at least 1, got {self.max_tokens!r}", "max_tokens")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            bad(f"min_tokens must be >= 0, got {self.min_tokens!r}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
+        if self.seed is not None and not is_int(self.seed):
+            bad(f"seed must be an integer, got {self.seed!r}", "seed")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= _MAX_LOGPROBS):
+                bad(f"{name} must be an integer in [0, {_MAX_LOGPROBS}], got {v!r}", name)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop must be a non-empty string or a list of non-empty strings", "stop")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            bad("logit_bias values must be in [-100, 100]", "logit_bias")
+
+    def verify_for_model(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids in range."""
+        for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids)):
+            for t in ids:
+                if not 0 <= t < vocab_size:
+                    raise InvalidRequestError(f"{name} has token id {t} outside the vocabulary [0, {vocab_size})",
+                                              name)
+
+
+SAMPLING_PARAM_NAMES = tuple(f.name for f in fields(SamplingParams) if f.name != "all_stop_token_ids")

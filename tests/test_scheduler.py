@@ -1,0 +1,176 @@
+"""Scheduler on the CPU without a model: budgets, chunked prefill, preemption, priorities, no leaks."""
+from hypothesis import given, settings, strategies as st
+
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler
+from kvserve.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def make_sched(num_blocks=16, block_size=4, max_seqs=8, budget=32, policy="fcfs", caching=False, max_len=1000):
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    return Scheduler(kv, max_seqs, budget, max_len, policy)
+
+
+def make_req(rid, n_prompt, max_tokens=4, priority=0, t=None, first=1):
+    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens), {EOS},
+                   arrival_time=t, priority=priority)
+
+
+def fake_step(s, token=7):
+    """Run one step: every request that reached its end 'samples' `token`."""
+    out = s.schedule()
+    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    s.update_from_output(out, sampled)
+    return out
+
+
+def scheduled(out):
+    return [(r.request_id, n) for r, n in out.scheduled]
+
+
+def test_prompts_are_admitted_within_the_token_budget_and_chunked():
+    s = make_sched(budget=10)
+    for rid, n in (("a", 6), ("b", 6)):
+        s.add_request(make_req(rid, n))
+    out = fake_step(s)
+    assert scheduled(out) == [("a", 6), ("b", 4)]        # b gets the rest of the budget: a chunk
+    assert s.requests["b"].num_computed_tokens == 4
+    out = fake_step(s)
+    assert scheduled(out) == [("a", 1), ("b", 2)]        # decodes first, then b's last chunk
+    assert s.requests["a"].output_token_ids == [7, 7]
+    assert s.requests["b"].output_token_ids == [7]
+
+
+def test_decodes_keep_running_while_a_long_prompt_is_chunked():
+    s = make_sched(budget=8, num_blocks=64)
+    s.add_request(make_req("short", 2, max_tokens=10))
+    fake_step(s)
+    s.add_request(make_req("long", 40))
+    steps = [scheduled(fake_step(s)) for _ in range(3)]
+    assert steps == [[("short", 1), ("long", 7)]] * 3
+
+
+def test_max_num_seqs_limits_the_running_set():
+    s = make_sched(max_seqs=2)
+    for rid in "abc":
+        s.add_request(make_req(rid, 3))
+    out = fake_step(s)
+    assert [r for r, _ in scheduled(out)] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_preemption_frees_the_latest_request_and_requeues_it_first():
+    s = make_sched(num_blocks=4, block_size=2, budget=16)
+    s.add_request(make_req("a", 3, max_tokens=6))
+    s.add_request(make_req("b", 3, max_tokens=6))
+    fake_step(s)                       # a: blocks 0,1  b: blocks 2,3 (3 prompt tokens + room)
+    fake_step(s)                       # the 4th token of each still fits
+    assert s.kv.get_block_ids("a") == [0, 1] and s.kv.get_block_ids("b") == [2, 3]
+    out = fake_step(s)                 # a needs a 3rd block for its 5th token: b is preempted
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert scheduled(out) == [("a", 1)]
+    b = s.waiting[0]
+    assert b.request_id == "b" and b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.output_token_ids == [7, 7]   # kept: it resumes by recomputing prompt + outputs
+    assert s.kv.get_block_ids("a") == [0, 1, 3]   # b's tail block was freed first and is reused first
+    assert s.num_preemptions == 1
+
+
+def test_a_request_preempts_itself_when_it_is_the_only_victim():
+    s = make_sched(num_blocks=2, block_size=2, budget=16)
+    s.add_request(make_req("a", 3, max_tokens=4))
+    fake_step(s)
+    fake_step(s)
+    out = fake_step(s)                  # a holds all blocks and needs a third
+    assert [r.request_id for r in out.preempted] == ["a"] and out.scheduled == []
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    s = make_sched(max_seqs=1, policy="priority")
+    s.add_request(make_req("low", 2, priority=5, t=1.0))
+    s.add_request(make_req("high", 2, priority=-1, t=2.0))
+    s.add_request(make_req("mid", 2, priority=0, t=0.5))
+    assert [r.request_id for r in s.waiting] == ["high", "mid", "low"]
+    s2 = make_sched(num_blocks=4, block_size=2, budget=16, policy="priority")
+    s2.add_request(make_req("x", 3, max_tokens=6, priority=0, t=1.0))
+    s2.add_request(make_req("y", 3, max_tokens=6, priority=9, t=0.0))
+    fake_step(s2)
+    fake_step(s2)
+    out = fake_step(s2)
+    assert [r.request_id for r in out.preempted] == ["y"]   # y arrived first but has the lower priority
+
+
+def test_finish_on_eos_and_on_max_tokens_frees_blocks():
+    s = make_sched()
+    s.add_request(make_req("a", 3, max_tokens=2))
+    s.add_request(make_req("b", 3, max_tokens=5))
+    fake_step(s)
+    fake_step(s, token=EOS)
+    assert not s.has_unfinished_requests()
+    assert s.kv.num_free_blocks == 16
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests():
+    s = make_sched(max_seqs=1)
+    s.add_request(make_req("a", 5))
+    s.add_request(make_req("b", 5))
+    fake_step(s)
+    done = s.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert {r.request_id for r in done} == {"a", "b"}
+    assert all(r.status == RequestStatus.FINISHED_ABORTED for r in done)
+    assert s.kv.num_free_blocks == 16 and not s.has_unfinished_requests()
+
+
+def _check_invariants(s: Scheduler, num_blocks: int):
+    owners = {}
+    for rid, blocks in s.kv.req_to_blocks.items():
+        for b in blocks:
+            owners.setdefault(b.block_id, []).append(rid)
+    for bid, rids in owners.items():
+        assert len(rids) == len(set(rids)), f"block {bid} owned twice by one request"
+        assert s.kv.pool.blocks[bid].ref_cnt == len(rids), f"block {bid} ref count wrong"
+    free = s.kv.pool.free_queue.block_ids()
+    assert len(free) == len(set(free)) and not set(free) & set(owners)
+    assert len(free) + len(owners) == num_blocks, "a block leaked"
+    for r in s.running:
+        assert r.status == RequestStatus.RUNNING
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+    st.tuples(st.just("abort"), st.integers(0, 40)),
+), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.booleans(), st.sampled_from(["fcfs", "priority"]), st.integers(4, 32))
+def test_random_add_step_abort_never_leaks_or_double_owns(ops, caching, policy, budget):
+    num_blocks, block_size = 12, 4
+    s = make_sched(num_blocks=num_blocks, block_size=block_size, max_seqs=4, budget=budget, policy=policy,
+                   caching=caching)
+    added = []
+    for op in ops:
+        if op[0] == "add":
+            _, n, max_tokens, first = op
+            if -(-(n + max_tokens) // block_size) > num_blocks:
+                continue   # the engine rejects these at add time
+            rid = f"r{len(added)}"
+            s.add_request(make_req(rid, n, max_tokens, priority=first, first=first))
+            added.append(s.requests[rid])
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                fake_step(s, token=5)
+        elif added:
+            s.finish_requests(added[op[1] % len(added)].request_id, RequestStatus.FINISHED_ABORTED)
+        _check_invariants(s, num_blocks)
+    for _ in range(500):
+        if not s.has_unfinished_requests():
+            break
+        fake_step(s, token=5)
+    assert not s.has_unfinished_requests(), "a request never finished"
+    assert all(r.is_finished for r in added)
+    assert s.kv.num_free_blocks == num_blocks and not s.kv.req_to_blocks

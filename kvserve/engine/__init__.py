@@ -1,0 +1,1 @@
+"""Engines: the synchronous LLMEngine (offline API) and, for the server, the async engine."""

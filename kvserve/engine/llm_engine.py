@@ -1,0 +1,173 @@
+"""LLMEngine: the synchronous engine. add_request() validates and queues; step() runs one iteration."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+
+import torch
+
+from kvserve.attention import bind_kv_cache, kv_cache_bytes_per_block
+from kvserve.config import EngineConfig
+from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler
+from kvserve.engine.output_processor import OutputProcessor, ParentState
+from kvserve.engine.prompts import PromptType, process_prompt
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError
+from kvserve.model import load_model, load_tokenizer, resolve_device
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("kvserve")
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class LLMEngine:
+    """Owns the model, the KV cache, the scheduler and the frontend output processing."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        t0 = time.perf_counter()
+        self.model, self.model_config = load_model(config)
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+        if config.chat_template:
+            self.tokenizer.chat_template = _read_template(config.chat_template)
+        self.dtype = next(self.model.parameters()).dtype
+        self.vocab_size = self.model_config.vocab_size
+        self.max_model_len = self._max_model_len()
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.block_size = config.block_size
+        bind_kv_cache(self.model, self.num_kv_blocks, config.block_size, self.dtype, self.device)
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   config.scheduling_policy, config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, self.kv, self.vocab_size, self.device)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        logger.info("kvserve: loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens = %d tokens",
+                    config.model or "SmolLM2-135M-Instruct (bundled)", self.dtype, self.device,
+                    time.perf_counter() - t0, self.num_kv_blocks, config.block_size,
+                    self.num_kv_blocks * config.block_size)
+
+    # ----- set-up -----
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise InvalidRequestError(f"max_model_len {self.config.max_model_len} exceeds the model's context "
+                                      f"length {limit}", "max_model_len")
+        return self.config.max_model_len
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = kv_cache_bytes_per_block(self.model, self.config.block_size, self.dtype)
+        budget = self.config.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - self.config.gpu_memory_utilization))
+        if budget is None:
+            budget = _DEFAULT_CPU_KV_BYTES
+        num = budget // per_block
+        if num < 1:
+            raise InvalidRequestError(f"kv_cache_memory {budget} bytes is less than one KV block ({per_block} bytes)",
+                                      "kv_cache_memory")
+        # no point holding more blocks than max_num_seqs full-length sequences can use
+        return int(min(num, cdiv(self.max_model_len, self.config.block_size) * self.config.max_num_seqs))
+
+    # ----- requests -----
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
+        """Validate and queue a request; raises InvalidRequestError and queues nothing if it is bad."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.processor.parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text, token_ids = process_prompt(prompt, self.tokenizer, self.vocab_size)
+        params.verify_for_model(self.vocab_size)
+        max_tokens = self._check_fits(len(token_ids), params)
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            priority = 0   # only the priority policy orders by it, as in vLLM
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            children.append(Request(rid, token_ids, child_params, self.eos_token_ids, arrival_time, priority,
+                                    max_tokens, cache_salt))
+        self.processor.add(ParentState(request_id, text, token_ids, params), children)
+        for req in children:
+            self.scheduler.add_request(req)
+        return request_id
+
+    def _check_fits(self, num_prompt: int, params: SamplingParams) -> int:
+        if num_prompt >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"the prompt has {num_prompt} tokens, but this model's maximum context length is "
+                f"{self.max_model_len} tokens, which must also leave room for at least one output token", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                f"{num_prompt} prompt tokens and asks for max_tokens={max_tokens}; reduce the prompt or max_tokens",
+                "max_tokens")
+        need = cdiv(num_prompt + max_tokens, self.block_size)
+        if need > self.num_kv_blocks:
+            raise ContextLengthExceededError(
+                f"the request needs up to {need} KV blocks ({num_prompt} prompt + {max_tokens} output tokens) but "
+                f"the whole KV cache has {self.num_kv_blocks}; raise kv_cache_memory or lower max_tokens",
+                "max_tokens")
+        return max_tokens
+
+    def abort_request(self, request_ids) -> list[RequestOutput]:
+        """Abort requests by id; frees their KV blocks at once and returns their final outputs."""
+        outs = []
+        for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            self.scheduler.finish_requests(self.processor.child_ids(rid), RequestStatus.FINISHED_ABORTED)
+            out = self.processor.abort(rid)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.processor.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.processor.parents)
+
+    # ----- one iteration -----
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, detokenize; returns the outputs that changed."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled = self.runner.execute_model(sched)
+        updates = self.scheduler.update_from_output(sched, sampled)
+        outputs, stopped = self.processor.process(updates)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+
+def _read_template(template: str) -> str:
+    """A chat template given as a file path or inline Jinja."""
+    if os.path.isfile(template):
+        with open(template) as f:
+            return f.read()
+    if "{" not in template:
+        raise InvalidRequestError(f"chat template {template!r} is neither a file nor a Jinja template", "chat_template")
+    return template

@@ -1,0 +1,146 @@
+"""OutputProcessor: detokenizes each request's new tokens, applies stop strings, builds RequestOutputs.
+
+A user request with n > 1 is a parent of n child Requests (ids "0_<id>", "1_<id>", ...); its
+RequestOutput carries one CompletionOutput per child, in index order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.core.request import Request, RequestStatus
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ChildState:
+    req: Request
+    detok: IncrementalDetokenizer
+    num_tokens_sent: int = 0
+    num_logprobs_sent: int = 0
+
+
+@dataclass
+class ParentState:
+    """Frontend state of one user request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[ChildState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.req.is_finished for c in self.children)
+
+
+class OutputProcessor:
+    """Maps engine updates to user-facing RequestOutputs."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, ParentState] = {}
+
+    def add(self, parent: ParentState, children: list[Request]) -> None:
+        for req in children:
+            child = ChildState(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params))
+            parent.children.append(child)
+            self.child_to_parent[req.request_id] = parent
+        self.parents[parent.request_id] = parent
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [c.req.request_id for c in parent.children] if parent else []
+
+    def process(self, updates: list[tuple[Request, list[int]]]) -> tuple[list[RequestOutput], list[str]]:
+        """Detokenize updates; returns the outputs to emit and the child ids a stop string finished."""
+        touched: dict[str, ParentState] = {}
+        stopped = []
+        for req, new_tokens in updates:
+            parent = self.child_to_parent[req.request_id]
+            child = next(c for c in parent.children if c.req is req)
+            eos_or_stop_token = req.status == RequestStatus.FINISHED_STOPPED
+            stop_str = child.detok.update(new_tokens, eos_or_stop_token)
+            if stop_str is not None:
+                if not req.is_finished:
+                    stopped.append(req.request_id)
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop_str
+            touched[parent.request_id] = parent
+        outputs = [o for p in touched.values() if (o := self.make_output(p)) is not None]
+        return outputs, stopped
+
+    def make_output(self, parent: ParentState, force: bool = False) -> RequestOutput | None:
+        finished = parent.finished
+        kind = parent.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished and not force:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        outs = [self._completion(i, c, delta) for i, c in enumerate(parent.children)]
+        first = parent.children[0]
+        prompt_logprobs = self._prompt_logprobs(first)
+        if finished:
+            self._drop(parent)
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs, outputs=outs, finished=finished,
+            num_cached_tokens=max(first.req.num_cached_tokens, 0), metrics=_metrics(first.req))
+
+    def _completion(self, index: int, c: ChildState, delta: bool) -> CompletionOutput:
+        req = c.req
+        finished = req.is_finished
+        text = c.detok.get_next_output_text(finished, delta)
+        tokens = req.output_token_ids[c.num_tokens_sent:] if delta else list(req.output_token_ids)
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = req.logprobs[c.num_logprobs_sent:] if delta else list(req.logprobs)
+            for pos in logprobs:
+                for tid, lp in pos.items():
+                    if lp.decoded_token is None:
+                        lp.decoded_token = c.detok.decode_token(tid)
+        if delta:
+            c.num_tokens_sent = req.num_output_tokens
+            c.num_logprobs_sent = len(req.logprobs)
+        return CompletionOutput(
+            index=index, text=text, token_ids=tokens,
+            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
+            logprobs=logprobs, finish_reason=req.status.finish_reason if finished else None,
+            stop_reason=req.stop_reason if finished else None)
+
+    @staticmethod
+    def _prompt_logprobs(child: ChildState):
+        req = child.req
+        if req.params.prompt_logprobs is None or not req.prompt_logprobs:
+            return None
+        for pos in req.prompt_logprobs:
+            for tid, lp in (pos or {}).items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = child.detok.decode_token(tid)
+        return req.prompt_logprobs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark a parent's children aborted and return its final output."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for c in parent.children:
+            if not c.req.is_finished:
+                c.req.status = RequestStatus.FINISHED_ABORTED
+        return self.make_output(parent, force=True)
+
+    def _drop(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for c in parent.children:
+            self.child_to_parent.pop(c.req.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+
+def _metrics(req: Request) -> dict:
+    return {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time,
+            "first_token_time": req.first_token_time, "last_token_time": req.last_token_time,
+            "num_preemptions": req.num_preemptions}

@@ -1,0 +1,113 @@
+"""LLM: the offline API, with vLLM's names (generate, chat) so vLLM scripts run unchanged."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.prompts import PromptType
+from kvserve.entrypoints.chat_utils import Conversation, apply_chat_template
+from kvserve.errors import InvalidRequestError
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """Generate text for many prompts at once with continuous batching over a paged KV cache."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate completions for each prompt; outputs come back in prompt order."""
+        prompts = _as_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequestError("priority must have one entry per prompt", "priority")
+        ids = self._add_all(prompts, params, priority)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt,
+                                                                continue_final_message, chat_template_kwargs)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation: Conversation, chat_template: str | None = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's (or the given) chat template."""
+        return apply_chat_template(self.get_tokenizer(), conversation, chat_template, add_generation_prompt,
+                                   continue_final_message, chat_template_kwargs)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (refused while requests are running)."""
+        return self.llm_engine.reset_prefix_cache()
+
+    # ----- internals -----
+    @staticmethod
+    def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise InvalidRequestError(f"got {len(params)} sampling params for {n} prompts", "sampling_params")
+        return params
+
+    def _add_all(self, prompts, params, priority) -> list[str]:
+        """Add every prompt, or none: a bad one raises after the ones already added are withdrawn."""
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                if p.output_kind != RequestOutputKind.FINAL_ONLY:
+                    p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
+        except InvalidRequestError as e:
+            engine.abort_request(ids)
+            raise type(e)(f"prompt {len(ids)}: {e.message}", e.param) from e
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
+        start, num_in, num_out = time.perf_counter(), 0, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                done[out.request_id] = out
+                if bar is not None:
+                    num_in += len(out.prompt_token_ids)
+                    num_out += sum(len(o.token_ids) for o in out.outputs)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"input: {num_in / elapsed:.0f} tok/s, output: {num_out / elapsed:.0f} tok/s")
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]   # a single prompt given as token ids
+    return prompts

@@ -1,0 +1,34 @@
+"""Logit bias and min_tokens masking: the processors that run before greedy and random sampling."""
+from __future__ import annotations
+
+import torch
+
+from kvserve.sample.metadata import SamplingMetadata, SparseLogits
+from kvserve.sample.penalties import apply_penalties
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: SparseLogits) -> torch.Tensor:
+    """Add each row's bias to its tokens, in place."""
+    # Flat ids (row * V + token) come from the host, so this is one scatter kernel and no sync.
+    logits.view(-1).index_add_(0, bias.flat_ids, bias.values)
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, mask: SparseLogits) -> torch.Tensor:
+    """Forbid eos and stop tokens of rows still short of min_tokens, in place."""
+    logits.view(-1).index_fill_(0, mask.flat_ids, float("-inf"))
+    return logits
+
+
+def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Logits after bias, min_tokens and penalties; `logits` itself is never modified."""
+    if meta.logit_bias is not None or meta.min_tokens_mask is not None:
+        # Contiguous, so the flat ids built for a row-major [B, V] address the right entries.
+        logits = logits.clone(memory_format=torch.contiguous_format)
+        if meta.logit_bias is not None:
+            apply_logit_bias(logits, meta.logit_bias)
+        if meta.min_tokens_mask is not None:
+            apply_min_tokens(logits, meta.min_tokens_mask)
+    if meta.penalties is not None:
+        logits = apply_penalties(logits, meta.penalties)
+    return logits

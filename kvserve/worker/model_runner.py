@@ -1,0 +1,110 @@
+"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and samples the next tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.attention import build_attention_metadata
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request
+from kvserve.core.scheduler import SchedulerOutput
+from kvserve.outputs import Logprob
+from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
+
+
+@dataclass
+class StepInputs:
+    """Host-side inputs of one step, built with numpy."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: object
+    sample_reqs: list[Request]        # requests whose step reaches the end of their tokens
+    sample_rows: np.ndarray           # flattened row of each sampling request's last token
+    prompt_lp: list[tuple[Request, int, int, int]]   # (req, first position, its row, count) for prompt logprobs
+
+
+class ModelRunner:
+    """Runs the model for scheduled requests and samples one token for each that reached its end."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, vocab_size: int, device: torch.device):
+        self.model = model
+        self.kv = kv
+        self.vocab_size = vocab_size
+        self.device = device
+        self.sampler = Sampler()
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        query_lens, seq_lens, tables, ids, pos = [], [], [], [], []
+        sample_reqs, sample_rows, prompt_lp = [], [], []
+        row = 0
+        for req, n in sched.scheduled:
+            start = req.num_computed_tokens
+            ids.extend(req.all_token_ids[start:start + n])
+            pos.append(np.arange(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(self.kv.get_block_ids(req.request_id))
+            if start + n == req.num_tokens:
+                sample_reqs.append(req)
+                sample_rows.append(row + n - 1)
+            if req.params.prompt_logprobs is not None:
+                # row r predicts token r + 1; targets are prompt positions not yet scored, up to the last prompt token
+                first = max(start, req.num_prompt_logprobs_done)
+                last = min(start + n, req.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_lp.append((req, first, row + first - start, last - first))
+            row += n
+        meta = build_attention_metadata(query_lens, seq_lens, tables, self.kv.block_size, self.device)
+        to = lambda a: torch.as_tensor(a, dtype=torch.long).to(self.device)
+        return StepInputs(to(ids), to(np.concatenate(pos)), meta, sample_reqs, np.asarray(sample_rows, np.int64),
+                          prompt_lp)
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> dict[str, int]:
+        """One forward over every scheduled token; returns request id -> sampled token id."""
+        inp = self.prepare_inputs(sched)
+        hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
+        if inp.prompt_lp:
+            self._prompt_logprobs(hidden, inp)
+        if not inp.sample_reqs:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.as_tensor(inp.sample_rows, device=hidden.device)])
+        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.eos_token_ids)
+                for r in inp.sample_reqs]
+        out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+        tokens = out.sampled_token_ids.tolist()
+        if out.logprobs is not None:
+            self._record_logprobs(inp.sample_reqs, out.logprobs)
+        return {r.request_id: t for r, t in zip(inp.sample_reqs, tokens)}
+
+    def _record_logprobs(self, reqs: list[Request], lp) -> None:
+        ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        for i, req in enumerate(reqs):
+            k = req.params.logprobs
+            if k is None:
+                continue
+            req.logprobs.append(_logprob_dict(ids[i], vals[i], ranks[i], k))
+            req.cumulative_logprob += vals[i][0]
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> None:
+        for req, first, first_row, count in inp.prompt_lp:
+            k = req.params.prompt_logprobs
+            if first == 0:
+                req.prompt_logprobs = [None]   # the first prompt token has no logprob
+            logits = self.model.compute_logits(hidden[first_row:first_row + count])
+            targets = torch.as_tensor(req.prompt_token_ids[first + 1:first + 1 + count], device=logits.device)
+            lp = compute_prompt_logprobs(logits, targets, k)
+            ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+            req.prompt_logprobs.extend(_logprob_dict(ids[j], vals[j], ranks[j], k) for j in range(count))
+            req.num_prompt_logprobs_done = first + count
+
+
+def _logprob_dict(ids: list[int], vals: list[float], rank: int, k: int) -> dict[int, Logprob]:
+    """Column 0 is the chosen token, columns 1..k the top-k (the chosen one may repeat among them)."""
+    d = {ids[0]: Logprob(vals[0], rank)}
+    for j in range(1, k + 1):
+        d.setdefault(ids[j], Logprob(vals[j], j))
+    return d

@@ -1,0 +1,103 @@
+"""Greedy output of the engine is token-identical to transformers in float32, logprobs within 1e-3,
+one request at a time, all in one batch, with chunked prefill and under preemption."""
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+
+MAX_TOKENS = 20
+TOP = 3
+CHATS = [
+    [{"role": "user", "content": "Name three planets."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 12 times 12?"}],
+]
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 2, 3, 4, 5,",
+    "Hi",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to synthesize "
+    "foods from carbon dioxide and water. Photosynthesis in plants generally involves the green pigment "
+    "chlorophyll and generates oxygen as a byproduct. Explain in simple words why plants need light:",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(gguf_path):
+    from kvserve.model import load_tokenizer
+    tok = load_tokenizer(gguf_path)
+    ids = [tok.encode(t) for t in TEXTS]
+    ids += [tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False) for c in CHATS]
+    assert len(ids) == 8 and max(map(len, ids)) > 40 and 2 in ids[-1]   # chat prompts contain <|im_end|> (id 2)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(hf_reference, prompts):
+    """Greedy tokens and raw top logprobs from transformers' forward pass, one prompt at a time.
+
+    A plain loop, not generate(): no logits processors, and eos is just another token (ignore_eos)."""
+    refs = []
+    for ids in prompts:
+        tokens, lps, past = [], [], None
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            for _ in range(MAX_TOKENS):
+                mask = torch.ones(1, len(ids) + len(tokens), dtype=torch.long)
+                out = hf_reference(input_ids=x, attention_mask=mask, past_key_values=past, use_cache=True)
+                lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+                past = out.past_key_values
+                tokens.append(int(lp.argmax()))
+                lps.append(lp)
+                x = torch.tensor([[tokens[-1]]])
+        refs.append((tokens, lps))
+    return refs
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+
+
+def check_against_reference(outputs, reference):
+    for out, (ref_tokens, ref_lps) in zip(outputs, reference):
+        comp = out.outputs[0]
+        assert comp.token_ids == ref_tokens
+        for pos, lp in enumerate(comp.logprobs):
+            ref_top = torch.topk(ref_lps[pos], TOP)
+            for tid, value in zip(ref_top.indices.tolist(), ref_top.values.tolist()):
+                assert lp[tid].logprob == pytest.approx(value, abs=1e-3)
+            assert lp[ref_tokens[pos]].rank == 1
+
+
+def make_llm(**kw):
+    return LLM(dtype="float32", enable_prefix_caching=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm(max_num_seqs=16)
+
+
+def test_one_at_a_time(llm, prompts, reference):
+    outs = [llm.generate({"prompt_token_ids": p}, PARAMS, use_tqdm=False)[0] for p in prompts]
+    check_against_reference(outs, reference)
+
+
+def test_all_in_one_batch(llm, prompts, reference):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    check_against_reference(outs, reference)
+
+
+def test_chunked_prefill_with_a_tiny_token_budget(prompts, reference):
+    llm = make_llm(max_num_batched_tokens=13, max_model_len=512)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    check_against_reference(outs, reference)
+
+
+def test_preemption_with_a_tiny_kv_pool(prompts, reference):
+    llm = make_llm(num_kv_blocks=12, block_size=8, max_model_len=96)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    check_against_reference(outs, reference)
+    assert llm.llm_engine.kv.num_free_blocks == 12

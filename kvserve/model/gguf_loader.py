@@ -1,0 +1,103 @@
+"""GGUF checkpoints: metadata -> ModelConfig, and dequantized tensors under HF names in HF layout."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.errors import ModelLoadError
+from kvserve.model.model_config import ModelConfig
+
+# per-layer GGUF tensor stem -> HF module path under model.layers.N
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# the large tokenizer arrays are only needed by the tokenizer conversion, not the model config
+_SKIP_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def open_gguf(path: str):
+    """A GGUFReader for `path`, or ModelLoadError if the file is not a readable GGUF file."""
+    from gguf import GGUFReader
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on corrupt files
+        raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}; "
+                             "the file is corrupt, truncated or not GGUF") from e
+
+
+def gguf_metadata(reader) -> dict[str, Any]:
+    """Key/value metadata as plain Python values (tokenizer vocab arrays left out)."""
+    return {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_KEYS}
+
+
+def gguf_model_config(reader) -> ModelConfig:
+    """ModelConfig from a GGUF file's metadata and tensor list."""
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError("GGUF file has no token_embd.weight tensor")
+    freqs = tensors.get(_ROPE_FREQS)
+    factors = _dequantize(freqs).reshape(-1).tolist() if freqs is not None else None
+    return ModelConfig.from_gguf_metadata(
+        gguf_metadata(reader), vocab_rows=int(tensors["token_embd.weight"].shape[-1]),
+        has_output="output.weight" in tensors, rope_freq_factors=factors)
+
+
+def hf_name(gguf_name: str) -> str:
+    """Translate a GGUF tensor name (blk.3.attn_q.weight) to its HF name (model.layers.3.self_attn.q_proj.weight)."""
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES and kind in ("weight", "bias"):
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} is not known to kvserve's GGUF loader")
+
+
+def iter_gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every GGUF tensor, dequantized and in HF layout."""
+    is_llama = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue  # folded into cfg.rope_scaling
+        name = hf_name(t.name)
+        weight = _dequantize(t)
+        if is_llama and (".q_proj." in name or ".k_proj." in name):
+            heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+            weight = unpermute_qk(weight, heads)
+        # F32 tensors come back as read-only views of the mapped file; torch wants writable memory
+        yield name, torch.from_numpy(np.require(weight, requirements=["C", "W"]))
+
+
+def _dequantize(t) -> np.ndarray:
+    from gguf import dequantize
+    try:
+        # a plain ndarray view: gguf slices row by row, and numpy.memmap slicing is ~10x slower
+        out = dequantize(t.data.view(np.ndarray), t.tensor_type)
+    except NotImplementedError:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} uses quantization type {t.tensor_type.name}, "
+                             "which gguf-py cannot dequantize") from None
+    # gguf stores dims innermost-first; numpy wants them outermost-first
+    shape = tuple(int(d) for d in reversed(t.shape))
+    try:
+        return out.reshape(shape)
+    except ValueError:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} holds {out.size} values, expected shape {shape}; "
+                             "the file is corrupt") from None
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs) back to HF's rotate_half layout."""
+    # convert_hf_to_gguf reshapes rows as (heads, 2, D/2) and swaps to (heads, D/2, 2); this is the inverse
+    half = weight.shape[0] // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)

@@ -1,0 +1,193 @@
+"""Building blocks shared by the model families: norms, rotary embedding, fused linears, activations."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.errors import ModelLoadError
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with uninitialized parameters: every weight is overwritten by load_weights."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output dim (q|k|v, gate|up) in one matmul."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(shard_sizes.values()), bias)
+        self.shard_sizes = dict(shard_sizes)
+        offsets = [0]
+        for size in shard_sizes.values():
+            offsets.append(offsets[-1] + size)
+        self.shard_offsets = dict(zip(shard_sizes, offsets))
+
+    def shard(self, param: torch.Tensor, shard_id: str) -> torch.Tensor:
+        """The rows of `param` (weight or bias) that hold shard `shard_id`."""
+        return param.narrow(0, self.shard_offsets[shard_id], self.shard_sizes[shard_id])
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Split a fused output back into its shards, in declaration order."""
+        return y.split(list(self.shard_sizes.values()), dim=-1)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding table with an uninitialized weight (loaded from the checkpoint)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back like the HF reference."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for a fused [.., 2*I] gate|up tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths slowed by `factor`, a smooth ramp between."""
+    try:
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+    except KeyError as e:
+        raise ModelLoadError(f"llama3 rope scaling needs {e.args[0]!r}") from None
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim/2], position scale) for the configured rope type."""
+    inv_freq = _default_inv_freq(head_dim, base)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq, 1.0 / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if kind == "gguf_freq_factors":
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32), 1.0
+    raise ModelLoadError(f"rope scaling type {kind!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (HF rotate_half layout) with cos/sin precomputed for every position."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq, pos_scale = rope_inv_freq(head_dim, base, scaling)
+        t = torch.arange(max_position, dtype=torch.float32) * pos_scale
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # not persistent: rebuilt from the config, never read from a checkpoint
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] for `positions`, ready to broadcast over heads."""
+        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by cos/sin [T, 1, D] (rotate_half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                        packed: dict[str, tuple[str, str]], skip: Callable[[str], bool]) -> None:
+    """Load HF-named tensors, routing packed projections into their fused module's shard."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[tuple[str, str | None]] = set()
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        target, shard = _route(name, packed, params)
+        dest = params[target]
+        if shard is not None:
+            dest = modules[target.rsplit(".", 1)[0]].shard(dest, shard)
+        _copy_checked(name, dest, tensor)
+        loaded.add((target, shard))
+    missing = sorted(_expected_slots(params, modules) - loaded, key=str)
+    if missing:
+        names = [t if s is None else f"{t}[{s}]" for t, s in missing]
+        raise ModelLoadError(f"checkpoint is missing {len(names)} parameter(s): {', '.join(names[:20])}"
+                             + (" ..." if len(names) > 20 else ""))
+
+
+def _route(name: str, packed: dict[str, tuple[str, str]], params: dict) -> tuple[str, str | None]:
+    """Map an HF parameter name to (our parameter name, shard id or None)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            fused, shard = packed[part]
+            target = ".".join(parts[:i] + [fused] + parts[i + 1:])
+            if target in params:
+                return target, shard
+    if name in params:
+        return name, None
+    raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter in the model")
+
+
+def _copy_checked(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(tensor)
+
+
+def _expected_slots(params: dict, modules: dict) -> set[tuple[str, str | None]]:
+    slots: set[tuple[str, str | None]] = set()
+    for pname in params:
+        owner = modules[pname.rsplit(".", 1)[0]]
+        if isinstance(owner, MergedLinear):
+            slots.update((pname, s) for s in owner.shard_sizes)
+        else:
+            slots.add((pname, None))
+    return slots

@@ -1,0 +1,118 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) over flattened tokens."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvserve.attention import Attention
+from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding,
+                                  apply_rotary, load_packed_weights)
+from kvserve.model.model_config import ModelConfig
+
+# HF checkpoint projection name -> (our fused module, shard id)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused qkv projection, optional per-head q/k norm, RoPE, paged attention, o_proj."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, d
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": h * d, "k": hkv * d, "v": hkv * d},
+                                     bias=cfg.attention_bias)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.attn = Attention(h, d, d ** -0.5, hkv)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q.flatten(1), k.flatten(1), v.contiguous(), attn_metadata)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with one fused gate|up matmul."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=cfg.mlp_bias)
+        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm; one rotary cache shared by all layers."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                          cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attn_metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over one step's flattened tokens: forward -> hidden states, compute_logits -> float32 logits."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        """input_ids, positions: [T] over all sequences of the step -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (only the rows that sample) -> float32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters; unknown or missing names raise ModelLoadError."""
+        load_packed_weights(self, weights, PACKED_MODULES, self._skip)
+
+    def _skip(self, name: str) -> bool:
+        # tied checkpoints may still carry lm_head.weight; old ones carry the rotary inv_freq buffer
+        return name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")

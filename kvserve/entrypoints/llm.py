@@ -105,8 +105,8 @@ class LLM:
 
 
 def _as_list(prompts) -> list:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        return [prompts]   # one prompt; process_prompt rejects what is not a prompt
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [prompts]   # a single prompt given as token ids

@@ -1,0 +1,127 @@
+"""Engine features on the bundled model: seeds, n > 1, stops, logprobs, prompt logprobs, output kinds, abort."""
+import pytest
+import torch
+
+from kvserve import LLM, RequestOutputKind, SamplingParams
+
+PROMPT = "Write a short poem about the sea:"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", max_model_len=256, max_num_seqs=16)
+
+
+def gen(llm, prompts, params):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_same_seed_same_tokens_whatever_else_is_in_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12)
+    alone = gen(llm, PROMPT, seeded)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.9, max_tokens=12), SamplingParams(temperature=0, max_tokens=5),
+              seeded, SamplingParams(temperature=1.0, seed=99, max_tokens=12)]
+    batch = gen(llm, ["Hello there", "Tell me a joke", PROMPT, PROMPT], others)
+    assert batch[2].outputs[0].token_ids == alone
+    assert batch[3].outputs[0].token_ids != alone
+
+
+def test_n_samples_are_indexed_and_differ_under_sampling(llm):
+    out = gen(llm, PROMPT, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    greedy = gen(llm, PROMPT, SamplingParams(n=2, temperature=0, max_tokens=10))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+
+
+def test_max_tokens_gives_length_finish(llm):
+    out = gen(llm, PROMPT, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length" and out.stop_reason is None
+
+
+def test_stop_string_truncates_and_is_reported(llm):
+    free = gen(llm, PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0].text
+    stop = free[10:14]
+    assert stop.strip()
+    out = gen(llm, PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0].outputs[0]
+    assert out.text == free[:free.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = gen(llm, PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=stop,
+                                           include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == free[:free.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    free = gen(llm, PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    stop_id = free.token_ids[2]
+    out = gen(llm, PROMPT, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == free.token_ids[:3] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    first = free.token_ids[0]
+    held = gen(llm, PROMPT, SamplingParams(temperature=0, max_tokens=6, min_tokens=4,
+                                           stop_token_ids=[first]))[0].outputs[0]
+    assert held.token_ids[0] != first and len(held.token_ids) >= 4
+
+
+def test_logprobs_include_the_sampled_token_and_top_k(llm):
+    out = gen(llm, PROMPT, SamplingParams(temperature=0.8, seed=3, max_tokens=6, logprobs=4))[0].outputs[0]
+    assert len(out.logprobs) == 6
+    total = 0.0
+    for tid, pos in zip(out.token_ids, out.logprobs):
+        assert tid in pos and len(pos) >= 4
+        ranks = sorted(lp.rank for t, lp in pos.items() if t != tid or lp.rank <= 4)
+        assert ranks[:4] == [1, 2, 3, 4]
+        total += pos[tid].logprob
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    assert all(isinstance(lp.decoded_token, str) for pos in out.logprobs for lp in pos.values())
+
+
+def test_prompt_logprobs_match_transformers(llm, hf_reference):
+    ids = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog")
+    out = gen(llm, {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        ref = torch.log_softmax(hf_reference(input_ids=x, attention_mask=torch.ones_like(x)).logits[0].float(), -1)
+    for i in range(1, len(ids)):
+        assert out.prompt_logprobs[i][ids[i]].logprob == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-3)
+
+
+def test_token_id_prompts_equal_text_prompts(llm):
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ids = llm.get_tokenizer().encode(PROMPT)
+    a, b = gen(llm, [PROMPT, {"prompt_token_ids": ids}], params)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and b.prompt_token_ids == ids
+
+
+def test_delta_outputs_concatenate_to_the_final_text(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=20, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("d", "Count from one to ten:", params)
+    text, tokens, final = "", [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.outputs[0].text
+            tokens += out.outputs[0].token_ids
+            final = out
+    assert final.finished
+    full = gen(llm, "Count from one to ten:", SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    assert text == full.text and tokens == full.token_ids
+
+
+def test_abort_frees_the_blocks(llm):
+    engine = llm.llm_engine
+    free = engine.kv.num_free_blocks
+    engine.add_request("x", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.kv.num_free_blocks < free
+    [out] = engine.abort_request("x")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.kv.num_free_blocks == free and not engine.has_unfinished_requests()
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=8),
+                   use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    assert tok.decode(out.prompt_token_ids).endswith("<|im_start|>assistant\n")
+    assert out.outputs[0].text

@@ -4,6 +4,10 @@
     cached (hit):    |<---- get_computed_blocks ---->|
     computed:        |<---------- num_computed_tokens ------->|
     allocate_slots:  makes room for the next num_new_tokens, taking new blocks only when the tail is full
+
+Forked requests (the n samples of one prompt) share blocks; the first write into a block that another
+request still holds copies it first (copy-on-write): allocate_slots swaps in a fresh block and queues
+a (src, dst) copy that the model runner performs before the forward pass.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}   # leading blocks of the request already in the cache map
+        self.pending_copies: list[tuple[int, int]] = []   # copy-on-write (src, dst) block ids for the next forward
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,17 +62,39 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        shared = [i for i in range(num_computed // self.block_size, min(len(blocks), num_required))
+                  if blocks[i].ref_cnt > 1]
         # cached blocks nobody holds sit on the free list; touching them uses up free capacity too
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+        if num_new_blocks + len(shared) > self.pool.num_free_blocks - num_free_hits:
             if not blocks:
                 del self.req_to_blocks[req.request_id]
             return None
+        for i in shared:
+            blocks[i] = self._copy_on_write(blocks[i])
         self.pool.touch(list(new_computed_blocks))
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
         return new_blocks
+
+    def _copy_on_write(self, block: KVCacheBlock) -> KVCacheBlock:
+        [copy] = self.pool.get_new_blocks(1)
+        self.pending_copies.append((block.block_id, copy.block_id))
+        self.pool.free_blocks([block])
+        return copy
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies queued since the last call (for the next forward pass)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def fork(self, src: Request, dst: Request) -> None:
+        """Let `dst` share every block `src` holds (parallel samples of one prompt)."""
+        blocks = self.req_to_blocks[src.request_id]
+        self.pool.touch(blocks)
+        self.req_to_blocks[dst.request_id] = list(blocks)
+        self.num_cached_blocks[dst.request_id] = self.num_cached_blocks.get(src.request_id, 0)
 
     def free(self, req: Request) -> None:
         """Release the request's blocks; the tail goes on the free list first, so it is evicted first."""

@@ -22,6 +22,7 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write, before the forward
     num_batched_tokens: int = 0
 
     @property
@@ -53,13 +54,22 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # n > 1: siblings wait for the first sample's prompt, then share its blocks (fork)
+        self.fork_groups: dict[str, list[Request]] = {}
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
     # ----- requests in and out -----
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, siblings: list[Request] = ()) -> None:
+        """Queue a request; `siblings` (more samples of the same prompt) start once its prompt is computed."""
         self.requests[req.request_id] = req
+        self._enqueue(req)
+        if siblings:
+            self.fork_groups[req.request_id] = list(siblings)
+            self.requests.update((s.request_id, s) for s in siblings)
+
+    def _enqueue(self, req: Request) -> None:
         if self.policy == "priority":
             self._insert_by_priority(req)
         else:
@@ -79,6 +89,9 @@ class Scheduler:
             self.kv.free(req)
             if not req.is_finished:
                 req.status = status
+            for sibling in self.fork_groups.pop(rid, ()):
+                if not sibling.is_finished:   # nothing to fork from: compute the prompt itself
+                    self._enqueue(sibling)
             done.append(req)
         return done
 
@@ -96,6 +109,7 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        out.block_copies = self.kv.take_block_copies()
         # decodes first, then prefill chunks: the attention backend groups them that way
         out.scheduled.sort(key=lambda item: item[1] > 1)
         return out
@@ -188,6 +202,8 @@ class Scheduler:
             if token is None:
                 continue   # a prefill chunk that did not reach the end of the prompt
             req.append_output_token(token)
+            if req.request_id in self.fork_groups:
+                self._fork(req)   # before a stop check can free the prompt's blocks
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
@@ -195,6 +211,18 @@ class Scheduler:
                 self._finish(req)
             updates.append((req, [token]))
         return updates
+
+    def _fork(self, req: Request) -> None:
+        """Start the siblings on `req`'s blocks; each recomputes the last prompt token to sample its own."""
+        for sibling in self.fork_groups.pop(req.request_id):
+            if sibling.is_finished:
+                continue
+            self.kv.fork(req, sibling)
+            sibling.num_computed_tokens = req.num_prompt_tokens - 1
+            sibling.num_cached_tokens = max(req.num_cached_tokens, 0)
+            sibling.status = RequestStatus.RUNNING
+            sibling.first_scheduled_time = time.monotonic()
+            self.running.append(sibling)
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)

@@ -95,6 +95,8 @@ class LLMEngine:
         if request_id in self.processor.parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, token_ids = process_prompt(prompt, self.tokenizer, self.vocab_size)
+        if isinstance(prompt, dict) and cache_salt is None:
+            cache_salt = prompt.get("cache_salt")   # vLLM's place for it in offline prompts
         params.verify_for_model(self.vocab_size)
         max_tokens = self._check_fits(len(token_ids), params)
         if priority != 0 and self.config.scheduling_policy != "priority":
@@ -108,8 +110,7 @@ class LLMEngine:
             children.append(Request(rid, token_ids, child_params, self.eos_token_ids, arrival_time, priority,
                                     max_tokens, cache_salt))
         self.processor.add(ParentState(request_id, text, token_ids, params), children)
-        for req in children:
-            self.scheduler.add_request(req)
+        self.scheduler.add_request(children[0], siblings=children[1:])
         return request_id
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> int:

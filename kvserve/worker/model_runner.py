@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.attention import build_attention_metadata
+from kvserve.attention import attention_layers, build_attention_metadata
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
@@ -65,6 +65,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> dict[str, int]:
         """One forward over every scheduled token; returns request id -> sampled token id."""
+        if sched.block_copies:
+            self._copy_blocks(sched.block_copies)
         inp = self.prepare_inputs(sched)
         hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
         if inp.prompt_lp:
@@ -79,6 +81,14 @@ class ModelRunner:
         if out.logprobs is not None:
             self._record_logprobs(inp.sample_reqs, out.logprobs)
         return {r.request_id: t for r, t in zip(inp.sample_reqs, tokens)}
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate shared blocks into the fresh ones before they are written."""
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for layer in attention_layers(self.model):
+            for cache in (layer.k_cache, layer.v_cache):
+                cache.index_copy_(0, dst, cache.index_select(0, src))
 
     def _record_logprobs(self, reqs: list[Request], lp) -> None:
         ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()

@@ -1,0 +1,169 @@
+"""Prefix caching and shared blocks on the CPU without a model: exact block ids and free-list order."""
+from hypothesis import given, settings, strategies as st
+
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler
+from kvserve.sampling_params import SamplingParams
+
+
+def req(rid, tokens, max_tokens=8, **kw):
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), {0}, **kw)
+
+
+def run_prompt(kv, r):
+    """Allocate and 'compute' the whole prompt of r, registering its full blocks."""
+    hits, n = kv.get_computed_blocks(r)
+    kv.allocate_slots(r, r.num_tokens - n, hits)
+    r.num_computed_tokens = r.num_tokens
+    kv.cache_computed_blocks(r)
+    return [h.block_id for h in hits]
+
+
+def test_miss_then_full_hit_then_partial_hit():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = req("a", list(range(13)))
+    assert run_prompt(kv, a) == []                     # miss: blocks 0..3
+    assert kv.get_block_ids("a") == [0, 1, 2, 3]
+    b = req("b", list(range(13)))
+    assert run_prompt(kv, b) == [0, 1, 2]              # full hit on the 3 full blocks, last token recomputed
+    assert kv.get_block_ids("b") == [0, 1, 2, 4]
+    c = req("c", list(range(6)) + [99] * 7)
+    assert run_prompt(kv, c) == [0]                    # partial hit: diverges inside block 1
+    assert kv.pool.blocks[0].ref_cnt == 3
+
+
+def test_hit_on_a_freed_block_takes_it_off_the_free_list():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a = req("a", list(range(9)))
+    run_prompt(kv, a)
+    kv.free(a)
+    assert kv.pool.free_queue.block_ids() == [3, 4, 5, 2, 1, 0]
+    b = req("b", list(range(9)))
+    assert run_prompt(kv, b) == [0, 1]
+    assert kv.pool.free_queue.block_ids() == [4, 5, 2]   # 0 and 1 touched, 3 taken for the tail
+
+
+def test_eviction_is_lru_and_the_tail_goes_before_the_head():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = req("a", [1, 2, 3, 4])
+    run_prompt(kv, a)
+    kv.free(a)                                           # free list: 2 3 | 1 0  (a's tail first)
+    b = req("b", [5, 6, 7])
+    run_prompt(kv, b)                                    # takes 2 and 3: a's blocks 0, 1 untouched
+    assert kv.get_block_ids("b") == [2, 3]
+    assert kv.pool.get_cached_block(a.block_hashes[0]) is kv.pool.blocks[0]
+    c = req("c", [8])
+    run_prompt(kv, c)                                    # now a's tail block (1) is evicted before its head (0)
+    assert kv.get_block_ids("c") == [1]
+    assert kv.pool.get_cached_block(a.block_hashes[1]) is None
+    assert kv.pool.get_cached_block(a.block_hashes[0]) is kv.pool.blocks[0]
+
+
+def test_salt_and_lora_keep_identical_prompts_apart():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    run_prompt(kv, req("plain", list(range(9))))
+    assert run_prompt(kv, req("salted", list(range(9)), cache_salt="tenant-a")) == []
+    assert run_prompt(kv, req("salted2", list(range(9)), cache_salt="tenant-a")) != []
+    assert run_prompt(kv, req("other", list(range(9)), cache_salt="tenant-b")) == []
+    assert run_prompt(kv, req("lora", list(range(9)), lora_name="adapter1")) == []
+
+
+def test_reset_prefix_cache_only_when_idle():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a = req("a", list(range(9)))
+    run_prompt(kv, a)
+    assert not kv.reset_prefix_cache()
+    kv.free(a)
+    assert kv.reset_prefix_cache()
+    assert run_prompt(kv, req("b", list(range(9)))) == []
+
+
+def test_copy_on_write_of_a_shared_partial_block():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    a, b = req("a", list(range(6))), req("b", list(range(6)))
+    run_prompt(kv, a)                                    # blocks 0, 1 (block 1 holds 2 of 4 tokens)
+    kv.fork(a, b)
+    assert kv.get_block_ids("b") == [0, 1] and kv.pool.blocks[1].ref_cnt == 2
+    b.num_computed_tokens = 5                            # b recomputes the last prompt token
+    kv.allocate_slots(b, 1)
+    assert kv.get_block_ids("b") == [0, 2]               # its write target was shared: copied into block 2
+    assert kv.take_block_copies() == [(1, 2)]
+    assert kv.pool.blocks[1].ref_cnt == 1 and kv.pool.blocks[0].ref_cnt == 2
+    a.append_output_token(7)
+    kv.allocate_slots(a, 1)                              # a is the only holder of block 1 now: no copy
+    assert kv.get_block_ids("a") == [0, 1] and kv.take_block_copies() == []
+
+
+def test_n_samples_share_the_prompt_blocks():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    s = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512)
+    first = req("0_x", list(range(1, 42)), max_tokens=4)
+    siblings = [req(f"{i}_x", list(range(1, 42)), max_tokens=4) for i in range(1, 8)]
+    s.add_request(first, siblings)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("0_x", 41)]
+    s.update_from_output(out, {"0_x": 5})
+    assert len(s.running) == 8
+    used_after_prompt = 64 - kv.num_free_blocks
+    assert used_after_prompt == 11                       # one copy of the 41-token prompt
+    out = s.schedule()
+    assert sorted(n for _, n in out.scheduled) == [1] * 8
+    assert len(out.block_copies) == 7                    # each sibling copies the shared partial block once
+    s.update_from_output(out, {r.request_id: 6 for r, _ in out.scheduled})
+    assert 64 - kv.num_free_blocks == 11 + 7             # not 8 full copies (88 blocks)
+    assert all(len(r.output_token_ids) == 1 for r in siblings)
+    s.finish_requests([r.request_id for r in [first, *siblings]], RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 64
+
+
+def test_aborting_the_first_sample_before_its_prompt_runs_requeues_the_siblings():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    s = Scheduler(kv, 8, 64, 128)
+    first, sib = req("0_y", [1, 2, 3]), req("1_y", [1, 2, 3])
+    s.add_request(first, [sib])
+    s.finish_requests("0_y", RequestStatus.FINISHED_ABORTED)
+    assert list(s.waiting) == [sib]
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(0, 3), st.integers(1, 20),
+                          st.integers(1, 4)), max_size=50),
+       st.integers(8, 40))
+def test_random_shared_prefix_workloads_never_leak_or_free_a_block_in_use(ops, budget):
+    num_blocks, bs = 16, 4
+    kv = KVCacheManager(num_blocks, bs)
+    s = Scheduler(kv, 6, budget, 64)
+    prefixes = [list(range(10, 22)), list(range(30, 37)), [1, 2, 3, 4, 5, 6, 7, 8], [9]]
+    parents = []
+    for kind, which, length, n in ops:
+        if kind == "add":
+            tokens = prefixes[which] + list(range(100, 100 + length % 7))
+            if -(-(len(tokens) + 6) // bs) > num_blocks:
+                continue
+            rid = f"p{len(parents)}"
+            kids = [req(f"{i}_{rid}", tokens, max_tokens=6) for i in range(n)]
+            s.add_request(kids[0], kids[1:])
+            parents.append(kids)
+        elif kind == "step":
+            out = s.schedule()
+            s.update_from_output(out, {r.request_id: 50 + which for r, k in out.scheduled
+                                       if r.num_computed_tokens + k == r.num_tokens})
+        elif parents:
+            s.finish_requests([k.request_id for k in parents[length % len(parents)]], RequestStatus.FINISHED_ABORTED)
+        holders = {}
+        for rid, blocks in kv.req_to_blocks.items():
+            assert len({b.block_id for b in blocks}) == len(blocks)
+            for b in blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        for b in kv.pool.blocks:
+            assert b.ref_cnt == holders.get(b.block_id, 0), "ref count differs from the holders"
+        assert sorted(kv.pool.free_queue.block_ids()) == [b.block_id for b in kv.pool.blocks if b.ref_cnt == 0]
+    for _ in range(400):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        s.update_from_output(out, {r.request_id: 3 for r, k in out.scheduled
+                                   if r.num_computed_tokens + k == r.num_tokens})
+    assert not s.has_unfinished_requests() and all(k.is_finished for kids in parents for k in kids)
+    assert kv.num_free_blocks == num_blocks

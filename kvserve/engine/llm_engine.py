@@ -75,8 +75,7 @@ class LLMEngine:
         per_block = kv_cache_bytes_per_block(self.model, self.config.block_size, self.dtype)
         budget = self.config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - self.config.gpu_memory_utilization))
+            budget = self._profile_cuda_budget()
         if budget is None:
             budget = _DEFAULT_CPU_KV_BYTES
         num = budget // per_block
@@ -85,6 +84,23 @@ class LLMEngine:
                                       "kv_cache_memory")
         # no point holding more blocks than max_num_seqs full-length sequences can use
         return int(min(num, cdiv(self.max_model_len, self.config.block_size) * self.config.max_num_seqs))
+
+    def _profile_cuda_budget(self) -> int:
+        """Run one forward over a full token budget, then give the KV cache what utilization leaves."""
+        from kvserve.attention import single_sequence_metadata
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        bind_kv_cache(self.model, cdiv(n, self.config.block_size), self.config.block_size, self.dtype, self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, torch.arange(n, device=self.device),
+                                single_sequence_metadata(n, self.config.block_size, self.device))
+            self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+        torch.cuda.synchronize(self.device)
+        bind_kv_cache(self.model, 0, self.config.block_size, self.dtype, self.device)   # drop the profiling cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        return int(total * self.config.gpu_memory_utilization - (total - free) - peak_activations)
 
     # ----- requests -----
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,

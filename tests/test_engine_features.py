@@ -125,3 +125,24 @@ def test_chat_uses_the_template(llm):
     tok = llm.get_tokenizer()
     assert tok.decode(out.prompt_token_ids).endswith("<|im_start|>assistant\n")
     assert out.outputs[0].text
+
+
+def test_delta_outputs_with_n_carry_only_the_samples_that_changed(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(n=2, temperature=0, max_tokens=3, output_kind=RequestOutputKind.DELTA,
+                            ignore_eos=True)
+    engine.add_request("nd", PROMPT, params)
+    finishes, seen = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen += [o.index for o in out.outputs]
+            finishes += [o.index for o in out.outputs if o.finish_reason]
+    assert sorted(finishes) == [0, 1]                 # each finish reported exactly once
+    assert seen.count(0) == 3 and seen.count(1) == 3  # one delta per generated token per sample
+
+
+def test_max_tokens_none_runs_to_what_the_kv_pool_holds():
+    small = LLM(dtype="float32", max_model_len=2048, num_kv_blocks=4, block_size=16)
+    out = small.generate({"prompt_token_ids": [1] * 20}, SamplingParams(max_tokens=None, ignore_eos=True,
+                                                                         temperature=0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 * 16 - 20 and out.outputs[0].finish_reason == "length"

@@ -55,7 +55,8 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info("kvserve: loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens = %d tokens",
-                    config.model or "SmolLM2-135M-Instruct (bundled)", self.dtype, self.device,
+                    config.model or "SmolLM2-135M-Instruct (bundled)", str(self.dtype).removeprefix("torch."),
+                    self.device,
                     time.perf_counter() - t0, self.num_kv_blocks, config.block_size,
                     self.num_kv_blocks * config.block_size)
 
@@ -134,7 +135,9 @@ class LLMEngine:
             raise ContextLengthExceededError(
                 f"the prompt has {num_prompt} tokens, but this model's maximum context length is "
                 f"{self.max_model_len} tokens, which must also leave room for at least one output token", "prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if params.max_tokens is None:   # as much as the context and the whole KV pool allow
+            return min(self.max_model_len, self.num_kv_blocks * self.block_size) - num_prompt
+        max_tokens = params.max_tokens
         if num_prompt + max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request has "

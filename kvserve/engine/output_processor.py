@@ -19,6 +19,7 @@ class ChildState:
     detok: IncrementalDetokenizer
     num_tokens_sent: int = 0
     num_logprobs_sent: int = 0
+    finish_sent: bool = False
 
 
 @dataclass
@@ -79,7 +80,8 @@ class OutputProcessor:
         if kind == RequestOutputKind.FINAL_ONLY and not finished and not force:
             return None
         delta = kind == RequestOutputKind.DELTA
-        outs = [self._completion(i, c, delta) for i, c in enumerate(parent.children)]
+        # a delta carries only the samples that changed: new tokens, or the step that finished them
+        outs = [self._completion(i, c, delta) for i, c in enumerate(parent.children) if not delta or _changed(c)]
         first = parent.children[0]
         prompt_logprobs = self._prompt_logprobs(first)
         if finished:
@@ -104,6 +106,7 @@ class OutputProcessor:
         if delta:
             c.num_tokens_sent = req.num_output_tokens
             c.num_logprobs_sent = len(req.logprobs)
+            c.finish_sent = finished
         return CompletionOutput(
             index=index, text=text, token_ids=tokens,
             cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
@@ -138,6 +141,11 @@ class OutputProcessor:
 
     def has_unfinished(self) -> bool:
         return bool(self.parents)
+
+
+def _changed(c: ChildState) -> bool:
+    """A delta is due: new tokens since the last one, or the finish not yet reported."""
+    return not c.finish_sent and (c.req.is_finished or c.req.num_output_tokens > c.num_tokens_sent)
 
 
 def _metrics(req: Request) -> dict:

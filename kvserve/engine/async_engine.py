@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from kvserve.core.scheduler import SchedulerStats
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import EngineDeadError, InvalidRequestError, KVServeError
 from kvserve.metrics import EngineMetrics, StatLogger
@@ -50,6 +52,7 @@ class RequestStream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
         self.aborted = False
+        self.add_future: asyncio.Future | None = None   # set while the engine thread has not added it yet
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.queue.put_nowait(item)
@@ -117,10 +120,6 @@ class AsyncLLMEngine:
     def is_healthy(self) -> bool:
         return self.dead_error is None and self._thread is not None and self._thread.is_alive()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     # ----- requests (event-loop thread) -----
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           arrival_time: float | None = None, priority: int = 0,
@@ -133,18 +132,22 @@ class AsyncLLMEngine:
             params = params.clone(output_kind=RequestOutputKind.DELTA)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         stream = self._streams[request_id] = RequestStream(request_id)
+        stream.add_future = self._loop.create_future()
         self._num_pending_adds += 1
+        add = functools.partial(self._add_on_engine, request_id, prompt, params, arrival_time, priority, cache_salt)
+        self._submit(functools.partial(self._run_command, add, stream.add_future))
         try:
-            await self._call(lambda: self._add_on_engine(request_id, prompt, params, arrival_time, priority,
-                                                         cache_salt))
+            await stream.add_future
         except asyncio.CancelledError:
             self.abort(request_id)   # queued after the add, so it runs after it
             raise
         except BaseException:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             raise
         finally:
             self._num_pending_adds -= 1
+            stream.add_future = None
         return stream
 
     async def generate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
@@ -174,6 +177,8 @@ class AsyncLLMEngine:
             stream = self._streams[rid]
             stream.aborted = True
             stream.put(error)
+            if stream.add_future is not None:   # still queued behind a step: tell its caller now
+                _set_exception(stream.add_future, error)
         if ids:
             self._submit(lambda: self._abort_on_engine(ids))
 
@@ -197,7 +202,7 @@ class AsyncLLMEngine:
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         fut = self._loop.create_future()
-        self._submit(lambda: self._run_command(fn, fut))
+        self._submit(functools.partial(self._run_command, fn, fut))
         return await fut
 
     def _submit(self, command: Callable[[], None]) -> None:
@@ -272,7 +277,8 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # the batch that failed is lost; the requests in it get a 500 and the engine keeps serving others
+            # which request broke the step is unknown and their state cannot be trusted: every request in flight
+            # gets a 500, and the engine goes on serving new ones
             logger.exception("engine step failed; aborting the %d request(s) in flight", len(self._engine_ids))
             ids = list(self._engine_ids)
             self._abort_on_engine(ids)
@@ -287,7 +293,7 @@ class AsyncLLMEngine:
         self._loop.call_soon_threadsafe(self._dispatch, outputs)
         self.stat_logger.maybe_log(stats, now)
 
-    def _update_stats(self):
+    def _update_stats(self) -> SchedulerStats:
         stats = self.engine.scheduler.stats()
         self._num_waiting = stats.num_waiting
         self.metrics.update_scheduler(stats)

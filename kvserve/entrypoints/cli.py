@@ -1,0 +1,294 @@
+"""The `kvserve` command line: serve, generate, chat, and bench (registered by kvserve/entrypoints/bench.py).
+
+Subcommands live in SUBCOMMANDS as name -> Subcommand(help, add_arguments, run); another module adds one with
+register(). Heavy imports (torch, the model) happen inside run functions so `kvserve --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.errors import KVServeError
+
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+@dataclass
+class Subcommand:
+    """A subcommand: fills its parser (or builds it on the subparsers itself, via add_parser) and runs."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None
+    run: Callable[[argparse.Namespace], int | None]
+    add_parser: Callable[[Any], argparse.ArgumentParser] | None = None
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+             run: Callable[[argparse.Namespace], int]) -> None:
+    """Add (or replace) a subcommand."""
+    SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
+
+
+# ----- engine flags, shared by every subcommand that loads a model (vllm serve's names) -----
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The EngineConfig flags."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", dest="model_flag", default=None,
+                   help="HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block")
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: 1 GiB on CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA memory fraction when --kv-cache-memory is not given")
+    g.add_argument("--seed", type=int, default=None, help="random seed")
+    g.add_argument("--chat-template", default=None, help="chat template file or inline Jinja")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV cache of shared prompt prefixes (default: on)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts across steps (default: on)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
+    g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+
+
+_ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                 "block_size", "kv_cache_memory", "gpu_memory_utilization", "seed", "chat_template",
+                 "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy", "num_threads")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments of the flags given; flags left out keep EngineConfig's defaults."""
+    return {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name, None) is not None}
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from kvserve.config import EngineConfig
+    return EngineConfig(model=model_arg(args), **engine_kwargs(args))
+
+
+def model_arg(args: argparse.Namespace) -> str | None:
+    """The model from MODEL or --model (both spellings of vllm serve)."""
+    positional, flag = getattr(args, "model", None), getattr(args, "model_flag", None)
+    if positional and flag and positional != flag:
+        raise KVServeError(f"two models given: {positional!r} and --model {flag!r}")
+    return positional or flag
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_params_from_args(args: argparse.Namespace, **extra):
+    from kvserve.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          stop=args.stop, seed=args.seed, **extra)
+
+
+# ----- serve -----
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: bundled model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the API accepts (default: MODEL, or SmolLM2-135M-Instruct)")
+    p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                   help="bound of the waiting queue; beyond it requests get 503 with Retry-After "
+                        f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    add_engine_arguments(p)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.entrypoints.openai.api_server import ServerSettings, run_server
+    from kvserve.entrypoints.openai.log_config import configure_logging
+    from kvserve.metrics import EngineMetrics
+
+    configure_logging(args.log_format)
+    if args.max_waiting_requests < 1:
+        raise KVServeError("--max-waiting-requests must be >= 1")
+    config = engine_config_from_args(args)
+    names = args.served_model_name or [config.model or DEFAULT_SERVED_MODEL_NAME]
+    engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting_requests, EngineMetrics(names[0]))
+    settings = ServerSettings(served_model_names=names, model_path=config.model, api_key=args.api_key)
+    return run_server(engine, settings, args.host, args.port, args.shutdown_timeout)
+
+
+# ----- generate -----
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt to complete")
+    add_sampling_arguments(p, max_tokens=64)
+    add_engine_arguments(p)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from kvserve.entrypoints.llm import LLM
+    llm = LLM(model_arg(args), **engine_kwargs(args))
+    out = llm.generate([args.prompt], sampling_params_from_args(args), use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+# ----- chat -----
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: bundled model)")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_sampling_arguments(p, max_tokens=256)
+    add_engine_arguments(p)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.sampling_params import RequestOutputKind
+    engine = LLMEngine(engine_config_from_args(args))
+    params = sampling_params_from_args(args, output_kind=RequestOutputKind.DELTA)
+    ChatRepl(engine, params, args.system).run(sys.stdin, sys.stdout, sys.stderr)
+    return 0
+
+
+class ChatRepl:
+    """Reads user lines, answers each with the model, streaming tokens as they come; keeps the conversation."""
+
+    def __init__(self, engine, params, system: str | None = None):
+        self.engine = engine
+        self.params = params
+        self.system = system
+        self.history: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.history = [{"role": "system", "content": self.system}] if self.system else []
+
+    def run(self, stdin, stdout, stderr) -> None:
+        """Until EOF or /exit: /reset forgets the conversation; Ctrl-C stops the current answer."""
+        interactive = stdin.isatty()
+        if interactive:
+            print("kvserve chat: /exit or Ctrl-D quits, /reset starts over, Ctrl-C stops an answer", file=stderr)
+        while True:
+            if interactive:
+                print("> ", end="", file=stderr, flush=True)
+            line = stdin.readline()
+            if not line or line.strip() == "/exit":
+                return
+            text = line.strip()
+            if text == "/reset":
+                self.reset()
+            elif text:
+                self.turn(text, stdout, stderr)
+
+    def turn(self, text: str, stdout, stderr) -> None:
+        from kvserve.entrypoints.chat_utils import apply_chat_template
+        from kvserve.errors import InvalidRequestError
+        self.history.append({"role": "user", "content": text})
+        try:
+            ids = apply_chat_template(self.engine.tokenizer, self.history)
+            request_id = self.engine.add_request(None, {"prompt_token_ids": ids}, self.params)
+        except InvalidRequestError as e:
+            self.history.pop()
+            print(f"error: {e.message}", file=stderr)
+            return
+        reply = self._stream(request_id, stdout, stderr)
+        self.history.append({"role": "assistant", "content": reply})
+
+    def _stream(self, request_id: str, stdout, stderr) -> str:
+        parts = []
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    parts.append(out.outputs[0].text)
+                    stdout.write(out.outputs[0].text)
+                    stdout.flush()
+        except KeyboardInterrupt:
+            self.engine.abort_request(request_id)
+            print("\n[stopped]", file=stderr)
+        stdout.write("\n")
+        stdout.flush()
+        return "".join(parts)
+
+
+# ----- bench (a stub until kvserve/entrypoints/bench.py registers itself) -----
+def _add_bench_stub_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+def _run_bench_stub(args: argparse.Namespace) -> int:
+    print("kvserve bench: not available in this build", file=sys.stderr)
+    return 2
+
+
+register("serve", "serve a model over an OpenAI-compatible HTTP API", add_serve_arguments, run_serve)
+register("generate", "complete one prompt and print the completion", add_generate_arguments, run_generate)
+register("chat", "chat with a model in the terminal (streams tokens; /exit or EOF quits)", add_chat_arguments,
+         run_chat)
+register("bench", "benchmarks", _add_bench_stub_arguments, _run_bench_stub)
+
+
+def _load_plugins() -> None:
+    """Register `bench` from kvserve/entrypoints/bench.py when present.
+
+    It defines add_arguments(parser) and run(args), or add_bench_arguments(subparsers) and run_bench(args)."""
+    try:
+        bench = importlib.import_module("kvserve.entrypoints.bench")
+    except ModuleNotFoundError as e:
+        if e.name != "kvserve.entrypoints.bench":
+            raise
+        return
+    help = getattr(bench, "HELP", "benchmarks")
+    if hasattr(bench, "add_arguments") and hasattr(bench, "run"):
+        register("bench", help, bench.add_arguments, bench.run)
+    elif hasattr(bench, "add_bench_arguments") and hasattr(bench, "run_bench"):
+        SUBCOMMANDS["bench"] = Subcommand(help, None, bench.run_bench, add_parser=bench.add_bench_arguments)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvserve import __version__
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference and serving")
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, cmd in SUBCOMMANDS.items():
+        if cmd.add_parser is not None:
+            cmd.add_parser(sub)
+        else:
+            cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `kvserve` and `python -m kvserve`."""
+    _load_plugins()
+    args = build_parser().parse_args(argv)
+    if args.command != "serve":
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        status = SUBCOMMANDS[args.command].run(args)
+        return status if isinstance(status, int) else 0
+    except KVServeError as e:
+        print(f"kvserve {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

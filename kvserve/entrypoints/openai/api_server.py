@@ -1,0 +1,230 @@
+"""The OpenAI-compatible HTTP server: the FastAPI app, its routes, and `kvserve serve` (uvicorn, signals)."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve import __version__
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.entrypoints.chat_utils import render_chat
+from kvserve.entrypoints.openai.errors import APIError, BadRequestError, ConflictError, InternalServerError, \
+    NotFoundError, error_response, to_api_error
+from kvserve.entrypoints.openai.middleware import AccessLogMiddleware, ApiKeyMiddleware
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
+    DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse
+from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvserve.entrypoints.openai.serving_common import parse_body
+from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvserve.errors import InvalidRequestError
+
+logger = logging.getLogger("kvserve.server")
+
+Handler = Callable[..., Awaitable[Response]]
+
+
+@dataclass
+class ServerSettings:
+    """What the HTTP layer needs besides the engine."""
+
+    served_model_names: list[str]
+    model_path: str | None = None
+    api_key: str | None = None
+
+
+def api_route(handler: Handler) -> Handler:
+    """Turn any exception a handler raises into the OpenAI error response for it (the server keeps serving)."""
+    @functools.wraps(handler)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except Exception as e:
+            return error_response(to_api_error(e))
+    return wrapper
+
+
+async def _until_disconnect(raw_request: Request, work: Awaitable[Response]) -> Response:
+    """Await `work`, but cancel it (aborting its requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    done, pending = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:
+        t.cancel()
+    if task in done:
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)   # nobody reads it; nginx's "client closed request"
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app serving `engine`; its lifespan starts and stops the engine thread."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.stop()
+
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
+    _add_error_handlers(app)
+    _add_openai_routes(app, engine, settings)
+    _add_server_routes(app, engine, settings)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(AccessLogMiddleware)   # added last: outermost, so it sees 401s too
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return error_response(NotFoundError(f"no route {request.method} {request.url.path}", None, "not_found"))
+        err = APIError(str(exc.detail), None, None, dict(exc.headers or {}))
+        err.status_code, err.type = exc.status_code, "invalid_request_error"
+        return error_response(err)
+
+
+def _add_openai_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSettings) -> None:
+    completions = OpenAIServingCompletion(engine, settings.served_model_names)
+    chat = OpenAIServingChat(engine, settings.served_model_names)
+
+    @app.post("/v1/completions")
+    @api_route
+    async def create_completion(raw_request: Request):
+        req = await parse_body(raw_request, CompletionRequest)
+        if req.stream:
+            return await completions.create(req, raw_request)
+        return await _until_disconnect(raw_request, completions.create(req, raw_request))
+
+    @app.post("/v1/chat/completions")
+    @api_route
+    async def create_chat_completion(raw_request: Request):
+        req = await parse_body(raw_request, ChatCompletionRequest)
+        if req.stream:
+            return await chat.create(req, raw_request)
+        return await _until_disconnect(raw_request, chat.create(req, raw_request))
+
+    @app.get("/v1/models")
+    async def list_models():
+        cards = [ModelCard(id=name, root=settings.model_path or name, max_model_len=completions.max_model_len)
+                 for name in settings.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.post("/tokenize")
+    @api_route
+    async def tokenize(raw_request: Request):
+        req = await parse_body(raw_request, TokenizeRequest)
+        completions.check_model(req.model)
+        ids = _tokenize(engine.tokenizer, req)
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=completions.max_model_len,
+                                             tokens=ids).model_dump())
+
+    @app.post("/detokenize")
+    @api_route
+    async def detokenize(raw_request: Request):
+        req = await parse_body(raw_request, DetokenizeRequest)
+        completions.check_model(req.model)
+        vocab = engine.engine.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise InvalidRequestError(f"tokens must be token ids in [0, {vocab})", "tokens")
+        return JSONResponse(DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens)).model_dump())
+
+
+def _tokenize(tokenizer, req: TokenizeRequest) -> list[int]:
+    if (req.prompt is None) == (req.messages is None):
+        raise BadRequestError("give exactly one of prompt or messages", "prompt", "invalid_value")
+    if req.prompt is not None:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        return tokenizer.encode(req.prompt, add_special_tokens=add_special)
+    text = render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in req.messages], None,
+                       req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+
+
+def _add_server_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSettings) -> None:
+    @app.get("/health")
+    async def health():
+        if engine.is_healthy:
+            return Response(status_code=200)
+        return error_response(InternalServerError("the engine is not running", None, "engine_dead"))
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    @api_route
+    async def reset_prefix_cache():
+        if not await engine.call_engine(lambda e: e.reset_prefix_cache()):
+            raise ConflictError("the prefix cache was not reset: KV blocks are in use by running requests; "
+                                "retry when the server is idle", None, "engine_busy")
+        return {"success": True}
+
+
+# ----- kvserve serve -----
+class _Server(uvicorn.Server):
+    """uvicorn, plus: one 'ready' line once listening, and a drain of in-flight requests on SIGINT/SIGTERM."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, ready_line: Callable[[str, int], str],
+                 grace_s: float):
+        super().__init__(config)
+        self.engine = engine
+        self.ready_line = ready_line
+        self.grace_s = grace_s
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(self.ready_line(host, port), flush=True)
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.begin_shutdown(self.grace_s)
+        super().handle_exit(sig, frame)
+
+
+def run_server(engine: AsyncLLMEngine, settings: ServerSettings, host: str, port: int,
+               shutdown_timeout_s: float = 30.0) -> int:
+    """Serve until SIGINT/SIGTERM; in-flight requests get `shutdown_timeout_s` to finish, then are told why not."""
+    app = build_app(engine, settings)
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=shutdown_timeout_s + 5, timeout_keep_alive=30)
+    llm = engine.engine
+
+    def ready_line(bound_host: str, bound_port: int) -> str:
+        name = settings.served_model_names[0]
+        key = f' -H "Authorization: Bearer {settings.api_key}"' if settings.api_key else ""
+        return (f"kvserve: ready at http://{bound_host}:{bound_port} serving {name!r} "
+                f"({str(llm.dtype).removeprefix('torch.')}, KV cache {llm.num_kv_blocks} blocks x {llm.block_size} "
+                f"tokens = {llm.num_kv_blocks * llm.block_size} tokens, max_model_len {llm.max_model_len})\n"
+                f"try: curl http://{bound_host}:{bound_port}/v1/chat/completions -H 'Content-Type: application/json'"
+                f"{key} -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
+                f"\"content\": \"Name three planets.\"}}], \"max_tokens\": 32}}'")
+
+    server = _Server(config, engine, ready_line, shutdown_timeout_s)
+    # uvicorn re-raises a caught signal once it has shut down; a no-op handler makes that a clean exit (status 0)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    logger.info("kvserve: server stopped")
+    return 0 if server.started else 1

@@ -1,0 +1,214 @@
+"""What completions and chat share: model names, request ids, sampling params, adding prompts, SSE, usage."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvserve.entrypoints.openai.errors import (APIError, BadRequestError, NotFoundError, error_body,
+                                               from_validation_error)
+from kvserve.entrypoints.openai.protocol import OpenAIBaseModel, PromptTokensDetails, SamplingFields, UsageInfo, \
+    random_id
+from kvserve.errors import InvalidRequestError
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("kvserve.server")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class PromptInput:
+    """One prompt as the engine gets it: text (if any) and token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+    def engine_prompt(self) -> dict:
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
+@dataclass
+class ChoiceState:
+    """One choice's output accumulated from DELTA outputs."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, o: CompletionOutput) -> None:
+        if self.finish_reason is not None:
+            return   # with n > 1, a finished choice still appears in its siblings' outputs
+        self.text.append(o.text)
+        self.token_ids.extend(o.token_ids)
+        self.logprobs.extend(o.logprobs or [])
+        if o.finish_reason is not None:
+            self.finish_reason, self.stop_reason = o.finish_reason, o.stop_reason
+
+
+class OpenAIServing:
+    """Base of the completions and chat handlers."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.served_model_names = served_model_names
+        self.max_model_len = engine.engine.max_model_len
+        # a request can never use more than the whole KV cache
+        self.max_total_tokens = min(self.max_model_len, engine.engine.num_kv_blocks * engine.engine.block_size)
+
+    def check_model(self, model: str | None) -> str:
+        """The model name to report; 404 when the request names a model this server does not serve."""
+        if model is None or model in self.served_model_names:
+            return model or self.served_model_names[0]
+        raise NotFoundError(f"the model {model!r} does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in self.served_model_names)}", "model", "model_not_found")
+
+    @staticmethod
+    def request_id(raw_request: Request, prefix: str, requested: str | None) -> str:
+        """'<prefix>-<id>' from the body's request_id, else the X-Request-Id header, else random."""
+        base = requested or raw_request.headers.get("x-request-id") or random_id()
+        request_id = f"{prefix}-{base}"
+        raw_request.state.request_id = request_id
+        return request_id
+
+    def default_max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int | None:
+        """The requested max_tokens, else all the room the context and the KV cache leave."""
+        if requested is not None:
+            return requested
+        room = self.max_total_tokens - num_prompt_tokens
+        return room if room >= 1 else None   # None: the engine says why the prompt does not fit
+
+    @staticmethod
+    def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """SamplingParams from the request fields; raises InvalidRequestError for out-of-range values."""
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias), seed=req.seed, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens, output_kind=RequestOutputKind.DELTA)
+
+    async def add_prompts(self, request_id: str, prompts: list[PromptInput], params: list[SamplingParams],
+                          req: SamplingFields) -> list[RequestStream]:
+        """Queue every prompt at once (engine ids '<id>-<i>' when there are several), or none of them."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        results = await asyncio.gather(
+            *(self.engine.add_request(rid, prompt.engine_prompt(), p, priority=req.priority, cache_salt=req.cache_salt)
+              for rid, prompt, p in zip(ids, prompts, params)), return_exceptions=True)
+        errors = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if not errors:
+            return results
+        for r in results:
+            if isinstance(r, RequestStream):
+                self.engine.abort(r.request_id)
+        i, e = errors[0]
+        if isinstance(e, InvalidRequestError) and len(prompts) > 1:
+            raise type(e)(f"prompt {i}: {e.message}", e.param) from e
+        raise e
+
+    async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from every stream as they arrive."""
+        if len(streams) == 1:
+            async for out in self.engine.generate(streams[0]):
+                yield 0, out
+            return
+        async for item in merge_async_iterators([self.engine.generate(s) for s in streams]):
+            yield item
+
+
+async def parse_body(raw_request: Request, model_cls: type[OpenAIBaseModel]) -> OpenAIBaseModel:
+    """The JSON body validated as `model_cls`; 400 saying what is wrong otherwise."""
+    body = await raw_request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequestError(f"the request body is not valid JSON: {e}", None, "invalid_json") from e
+    if not isinstance(data, dict):
+        raise BadRequestError("the request body must be a JSON object", None, "invalid_json")
+    try:
+        req = model_cls.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+    if req.ignored_fields():
+        logger.info("ignoring unsupported fields in %s: %s", raw_request.url.path, ", ".join(req.ignored_fields()))
+    return req
+
+
+def usage(outputs: list[RequestOutput | None], num_completion_tokens: int) -> UsageInfo:
+    """Exact token counts of a request's prompts and choices."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+    cached = sum(o.num_cached_tokens for o in outputs if o is not None)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=num_completion_tokens,
+                     total_tokens=prompt + num_completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+
+def sse_error(err: APIError) -> str:
+    return f"data: {json.dumps(error_body(err))}\n\n"
+
+
+def top_logprobs(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of a position, most likely first."""
+    return sorted(((t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= k),
+                  key=lambda item: item[1].rank)[:k]
+
+
+async def merge_async_iterators(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Items of several async iterators, tagged with the iterator's index, in arrival order."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator) -> None:
+        try:
+            async for item in it:
+                queue.put_nowait((i, item))
+            queue.put_nowait((i, done))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()   # their generators abort their requests
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    return out

@@ -1,0 +1,161 @@
+"""Serving metrics with vLLM's Prometheus names, and the periodic one-line stats log.
+
+Both are fed by the engine thread after every step (prometheus_client is thread-safe); the HTTP server only
+renders them. Outputs must be DELTA outputs: each carries only the tokens new since the last one.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvserve.core.scheduler import SchedulerStats
+from kvserve.outputs import RequestOutput
+
+logger = logging.getLogger("kvserve.stats")
+
+# vLLM's buckets, so dashboards built for vLLM read the same
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0]
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0]
+
+
+@dataclass
+class IntervalCounts:
+    """Token and prefix-cache counts since the last stats log line."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+class EngineMetrics:
+    """The vllm:* metrics of one served model, in their own registry."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        prometheus_client.disable_created_metrics()   # vLLM exposes no *_created series
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        self.num_running = self._gauge("vllm:num_requests_running", "Requests in the running batch")
+        self.num_waiting = self._gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)")
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Tokens generated")
+        self.preemptions = self._counter("vllm:num_preemptions", "Preemptions (recompute) of running requests")
+        self.prefix_queries = self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.request_success = Counter("vllm:request_success", "Finished requests by finish reason",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
+        self.itl = self._histogram("vllm:inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
+        self.e2e = self._histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
+        self.queue_time = self._histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled",
+                                          _REQUEST_BUCKETS)
+        self.interval = IntervalCounts()
+        self._last_token_time: dict[str, float] = {}
+        self._last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+
+    def _gauge(self, name: str, doc: str):
+        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def _counter(self, name: str, doc: str):
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def _histogram(self, name: str, doc: str, buckets: list[float]):
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(self.model_name)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return prometheus_client.generate_latest(self.registry)
+
+    def update_scheduler(self, stats: SchedulerStats) -> None:
+        """Gauges from the scheduler; its cumulative counts become counter increments."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        last = self._last_stats
+        self.preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        queries = max(stats.prefix_cache_queries - last.prefix_cache_queries, 0)
+        hits = max(stats.prefix_cache_hits - last.prefix_cache_hits, 0)
+        self.prefix_queries.inc(queries)
+        self.prefix_hits.inc(hits)
+        self.interval.prefix_queries += queries
+        self.interval.prefix_hits += hits
+        self._last_stats = stats
+
+    def record_outputs(self, outputs: list[RequestOutput], now: float | None = None) -> None:
+        """Token counts and latencies of one step's DELTA outputs."""
+        now = time.monotonic() if now is None else now
+        for out in outputs:
+            num_new = sum(len(o.token_ids) for o in out.outputs)
+            if num_new:
+                self._record_tokens(out, num_new, now)
+            if out.finished:
+                self._record_finished(out, now)
+
+    def _record_tokens(self, out: RequestOutput, num_new: int, now: float) -> None:
+        last = self._last_token_time.get(out.request_id)
+        if last is None:
+            arrival = out.metrics.get("arrival_time")
+            if arrival is not None:
+                self.ttft.observe(max(now - arrival, 0.0))
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.interval.prompt_tokens += len(out.prompt_token_ids)
+        else:
+            self.itl.observe(max(now - last, 0.0))
+        self._last_token_time[out.request_id] = now
+        self.generation_tokens.inc(num_new)
+        self.interval.generation_tokens += num_new
+
+    def _record_finished(self, out: RequestOutput, now: float) -> None:
+        self._last_token_time.pop(out.request_id, None)
+        for o in out.outputs:
+            self.request_success.labels(self.model_name, o.finish_reason or "abort").inc()
+        arrival = out.metrics.get("arrival_time")
+        if arrival is None:
+            return
+        self.e2e.observe(max(now - arrival, 0.0))
+        scheduled = out.metrics.get("first_scheduled_time")
+        if scheduled is not None:
+            self.queue_time.observe(max(scheduled - arrival, 0.0))
+
+    def take_interval(self) -> IntervalCounts:
+        counts, self.interval = self.interval, IntervalCounts()
+        return counts
+
+
+class StatLogger:
+    """Logs one line of throughput, queue and cache figures every `interval_s` while the server is busy."""
+
+    def __init__(self, metrics: EngineMetrics, interval_s: float = 10.0):
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self._last_time = time.monotonic()
+
+    def maybe_log(self, stats: SchedulerStats, now: float | None = None) -> bool:
+        """Log if the interval is over and anything happened in it; True when a line was written."""
+        now = time.monotonic() if now is None else now
+        elapsed = now - self._last_time
+        if elapsed < self.interval_s:
+            return False
+        counts = self.metrics.take_interval()
+        self._last_time = now
+        busy = stats.num_running or stats.num_waiting or counts.prompt_tokens or counts.generation_tokens
+        if not busy:
+            return False
+        fields = {"prompt_throughput": round(counts.prompt_tokens / elapsed, 1),
+                  "generation_throughput": round(counts.generation_tokens / elapsed, 1),
+                  "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                  "kv_cache_usage": round(stats.kv_cache_usage * 100, 1),
+                  "prefix_cache_hit_rate": round(100 * counts.prefix_hits / max(counts.prefix_queries, 1), 1)}
+        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                    *fields.values(), extra=fields)
+        return True

@@ -1,0 +1,131 @@
+"""The `kvserve` command line as a user runs it: generate, chat, serve's shutdown on a signal, and the errors."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvserve import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024"]
+PROMPT = "The capital of France is"
+
+
+def kvserve(*args: str, stdin: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvserve", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from kvserve import LLM
+    return LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=1024)
+
+
+def test_help_lists_every_subcommand():
+    out = kvserve("--help", timeout=60)
+    assert out.returncode == 0
+    for name in ("serve", "generate", "chat", "bench"):
+        assert name in out.stdout
+    serve_help = kvserve("serve", "--help", timeout=60).stdout
+    for flag in ("--api-key", "--served-model-name", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--block-size", "--kv-cache-memory", "--dtype", "--seed", "--chat-template", "--max-waiting-requests",
+                 "--log-format", "--no-enable-prefix-caching"):
+        assert flag in serve_help, flag
+
+
+def test_generate_prints_the_greedy_completion(llm):
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    out = kvserve("generate", PROMPT, "--max-tokens", "8", "--temperature", "0", *ENGINE_FLAGS)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == want + "\n"
+
+
+def test_chat_repl_streams_answers_and_keeps_the_conversation(llm):
+    params = SamplingParams(temperature=0, max_tokens=6)
+    first = [{"role": "user", "content": "Hi"}]
+    want1 = llm.chat(first, params, use_tqdm=False)[0].outputs[0].text
+    second = first + [{"role": "assistant", "content": want1}, {"role": "user", "content": "Tell me a joke"}]
+    want2 = llm.chat(second, params, use_tqdm=False)[0].outputs[0].text
+    out = kvserve("chat", "--max-tokens", "6", "--temperature", "0", *ENGINE_FLAGS,
+                  stdin="Hi\n\nTell me a joke\n/exit\nnever read\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"{want1}\n{want2}\n"
+
+
+def test_serve_with_a_missing_model_fails_with_a_clear_message():
+    out = kvserve("serve", "/no/such/model", "--port", "0", timeout=60)
+    assert out.returncode == 1 and "/no/such/model" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sigterm_lets_short_requests_finish_and_tells_long_ones_why_not():
+    port = _free_port()
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--log-format", "json",
+                             "--shutdown-timeout", "10", *ENGINE_FLAGS], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc)
+        short, long = {}, {}
+        threads = [threading.Thread(target=_stream, args=(url, 15, short)),
+                   threading.Thread(target=_stream, args=(url, 900, long))]
+        for t in threads:
+            t.start()
+        while not (short.get("started") and long.get("started")):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+    assert short["events"][-1] == "[DONE]" and json.loads(short["events"][-2])["choices"][0]["finish_reason"]
+    assert long["events"][-1] == "[DONE]"
+    assert json.loads(long["events"][-2])["error"]["code"] == "server_shutting_down"
+    log.seek(0)
+    lines = log.read().splitlines()
+    assert any(line.startswith(f"kvserve: ready at http://127.0.0.1:{port}") for line in lines)
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    access = [r for r in records if r["logger"] == "kvserve.access" and r["path"] == "/v1/completions"]
+    assert len(access) == 2 and all(r["request_id"].startswith("cmpl-") and r["status"] == 200 for r in access)
+
+
+def _stream(url: str, max_tokens: int, result: dict) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    result["events"] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                result["events"].append(line[len("data: "):])
+                result["started"] = True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "server exited early"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("server not healthy")

@@ -1,9 +1,14 @@
-"""Attention backends: read K/V through block tables, write new K/V by slot mapping."""
+"""Attention backends: read K/V through block tables, write new K/V by slot mapping.
+
+torch: the reference, plain PyTorch (gathers each group's context, then SDPA with a mask).
+cpu:   C++ kernels (kvserve/attention/cpu_kernels.py) reading K/V straight from the blocks, float32 and bfloat16.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention import cpu_kernels
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -35,11 +40,46 @@ class TorchPagedAttention:
         return out.view(-1, num_heads * d)
 
 
-_BACKENDS = {"torch": TorchPagedAttention}
+class CpuPagedAttention(TorchPagedAttention):
+    """C++ kernel over the paged cache: no gathered copies of the contexts, no masks, GQA heads share K/V loads."""
+
+    name = "cpu"
+
+    def __init__(self, lib=None):
+        self.lib = lib or cpu_kernels.load()
+        if self.lib is None:
+            raise RuntimeError("the C++ CPU kernels are not available")
+
+    @staticmethod
+    def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
+                and k_cache.shape[-1] <= cpu_kernels.MAX_HEAD_DIM)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float):
+        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
+        if not self.supports(q, k_cache):
+            return super().forward(q, k, v, k_cache, v_cache, meta, num_heads, scale)
+        q, k, v = (x.flatten(1) for x in (q, k, v))
+        if all(map(cpu_kernels.rows_ok, (k, v))) and k.dtype == v.dtype == k_cache.dtype:
+            cpu_kernels.write_kv(self.lib, k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            self.write_kv(k_cache, v_cache, k, v, meta)
+        if not cpu_kernels.rows_ok(q):
+            q = q.contiguous()
+        out = q.new_empty(q.shape[0], q.shape[1])
+        cpu_kernels.paged_attention(self.lib, q, k_cache, v_cache, out, meta.block_table_tensor,
+                                    meta.seq_lens_tensor, meta.query_start_loc, num_heads, scale)
+        return out
 
 
-def get_backend(name: str = "torch"):
-    """Return an attention backend instance by name."""
+_BACKENDS = {"torch": TorchPagedAttention, "cpu": CpuPagedAttention}
+
+
+def get_backend(name: str = "auto"):
+    """Return an attention backend instance by name; 'auto' is the C++ CPU backend when it builds, else torch."""
+    if name == "auto":
+        lib = cpu_kernels.load()
+        return CpuPagedAttention(lib) if lib is not None else TorchPagedAttention()
     try:
         return _BACKENDS[name]()
     except KeyError:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.attention.backends import TorchPagedAttention
+from kvserve.attention.backends import get_backend
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -20,12 +20,23 @@ class Attention(nn.Module):
         # bound by bind_kv_cache(); shape [num_blocks, block_size, num_kv_heads, head_dim]
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.backend = TorchPagedAttention()
+        self.backend = default_backend()
 
     def forward(self, q, k, v, attn_metadata: AttentionMetadata):
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata,
                                     self.num_heads, self.scale)
+
+
+_default_backend = None
+
+
+def default_backend():
+    """The backend new Attention modules start with: the C++ CPU kernels when they build, else torch."""
+    global _default_backend
+    if _default_backend is None:
+        _default_backend = get_backend("auto")
+    return _default_backend
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

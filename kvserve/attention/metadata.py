@@ -5,13 +5,14 @@ A step's tokens are flattened over all scheduled sequences (no batch dimension):
     tokens:   | seq0 q0..q4 | seq1 q0 | seq2 q0 | seq3 q0..q2 |
     context:  each sequence attends to its whole KV (cached + new), read through its block table.
 
-For the vectorized reference backend the sequences are split into two groups, decodes (one query
-token) and prefills (several), and each group is padded to its own longest query and context, so
-one long prompt chunk never pads a batch of decodes to its length.
+Every backend gets the flat arrays (query_start_loc, seq_lens, a padded block table). The pure-torch
+reference backend also needs padded gather indices and masks; those `groups` are built on first use only.
+It splits the sequences into two groups, decodes (one query token) and prefills (several), each padded to
+its own longest query and context, so one long prompt chunk never pads a batch of decodes to its length.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,37 +40,56 @@ class AttentionMetadata:
     seq_lens: np.ndarray           # [B] context length after this step (cached + new)
     block_tables: list[list[int]]  # [B] physical block ids per sequence
     block_size: int
-    groups: list[AttnGroup]
+    query_start_loc: torch.Tensor  # [B + 1] int32: first flattened row of each sequence, then T
+    seq_lens_tensor: torch.Tensor  # [B] int32
+    block_table_tensor: torch.Tensor  # [B, max blocks] int32, padded with 0
+    device: torch.device | str = "cpu"
+    _groups: list[AttnGroup] | None = field(default=None, repr=False)
+
+    @property
+    def groups(self) -> list[AttnGroup]:
+        """Padded gather indices and masks for the torch reference backend (built on first use)."""
+        if self._groups is None:
+            self._groups = _build_groups(self)
+        return self._groups
 
 
-def _slots_for(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    return block_table[positions // block_size] * block_size + positions % block_size
+def _padded_tables(block_tables: list[list[int]], min_blocks: int) -> np.ndarray:
+    """[B, max(len, min_blocks)] int64 array of the block tables, padded with 0."""
+    lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=len(block_tables))
+    out = np.zeros((len(block_tables), max(int(lens.max(initial=0)), min_blocks, 1)), dtype=np.int64)
+    if len(block_tables):
+        flat = np.fromiter((b for t in block_tables for b in t), dtype=np.int64, count=int(lens.sum()))
+        out[np.arange(out.shape[1])[None, :] < lens[:, None]] = flat
+    return out
 
 
-def _build_group(seqs: list[int], q_start: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray,
-                 tables: list[np.ndarray], block_size: int, device) -> AttnGroup:
-    g = len(seqs)
-    max_q = int(query_lens[seqs].max())
-    max_ctx = int(seq_lens[seqs].max())
-    q_ar = np.arange(max_q)
-    ctx_ar = np.arange(max_ctx)
-    query_idx = np.zeros((g, max_q), dtype=np.int64)
-    ctx_slots = np.zeros((g, max_ctx), dtype=np.int64)
-    q_valid = np.zeros((g, max_q), dtype=bool)
-    mask = np.zeros((g, 1, max_q, max_ctx), dtype=bool)
-    for i, s in enumerate(seqs):
-        ql, sl = int(query_lens[s]), int(seq_lens[s])
-        query_idx[i, :ql] = q_start[s] + q_ar[:ql]
-        q_valid[i, :ql] = True
-        ctx_slots[i, :sl] = _slots_for(tables[s], ctx_ar[:sl], block_size)
-        # query j sits at absolute position sl - ql + j and sees keys 0..that position (causal)
-        limit = (sl - ql + q_ar[:ql])[:, None]
-        mask[i, 0, :ql, :] = ctx_ar[None, :] <= limit
-    mask[:, 0][~q_valid] = True  # padded queries attend to something so softmax stays finite
+def _build_group(seqs: np.ndarray, q_start: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray,
+                 tables: np.ndarray, block_size: int, device) -> AttnGroup:
+    ql, sl, qs = query_lens[seqs], seq_lens[seqs], q_start[seqs]
+    max_q, max_ctx = int(ql.max()), int(sl.max())
+    q_ar, ctx_ar = np.arange(max_q), np.arange(max_ctx)
+    q_valid = q_ar[None, :] < ql[:, None]                                    # [G, max_q]
+    query_idx = np.where(q_valid, qs[:, None] + q_ar[None, :], 0)
+    ctx_valid = ctx_ar[None, :] < sl[:, None]
+    blocks = tables[seqs][:, np.minimum(ctx_ar // block_size, tables.shape[1] - 1)]
+    ctx_slots = np.where(ctx_valid, blocks * block_size + ctx_ar % block_size, 0)
+    # query j sits at absolute position sl - ql + j and sees keys 0..that position (causal);
+    # padded queries see everything so their softmax stays finite (their rows are dropped)
+    limit = np.where(q_valid, (sl - ql)[:, None] + q_ar[None, :], max_ctx)   # [G, max_q]
+    mask = (ctx_ar[None, None, :] <= limit[:, :, None])[:, None]             # [G, 1, max_q, max_ctx]
     flat_valid = np.flatnonzero(q_valid.reshape(-1))
-    to = lambda a: torch.from_numpy(a).to(device)
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
     return AttnGroup(token_rows=to(query_idx.reshape(-1)[flat_valid]), query_idx=to(query_idx),
                      valid_idx=to(flat_valid), ctx_slots=to(ctx_slots), mask=to(mask), max_q=max_q)
+
+
+def _build_groups(meta: AttentionMetadata) -> list[AttnGroup]:
+    q_start = meta.query_start_loc.cpu().numpy()[:-1].astype(np.int64)
+    tables = meta.block_table_tensor.cpu().numpy().astype(np.int64)
+    is_decode = meta.query_lens == 1
+    return [_build_group(s, q_start, meta.query_lens, meta.seq_lens, tables, meta.block_size, meta.device)
+            for s in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)) if len(s)]
 
 
 def build_attention_metadata(query_lens, seq_lens, block_tables: list[list[int]], block_size: int,
@@ -77,18 +97,19 @@ def build_attention_metadata(query_lens, seq_lens, block_tables: list[list[int]]
     """Build the metadata for sequences with `query_lens` new tokens each, ending at `seq_lens`."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
-    tables = [np.asarray(t, dtype=np.int64) for t in block_tables]
-    q_start = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int64)
-    slot_parts = [_slots_for(t, np.arange(sl - ql, sl), block_size)
-                  for t, ql, sl in zip(tables, query_lens, seq_lens)]
-    slot_mapping = np.concatenate(slot_parts) if slot_parts else np.zeros(0, dtype=np.int64)
-    decodes = [i for i, q in enumerate(query_lens) if q == 1]
-    prefills = [i for i, q in enumerate(query_lens) if q > 1]
-    groups = [_build_group(s, q_start, query_lens, seq_lens, tables, block_size, device)
-              for s in (decodes, prefills) if s]
-    return AttentionMetadata(num_tokens=int(query_lens.sum()), slot_mapping=torch.from_numpy(slot_mapping).to(device),
+    query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+    num_tokens = int(query_start[-1])
+    tables = _padded_tables(block_tables, 1)
+    # every new token: its sequence, its absolute position, then its slot through the block table
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    pos = np.arange(num_tokens) - query_start[:-1][seq_of_token] + (seq_lens - query_lens)[seq_of_token]
+    slot_mapping = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
+    to32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)
+    return AttentionMetadata(num_tokens=num_tokens, slot_mapping=torch.from_numpy(slot_mapping).to(device),
                              query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
-                             block_size=block_size, groups=groups)
+                             block_size=block_size, query_start_loc=to32(query_start), seq_lens_tensor=to32(seq_lens),
+                             block_table_tensor=to32(tables), device=device)
 
 
 def single_sequence_metadata(num_tokens: int, block_size: int = 16, device="cpu") -> AttentionMetadata:

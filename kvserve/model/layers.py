@@ -18,9 +18,46 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None   # oneDNN-packed copy of weight, set by prepack_linears()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """True where a oneDNN-packed bf16 weight is available: CPU, bf16, a torch built with mkldnn."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ones(8, 8, dtype=torch.bfloat16)
+        packed_linear(torch.ones(1, 8, dtype=torch.bfloat16), torch.ops.mkldnn._reorder_linear_weight(w, 1))
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] reordered once into oneDNN's blocked layout (for packed_linear)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T with a prepacked weight; bit-identical to F.linear in bf16, and up to 2x faster for small
+    batches, where the plain path re-reads the weight in a layout the bf16 kernel has to convert."""
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return y if bias is None else y + bias
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Give every bf16 CPU Linear a packed weight (weights must not change afterwards); returns how many."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not linears or not can_prepack(linears[0].weight):
+        return 0
+    for m in linears:
+        m.packed = prepack_weight(m.weight)
+    return len(linears)
 
 
 class MergedLinear(Linear):
@@ -54,25 +91,51 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
+def _fast_lib(x: torch.Tensor):
+    """The C++ kernel library when x is a bf16 CPU tensor with contiguous rows, else None (use torch ops)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    from kvserve.attention import cpu_kernels
+    return cpu_kernels.load()
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and cast back like the HF reference."""
+    """Root-mean-square norm, computed in float32 and cast back like the HF reference.
+
+    With `residual`, it first adds x to the residual stream and returns (norm(x + residual), x + residual):
+    one fused kernel in bf16 on the CPU instead of a separate add and five norm ops."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        lib = _fast_lib(x) if x.shape[-1] <= 8192 and self.weight.dtype == x.dtype else None
+        if lib is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            out = torch.empty_like(x)
+            lib.kv_rmsnorm_bf16(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                                self.weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.eps)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        out = self.weight * x.to(dtype)
+        return out if residual is None else (out, residual)
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up for a fused [.., 2*I] gate|up tensor."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = _fast_lib(x)
+        if lib is not None and x.is_contiguous():
+            out = x.new_empty(x.shape[0], x.shape[1] // 2)
+            lib.kv_silu_mul_bf16(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2)
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -136,6 +199,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x [T, H, D] by cos/sin [T, 1, D] (rotate_half convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rotate_heads_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor,
+                         sin: torch.Tensor) -> bool:
+    """Rotate the first `num_heads` heads of every row of x [T, >= num_heads * D] in place with one bf16 CPU
+    kernel (same rounding as apply_rotary); False, touching nothing, where that kernel does not apply."""
+    lib = _fast_lib(x)
+    if lib is None or head_dim > 512 or cos.dtype != x.dtype or not (cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    lib.kv_rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], num_heads, head_dim)
+    return True
 
 
 def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

@@ -8,7 +8,8 @@ from torch import nn
 
 from kvserve.attention import Attention
 from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding,
-                                  apply_rotary, load_packed_weights)
+                                  apply_rotary, load_packed_weights, packed_linear, prepack_linears, prepack_weight,
+                                  rotate_heads_inplace)
 from kvserve.model.model_config import ModelConfig
 
 # HF checkpoint projection name -> (our fused module, shard id)
@@ -33,7 +34,13 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(h, d, d ** -0.5, hkv)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        qkv = self.qkv_proj(hidden)
+        if self.q_norm is None and rotate_heads_inplace(qkv, self.num_heads + self.num_kv_heads, self.head_dim,
+                                                        cos, sin):
+            # q and k rotated in place inside qkv; the backends take the strided q/k/v views as they are
+            q, k, v = self.qkv_proj.split(qkv)
+            return self.o_proj(self.attn(q, k, v, attn_metadata))
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -67,9 +74,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (mlp output, residual stream before it); the adds are fused into the norms."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -86,9 +100,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
+        if residual is None:   # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -99,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.packed_lm_head: torch.Tensor | None = None   # tied embeddings, packed by prepack()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
         """input_ids, positions: [T] over all sequences of the step -> hidden states [T, hidden]."""
@@ -106,12 +124,26 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (only the rows that sample) -> float32 logits [N, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.packed_lm_head is not None:
+            return packed_linear(hidden, self.packed_lm_head).float()
+        return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def prepack(self) -> int:
+        """Pack the matmul weights for the CPU's bf16 kernels (after loading; no-op elsewhere)."""
+        num = prepack_linears(self)
+        if num and self.lm_head is None:
+            self.packed_lm_head = prepack_weight(self.model.embed_tokens.weight)
+        return num
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; unknown or missing names raise ModelLoadError."""
         load_packed_weights(self, weights, PACKED_MODULES, self._skip)
+        for m in self.modules():   # packed copies of the old weights are stale now
+            if isinstance(m, Linear):
+                m.packed = None
+        self.packed_lm_head = None
 
     def _skip(self, name: str) -> bool:
         # tied checkpoints may still carry lm_head.weight; old ones carry the rotary inv_freq buffer

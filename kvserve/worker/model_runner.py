@@ -35,6 +35,8 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
+        if device.type == "cpu" and hasattr(model, "prepack"):
+            model.prepack()   # oneDNN-packed bf16 weights: faster matmuls, above all for small decode batches
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         query_lens, seq_lens, tables, ids, pos = [], [], [], [], []

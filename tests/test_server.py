@@ -182,9 +182,10 @@ def test_greedy_completion_equals_llm_generate(client, llm):
         assert got.choices[0].finish_reason in ("length", "stop")
 
 
-def test_completion_usage_and_cached_tokens(client, llm):
+def test_completion_usage_and_cached_tokens(server, client, llm):
     prompt = "Paged attention stores the KV cache in fixed-size blocks, so that memory is not wasted. " * 2
     num_prompt = len(llm.get_tokenizer().encode(prompt))
+    cached_before = metric(server, "vllm:prompt_tokens_cached_total")
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
                                       extra_body={"ignore_eos": True})
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
@@ -194,6 +195,9 @@ def test_completion_usage_and_cached_tokens(client, llm):
             (num_prompt, 5, num_prompt + 5)
     # the second request finds the first one's full blocks in the prefix cache
     assert second.usage.prompt_tokens_details.cached_tokens == (num_prompt - 1) // 16 * 16 > 0
+    wait_idle(server)
+    assert metric(server, "vllm:prompt_tokens_cached_total") - cached_before == \
+        second.usage.prompt_tokens_details.cached_tokens
 
 
 def test_streaming_completion_matches_and_ends_with_done(server, client):

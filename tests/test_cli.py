@@ -4,10 +4,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -15,6 +13,7 @@ import httpx
 import pytest
 
 from kvserve import SamplingParams
+from server_utils import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -70,14 +69,10 @@ def test_serve_with_a_missing_model_fails_with_a_clear_message():
 
 
 def test_sigterm_lets_short_requests_finish_and_tells_long_ones_why_not():
-    port = _free_port()
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--log-format", "json",
-                             "--shutdown-timeout", "10", *ENGINE_FLAGS], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = ServerProcess("--log-format", "json", "--shutdown-timeout", "10", *ENGINE_FLAGS)
+    proc, url, port = server.proc, server.url, server.port
     try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc)
+        server.wait_ready()
         short, long = {}, {}
         threads = [threading.Thread(target=_stream, args=(url, 15, short)),
                    threading.Thread(target=_stream, args=(url, 900, long))]
@@ -94,8 +89,7 @@ def test_sigterm_lets_short_requests_finish_and_tells_long_ones_why_not():
     assert short["events"][-1] == "[DONE]" and json.loads(short["events"][-2])["choices"][0]["finish_reason"]
     assert long["events"][-1] == "[DONE]"
     assert json.loads(long["events"][-2])["error"]["code"] == "server_shutting_down"
-    log.seek(0)
-    lines = log.read().splitlines()
+    lines = server.output().splitlines()
     assert any(line.startswith(f"kvserve: ready at http://127.0.0.1:{port}") for line in lines)
     records = [json.loads(line) for line in lines if line.startswith("{")]
     access = [r for r in records if r["logger"] == "kvserve.access" and r["path"] == "/v1/completions"]
@@ -110,22 +104,3 @@ def _stream(url: str, max_tokens: int, result: dict) -> None:
             if line.startswith("data: "):
                 result["events"].append(line[len("data: "):])
                 result["started"] = True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited early"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server not healthy")

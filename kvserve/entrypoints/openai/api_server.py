@@ -104,21 +104,21 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSet
     completions = OpenAIServingCompletion(engine, settings.served_model_names)
     chat = OpenAIServingChat(engine, settings.served_model_names)
 
+    async def respond(raw_request: Request, request_type, create):
+        req = await parse_body(raw_request, request_type)
+        if req.stream:
+            return await create(req, raw_request)
+        return await _until_disconnect(raw_request, create(req, raw_request))
+
     @app.post("/v1/completions")
     @api_route
     async def create_completion(raw_request: Request):
-        req = await parse_body(raw_request, CompletionRequest)
-        if req.stream:
-            return await completions.create(req, raw_request)
-        return await _until_disconnect(raw_request, completions.create(req, raw_request))
+        return await respond(raw_request, CompletionRequest, completions.create)
 
     @app.post("/v1/chat/completions")
     @api_route
     async def create_chat_completion(raw_request: Request):
-        req = await parse_body(raw_request, ChatCompletionRequest)
-        if req.stream:
-            return await chat.create(req, raw_request)
-        return await _until_disconnect(raw_request, chat.create(req, raw_request))
+        return await respond(raw_request, ChatCompletionRequest, chat.create)
 
     @app.get("/v1/models")
     async def list_models():

@@ -46,11 +46,12 @@ def make_decode_fn(tokenizer, skip_special_tokens: bool = False,
 
 
 def detokenize_logprobs(tokenizer, logprobs: Iterable[dict[int, Logprob] | None]) -> None:
-    """Fills in `decoded_token` of every Logprob (sampled or prompt logprobs), in place."""
+    """Fills in `decoded_token` of every Logprob (sampled or prompt logprobs) that has none yet, in place."""
     decode = make_decode_fn(tokenizer)
     for position in logprobs:
         for token_id, logprob in (position or {}).items():
-            logprob.decoded_token = decode([token_id])
+            if logprob.decoded_token is None:
+                logprob.decoded_token = decode([token_id])
 
 
 class IncrementalDetokenizer:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.core.request import Request, RequestStatus
-from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.detokenizer import IncrementalDetokenizer, detokenize_logprobs
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -99,10 +99,7 @@ class OutputProcessor:
         logprobs = None
         if req.params.logprobs is not None:
             logprobs = req.logprobs[c.num_logprobs_sent:] if delta else list(req.logprobs)
-            for pos in logprobs:
-                for tid, lp in pos.items():
-                    if lp.decoded_token is None:
-                        lp.decoded_token = c.detok.decode_token(tid)
+            detokenize_logprobs(self.tokenizer, logprobs)
         if delta:
             c.num_tokens_sent = req.num_output_tokens
             c.num_logprobs_sent = len(req.logprobs)
@@ -113,15 +110,11 @@ class OutputProcessor:
             logprobs=logprobs, finish_reason=req.status.finish_reason if finished else None,
             stop_reason=req.stop_reason if finished else None)
 
-    @staticmethod
-    def _prompt_logprobs(child: ChildState):
+    def _prompt_logprobs(self, child: ChildState):
         req = child.req
         if req.params.prompt_logprobs is None or not req.prompt_logprobs:
             return None
-        for pos in req.prompt_logprobs:
-            for tid, lp in (pos or {}).items():
-                if lp.decoded_token is None:
-                    lp.decoded_token = child.detok.decode_token(tid)
+        detokenize_logprobs(self.tokenizer, req.prompt_logprobs)
         return req.prompt_logprobs
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -301,3 +301,25 @@ def test_gguf_tokenizer_chat_template_and_cache(tmp_path, monkeypatch):
     tok.save_pretrained(str(tmp_path / "hf"))
     assert load_tokenizer(str(tmp_path / "hf")).encode("Hello, world!", add_special_tokens=False) == ids
     assert load_tokenizer("/nope", tokenizer_path=str(tmp_path / "hf")).vocab_size == tok.vocab_size
+
+
+def test_gguf_weight_cache_is_written_then_hit_and_a_damaged_entry_is_rebuilt(tmp_path, monkeypatch):
+    import torch
+
+    from kvserve.config import EngineConfig
+    from kvserve.model import gguf_loader, load_model, weight_cache
+    monkeypatch.setattr(weight_cache, "cache_root", lambda: tmp_path)
+    config = EngineConfig(dtype="bfloat16")
+    cold, cfg = load_model(config)
+    [entry] = tmp_path.glob("*.safetensors")
+    monkeypatch.setattr(gguf_loader, "open_gguf", lambda path: pytest.fail("the cache should have been used"))
+    warm, warm_cfg = load_model(config)
+    assert warm_cfg == cfg
+    for (name, a), (_, b) in zip(cold.state_dict().items(), warm.state_dict().items()):
+        assert torch.equal(a, b), name
+    entry.write_bytes(b"not a safetensors file")
+    monkeypatch.undo()
+    monkeypatch.setattr(weight_cache, "cache_root", lambda: tmp_path)
+    rebuilt, _ = load_model(config)
+    assert torch.equal(rebuilt.model.embed_tokens.weight, cold.model.embed_tokens.weight)
+    assert entry.stat().st_size > 1000   # written again

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvserve.errors import ModelLoadError
-from kvserve.model import gguf_loader
+from kvserve.model import gguf_loader, weight_cache
 from kvserve.model.model_config import ModelConfig
 from kvserve.model.registry import build_model
 
@@ -85,17 +85,32 @@ def load_model(config: Any) -> tuple[nn.Module, ModelConfig]:
     path = resolve_model_path(getattr(config, "model", None))
     device = resolve_device(getattr(config, "device", "auto"))
     if is_gguf(path):
-        reader = gguf_loader.open_gguf(path)
-        cfg = gguf_loader.gguf_model_config(reader)
-        weights = gguf_loader.iter_gguf_weights(reader, cfg)
+        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device)   # a GGUF has no checkpoint dtype
+        cfg, weights = _load_gguf_weights(path, dtype)
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
-    dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype)
+        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype)
     with _default_dtype(dtype), device:
         model = build_model(cfg)
     model.load_weights(weights)
     return model.eval(), cfg
+
+
+def _load_gguf_weights(path: str, dtype: torch.dtype):
+    """ModelConfig and HF-named weights of a GGUF file, from the dequantized-weight cache when it has them."""
+    cache = weight_cache.cache_path(path, dtype)
+    hit = weight_cache.read(cache) if cache is not None else None
+    if hit is not None:
+        return hit[0], hit[1].items()
+    reader = gguf_loader.open_gguf(path)
+    cfg = gguf_loader.gguf_model_config(reader)
+    weights = gguf_loader.iter_gguf_weights(reader, cfg)
+    if cache is None:
+        return cfg, weights
+    weights = [(name, t.to(dtype)) for name, t in weights]
+    weight_cache.write(cache, cfg, weights)
+    return cfg, weights
 
 
 @contextlib.contextmanager

@@ -22,6 +22,9 @@ from kvserve.model.model_config import ModelConfig
 logger = logging.getLogger("kvserve")
 
 MAX_CACHED_GGUF_BYTES = 2 << 30   # bigger files would hold all dequantized weights in memory to write them
+# part of every cache key: bump it whenever gguf_loader's conversion (names, dequantization, q/k un-permute)
+# changes, or caches written by the old code would keep being served
+FORMAT_VERSION = 1
 _CONFIG_KEY = "kvserve_model_config"
 
 
@@ -34,7 +37,7 @@ def cache_path(gguf_path: str, dtype: torch.dtype) -> Path | None:
     st = os.stat(gguf_path)
     if st.st_size > MAX_CACHED_GGUF_BYTES:
         return None
-    ident = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|v1"
+    ident = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|v{FORMAT_VERSION}"
     return cache_root() / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.safetensors"
 
 

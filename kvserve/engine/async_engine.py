@@ -249,6 +249,8 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(self.abort_all, EngineDeadError(f"the engine failed: {e}"))
 
     def _run_commands(self) -> None:
+        if not self._commands:
+            return   # nothing changed since the last step refreshed the stats
         while self._commands:
             self._commands.popleft()()
         self._update_stats()

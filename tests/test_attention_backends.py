@@ -153,22 +153,47 @@ def test_vectorized_metadata_equals_a_loop(seed):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear_in_bfloat16(bias):
+    """oneDNN's packed path (more rows than the skinny kernel takes) is bit-identical to F.linear."""
     from kvserve.model.layers import Linear, can_prepack, prepack_linears
     lin = Linear(64, 96, bias=bias).to(torch.bfloat16)
     for p in lin.parameters():
         torch.nn.init.normal_(p)
     if not can_prepack(lin.weight):
         pytest.skip("no oneDNN bf16 linear in this torch build")
-    for rows in (1, 7, 300):
+    for rows in (7, 300):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         plain = lin(x)
-        assert prepack_linears(lin) == 1
+        assert prepack_linears(lin)[0] == 1
         packed = lin(x)
         lin.packed = None
         if bias:   # the bias is added after rounding the product to bf16
             torch.testing.assert_close(packed, plain, atol=0.5, rtol=2e-2)
         else:
             assert torch.equal(packed, plain)
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_features", [100, 48])
+def test_skinny_matmul_is_as_close_to_float32_as_f_linear(out_features):
+    """The skinny bf16 kernel (1-4 rows; strided rows; N not a multiple of 16) rounds like F.linear: its
+    error against the float32 product is within bf16 rounding, as F.linear's is."""
+    from kvserve.model.layers import Linear, can_prepack, prepack_linears
+    g = torch.Generator().manual_seed(out_features)
+    lin = Linear(576, out_features).to(torch.bfloat16)
+    lin.weight.copy_(torch.randn(out_features, 576, generator=g))
+    if not can_prepack(lin.weight):
+        pytest.skip("no oneDNN bf16 linear in this torch build")
+    prepack_linears(lin)
+    assert lin.packed.skinny is not None and lin.packed.skinny_rows == 4
+    for rows in (1, 2, 3, 4):
+        wide = torch.randn(rows, 600, generator=g).to(torch.bfloat16)
+        x = wide[:, :576]   # rows with a stride of 600
+        exact = x.float() @ lin.weight.float().t()
+        got, plain = lin(x), torch.nn.functional.linear(x, lin.weight)
+        assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+        err_got, err_plain = ((t.float() - exact).abs().max().item() for t in (got, plain))
+        assert err_got <= 1.5 * err_plain + 1e-2
+        torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=0.05)
 
 
 @needs_kernels

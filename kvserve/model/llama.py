@@ -8,7 +8,7 @@ from torch import nn
 
 from kvserve.attention import Attention
 from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding,
-                                  apply_rotary, load_packed_weights, packed_linear, prepack_linears, prepack_weight,
+                                  PackedWeight, apply_rotary, load_packed_weights, packed_linear, prepack_linears,
                                   rotate_heads_inplace)
 from kvserve.model.model_config import ModelConfig
 
@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.packed_lm_head: torch.Tensor | None = None   # tied embeddings, packed by prepack()
+        self.packed_lm_head: PackedWeight | None = None   # tied embeddings, packed by prepack()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
         """input_ids, positions: [T] over all sequences of the step -> hidden states [T, hidden]."""
@@ -132,9 +132,10 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack(self) -> int:
         """Pack the matmul weights for the CPU's bf16 kernels (after loading; no-op elsewhere)."""
-        num = prepack_linears(self)
-        if num and self.lm_head is None:
-            self.packed_lm_head = prepack_weight(self.model.embed_tokens.weight)
+        tied = [self.model.embed_tokens.weight] if self.lm_head is None else []
+        num, extra = prepack_linears(self, tied)
+        if extra:
+            self.packed_lm_head = extra[0]
         return num
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,90 @@
+// Skinny bf16 matmul y[M, N] = x[M, K] @ W[N, K]^T for the few rows of a decode step (M <= GEMV_MAX_ROWS).
+// Such a step is bound by reading W, so W is repacked once into the order the loop streams it:
+//   Wp[n / 16][k / 2][n % 16] = the bf16 pair (W[n][k], W[n][k + 1]) as one dword,
+// and every vdpbf16ps multiplies one 64-byte line of Wp (16 outputs x 2 inputs) by a broadcast pair of x.
+#include "common.h"
+
+namespace {
+
+constexpr int GEMV_MAX_ROWS = 4;
+
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+#define KV_HAVE_GEMV 1
+
+// outputs [16 nb, 16 nb + 16) of the M rows; K2 = K / 2 pairs, 4 partial sums per row break the add chain
+template <int M>
+inline void gemv_block(const int32_t* const* xd, const int32_t* w, int64_t K2, __m512* out) {
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 <= K2; k += 4) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 32) * 16), _MM_HINT_T0);
+    for (int u = 0; u < 4; ++u) {
+      const __m512bh wv = (__m512bh)_mm512_load_si512(w + (k + u) * 16);
+      for (int m = 0; m < M; ++m)
+        acc[m][u] = _mm512_dpbf16_ps(acc[m][u], (__m512bh)_mm512_set1_epi32(xd[m][k + u]), wv);
+    }
+  }
+  for (; k < K2; ++k) {
+    const __m512bh wv = (__m512bh)_mm512_load_si512(w + k * 16);
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_set1_epi32(xd[m][k]), wv);
+  }
+  for (int m = 0; m < M; ++m)
+    out[m] = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+}
+
+template <int M>
+void gemv_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, int64_t ys, int64_t N, int64_t K) {
+  const int64_t K2 = K / 2, nb = (N + 15) / 16;
+  const int32_t* xd[M];
+  for (int m = 0; m < M; ++m) xd[m] = reinterpret_cast<const int32_t*>(x + m * xs);
+  #pragma omp parallel for schedule(static) if (nb * K2 >= 4096)
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 out[M];
+    gemv_block<M>(xd, wp + b * K2 * 16, K2, out);
+    const int64_t left = N - b * 16;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    for (int m = 0; m < M; ++m)   // round to nearest even, as torch's bf16 output
+      _mm256_mask_storeu_epi16(y + m * ys + b * 16, mask, (__m256i)_mm512_cvtneps_pbh(out[m]));
+  }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+int kv_gemv_max_rows() {
+#ifdef KV_HAVE_GEMV
+  return GEMV_MAX_ROWS;
+#else
+  return 0;
+#endif
+}
+// Wp (see above) from W [N, K] bf16 row-major; Wp holds ceil(N / 16) * 16 * K bf16, padding rows are zero
+void kv_gemv_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
+  const int64_t K2 = K / 2, nb = (N + 15) / 16;
+  #pragma omp parallel for
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t k = 0; k < K2; ++k)
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t n = b * 16 + j;
+        uint16_t* dst = wp + ((b * K2 + k) * 16 + j) * 2;
+        dst[0] = n < N ? w[n * K + 2 * k] : 0;
+        dst[1] = n < N ? w[n * K + 2 * k + 1] : 0;
+      }
+}
+// y[M, N] = x[M, K] @ W^T; rows of x and y may be strided (xs, ys elements); K even, 1 <= M <= max rows
+void kv_gemv_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M, int64_t N,
+                  int64_t K) {
+#ifdef KV_HAVE_GEMV
+  const int32_t* w = reinterpret_cast<const int32_t*>(wp);
+  switch (M) {
+    case 1: gemv_rows<1>(x, xs, w, y, ys, N, K); break;
+    case 2: gemv_rows<2>(x, xs, w, y, ys, N, K); break;
+    case 3: gemv_rows<3>(x, xs, w, y, ys, N, K); break;
+    default: gemv_rows<4>(x, xs, w, y, ys, N, K); break;
+  }
+#endif
+}
+}

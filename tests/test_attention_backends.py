@@ -215,7 +215,7 @@ def test_few_decodes_split_by_kv_head(dtype):
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_fused_bf16_layer_ops_equal_the_torch_ops(rows, monkeypatch):
-    """RMSNorm (+ residual add) and RoPE kernels round like the chain of torch ops they replace."""
+    """RMSNorm (+ residual add), RoPE and SiLU-and-mul kernels round like the chain of torch ops they replace."""
     from kvserve.model import layers
     g = torch.Generator().manual_seed(rows)
     bf = torch.bfloat16
@@ -228,8 +228,12 @@ def test_fused_bf16_layer_ops_equal_the_torch_ops(rows, monkeypatch):
     fast = (norm(x), *norm(x, res.clone()))
     fast_qkv = qkv.clone()
     assert layers.rotate_heads_inplace(fast_qkv, 12, 64, cos, sin)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=g) * 4).to(bf)
+    gate_up[0, :6] = torch.tensor([100.0, -100.0, 0.0, -0.0, 1e-30, -95.0])   # exp overflow and underflow
+    fast_act = layers.SiluAndMul()(gate_up)
     monkeypatch.setattr(layers, "_fast_lib", lambda x: None)
     slow = (norm(x), *norm(x, res.clone()))
+    assert torch.equal(fast_act, layers.SiluAndMul()(gate_up))
     slow_qkv = qkv.clone().view(rows, 15, 64)
     slow_qkv[:, :12] = layers.apply_rotary(slow_qkv[:, :12], cos, sin)
     for a, b in zip(fast, slow):

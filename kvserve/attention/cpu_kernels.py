@@ -89,6 +89,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kv_write_kv": [p, i64, p, i64, p, i64, i64, i64, p, p],
         "kv_rmsnorm_bf16": [p, p, p, p, i64, i64, f],
         "kv_rope_bf16": [p, i64, p, p, i64, i64, i64],
+        "kv_silu_mul_bf16": [p, i64, p, i64, i64],
         "kv_gemv_pack": [p, i64, i64, p],
         "kv_gemv_bf16": [p, i64, p, p, i64, i64, i64, i64],
     }

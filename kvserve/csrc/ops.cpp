@@ -10,6 +10,32 @@ void kv_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int
     std::memcpy(vc + slots[t] * n * es, v + t * vs * es, n * es);
   }
 }
+// out[t] = bf16(bf16(silu(gate)) * up) for x[t] = gate | up (I each), the rounding of torch's F.silu(g) * u
+void kv_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I) {
+  #pragma omp parallel for if (T * I > 65536)
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* g = x + t * xs;
+    const uint16_t* u = g + I;
+    uint16_t* o = out + t * I;
+    int64_t i = 0;
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= I; i += 16) {
+      const __m512 gv = load16(g + i), uv = load16(u + i);
+      // exp512 is accurate for any x >= -87 (its clamp); exp(-g) overflows to inf for g < -88, and g / inf = -0
+      const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      const __m256i sb = (__m256i)_mm512_cvtneps_pbh(s);   // silu rounded to bf16, as torch's output
+      const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, uv)));
+    }
+#endif
+    for (; i < I; ++i) {
+      const float gf = bf16_to_f32(g[i]);
+      const float s = bf16_to_f32(f32_to_bf16(gf / (1.f + std::exp(-gf))));
+      o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+    }
+  }
+}
 // out = rmsnorm(x [+ residual]) * w, bf16 rounding as torch's ops: r = bf16(x + residual) (written back to
 // residual), y = bf16(r * rsqrt(mean(r^2) + eps)), out = bf16(w * y)
 void kv_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out, int64_t T, int64_t N,

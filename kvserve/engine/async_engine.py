@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import torch
+
 from kvserve.core.scheduler import SchedulerStats
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import EngineDeadError, InvalidRequestError, KVServeError
@@ -234,6 +236,9 @@ class AsyncLLMEngine:
     # ----- engine thread -----
     def _run(self) -> None:
         try:
+            if self.engine.config.num_threads is not None:   # thread counts are per OS thread in OpenMP
+                torch.set_num_threads(self.engine.config.num_threads)
+            self.engine.runner.reserve_frontend_core()
             while not self._stop:
                 self._run_commands()
                 if not self.engine.has_unfinished_requests():

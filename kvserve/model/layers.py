@@ -161,7 +161,11 @@ class SiluAndMul(nn.Module):
     """silu(gate) * up for a fused [.., 2*I] gate|up tensor."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's own vectorized ops: a scalar C++ kernel here measured 4x slower (8.6 vs 2.1 ms at 2048 rows)
+        lib = _fast_lib(x)
+        if lib is not None and x.shape[-1] % 2 == 0:   # one AVX-512 pass, rounding like the two torch ops
+            out = x.new_empty(x.shape[0], x.shape[1] // 2)
+            lib.kv_silu_mul_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1] // 2)
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -37,6 +37,27 @@ class ModelRunner:
         self.sampler = Sampler()
         if device.type == "cpu" and hasattr(model, "prepack"):
             model.prepack()   # oneDNN-packed bf16 weights: faster matmuls, above all for small decode batches
+        self.small_step_threads: int | None = None   # set by reserve_frontend_core()
+        self._all_threads = torch.get_num_threads()
+
+    SMALL_STEP_TOKENS = 4
+
+    def reserve_frontend_core(self) -> None:
+        """Run steps of at most SMALL_STEP_TOKENS tokens on one CPU thread fewer (call from the thread that steps).
+
+        Such steps are bound by memory bandwidth, which one core fewer nearly saturates; the core it frees
+        serves the HTTP frontend, which otherwise preempts a compute thread while the others wait for it
+        (single-stream TPOT through the server: 20.4 ms on 2 threads against 16.4 ms on 1, docs/benchmarks.md)."""
+        self._all_threads = torch.get_num_threads()
+        if self.device.type == "cpu" and self._all_threads > 1:
+            self.small_step_threads = self._all_threads - 1
+
+    def _set_threads(self, num_tokens: int) -> None:
+        if self.small_step_threads is None:
+            return
+        want = self.small_step_threads if num_tokens <= self.SMALL_STEP_TOKENS else self._all_threads
+        if want != torch.get_num_threads():
+            torch.set_num_threads(want)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         query_lens, seq_lens, tables, ids, pos = [], [], [], [], []
@@ -69,6 +90,7 @@ class ModelRunner:
         """One forward over every scheduled token; returns request id -> sampled token id."""
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
+        self._set_threads(sched.num_batched_tokens)
         inp = self.prepare_inputs(sched)
         hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
         if inp.prompt_lp:

@@ -37,7 +37,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9       # CUDA only, used when kv_cache_memory is not set
     num_kv_blocks: int | None = None    # overrides the memory budget (tests)
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # token budget of a step; default: 1024 on CPU, 8192 on CUDA
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"     # fcfs | priority
@@ -57,7 +57,7 @@ class EngineConfig:
             bad(f"block_size must be in [1, 1024], got {self.block_size}", "block_size")
         if self.max_num_seqs < 1:
             bad(f"max_num_seqs must be >= 1, got {self.max_num_seqs}", "max_num_seqs")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             bad(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}", "max_num_batched_tokens")
         if self.scheduling_policy not in ("fcfs", "priority"):
             bad(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}", "scheduling_policy")
@@ -71,5 +71,6 @@ class EngineConfig:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
                 bad("kv_cache_memory must be positive", "kv_cache_memory")
-        if not self.enable_chunked_prefill and self.max_model_len and self.max_model_len > self.max_num_batched_tokens:
+        if (not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens is not None
+                and self.max_model_len > self.max_num_batched_tokens):
             bad("without chunked prefill, max_num_batched_tokens must be >= max_model_len", "max_num_batched_tokens")

@@ -49,7 +49,8 @@ class LLMEngine:
         self.block_size = config.block_size
         bind_kv_cache(self.model, self.num_kv_blocks, config.block_size, self.dtype, self.device)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+        self.max_num_batched_tokens = self._max_num_batched_tokens()
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                    config.scheduling_policy, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv, self.vocab_size, self.device)
         self.processor = OutputProcessor(self.tokenizer)
@@ -61,6 +62,17 @@ class LLMEngine:
                     self.num_kv_blocks * config.block_size)
 
     # ----- set-up -----
+    def _max_num_batched_tokens(self) -> int:
+        """The step token budget. On CPU 1024 measured best (benchmarks/compare.py, docs/benchmarks.md): S1 mean
+        TTFT 5.9 s against 6.8 s at 2048, W1 and S1 throughput at least as high; on CUDA bigger steps pay.
+        Without chunked prefill, a whole prompt must fit one step."""
+        n = self.config.max_num_batched_tokens
+        if n is None:
+            n = 1024 if self.device.type == "cpu" else 8192
+            if not self.config.enable_chunked_prefill:
+                n = max(n, self.max_model_len)
+        return n
+
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         if self.config.max_model_len is None:
@@ -89,7 +101,7 @@ class LLMEngine:
     def _profile_cuda_budget(self) -> int:
         """Run one forward over a full token budget, then give the KV cache what utilization leaves."""
         from kvserve.attention import single_sequence_metadata
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        n = min(self._max_num_batched_tokens(), self.max_model_len)
         bind_kv_cache(self.model, cdiv(n, self.config.block_size), self.config.block_size, self.dtype, self.device)
         with torch.inference_mode():
             ids = torch.zeros(n, dtype=torch.long, device=self.device)

@@ -88,7 +88,7 @@ def run_throughput(args) -> dict:
         "num_input_tokens": num_in, "num_output_tokens": num_out, "elapsed_s": round(elapsed, 3),
         "requests_per_s": round(len(outs) / elapsed, 3), "output_tokens_per_s": round(num_out / elapsed, 2),
         "total_tokens_per_s": round((num_in + num_out) / elapsed, 2), "load_s": round(load_s, 2),
-        "max_num_seqs": engine.config.max_num_seqs, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "max_num_seqs": engine.config.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
     }
     if num_out != expected:
         print(f"warning: generated {num_out} tokens, the workload asked for {expected}", file=sys.stderr)

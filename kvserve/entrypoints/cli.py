@@ -49,7 +49,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: 1024 on CPU, 8192 on CUDA)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: 1 GiB on CPU)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,

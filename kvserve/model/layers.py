@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.attention import cpu_kernels
 from kvserve.errors import ModelLoadError
 
 
@@ -55,7 +56,6 @@ def prepack_weights(weights: list[torch.Tensor]) -> list[PackedWeight]:
     """Pack weights [N, K] once (they must not change afterwards). The skinny copies share one huge-page
     buffer: they are read from start to end at every decode step."""
     packs = [PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), w.shape[0]) for w in weights]
-    from kvserve.attention import cpu_kernels
     lib = cpu_kernels.load()
     rows = lib.kv_gemv_max_rows() if lib is not None else 0
     if rows == 0 or any(w.shape[1] % 2 for w in weights):
@@ -72,7 +72,6 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     """x @ W^T with a prepacked weight. oneDNN's path is bit-identical to F.linear in bf16 and up to 2x faster
     for small batches; the skinny kernel takes steps of few rows (1.2-2.7x faster than oneDNN at one row)."""
     if packed.skinny is not None and x.dim() == 2 and x.shape[0] <= packed.skinny_rows and x.stride(1) == 1:
-        from kvserve.attention import cpu_kernels
         y = cpu_kernels.skinny_matmul(cpu_kernels.load(), x, packed.skinny, packed.out_features)
     else:
         y = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, None, "none", [], "")
@@ -123,9 +122,8 @@ class VocabEmbedding(nn.Module):
 
 def _fast_lib(x: torch.Tensor):
     """The C++ kernel library when x is a bf16 CPU tensor with contiguous rows, else None (use torch ops)."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+    if x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2 or x.stride(1) != 1:
         return None
-    from kvserve.attention import cpu_kernels
     return cpu_kernels.load()
 
 

@@ -99,6 +99,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = None
     lib.kv_simd.restype = ctypes.c_int
     lib.kv_gemv_max_rows.restype = ctypes.c_int
+    lib.kv_silu_mul_fast.restype = ctypes.c_int
+    lib.silu_mul_fast = bool(lib.kv_silu_mul_fast())
     return lib
 
 

@@ -10,6 +10,14 @@ void kv_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int
     std::memcpy(vc + slots[t] * n * es, v + t * vs * es, n * es);
   }
 }
+// 1 when kv_silu_mul_bf16 is vectorized (AVX-512 BF16); its scalar loop is slower than torch's own ops
+int kv_silu_mul_fast() {
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 // out[t] = bf16(bf16(silu(gate)) * up) for x[t] = gate | up (I each), the rounding of torch's F.silu(g) * u
 void kv_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I) {
   #pragma omp parallel for if (T * I > 65536)

@@ -6,9 +6,10 @@ from torch import nn
 
 from kvserve.attention.backends import get_backend
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.module import InferenceModule
 
 
-class Attention(nn.Module):
+class Attention(InferenceModule):
     """Paged multi-head / grouped-query attention over the layer's KV cache blocks."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None):

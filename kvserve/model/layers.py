@@ -11,9 +11,10 @@ from torch import nn
 
 from kvserve.attention import cpu_kernels
 from kvserve.errors import ModelLoadError
+from kvserve.module import InferenceModule
 
 
-class Linear(nn.Module):
+class Linear(InferenceModule):
     """y = x W^T (+ b) with uninitialized parameters: every weight is overwritten by load_weights."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -109,7 +110,7 @@ class MergedLinear(Linear):
         return y.split(list(self.shard_sizes.values()), dim=-1)
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(InferenceModule):
     """Token embedding table with an uninitialized weight (loaded from the checkpoint)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
@@ -127,7 +128,7 @@ def _fast_lib(x: torch.Tensor):
     return cpu_kernels.load()
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(InferenceModule):
     """Root-mean-square norm, computed in float32 and cast back like the HF reference.
 
     With `residual`, it first adds x to the residual stream and returns (norm(x + residual), x + residual):
@@ -155,7 +156,7 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(InferenceModule):
     """silu(gate) * up for a fused [.., 2*I] gate|up tensor."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,7 +203,7 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[tor
     raise ModelLoadError(f"rope scaling type {kind!r} is not supported")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(InferenceModule):
     """Rotary position embedding (HF rotate_half layout) with cos/sin precomputed for every position."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):

@@ -11,6 +11,7 @@ from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding
                                   PackedWeight, apply_rotary, load_packed_weights, packed_linear, prepack_linears,
                                   rotate_heads_inplace)
 from kvserve.model.model_config import ModelConfig
+from kvserve.module import InferenceModule
 
 # HF checkpoint projection name -> (our fused module, shard id)
 PACKED_MODULES = {
@@ -19,7 +20,7 @@ PACKED_MODULES = {
 }
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(InferenceModule):
     """Self-attention: fused qkv projection, optional per-head q/k norm, RoPE, paged attention, o_proj."""
 
     def __init__(self, cfg: ModelConfig):
@@ -50,7 +51,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(InferenceModule):
     """SwiGLU feed-forward with one fused gate|up matmul."""
 
     def __init__(self, cfg: ModelConfig):
@@ -64,7 +65,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(InferenceModule):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: ModelConfig):
@@ -86,7 +87,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(InferenceModule):
     """Embedding, decoder layers and final norm; one rotary cache shared by all layers."""
 
     def __init__(self, cfg: ModelConfig):
@@ -108,7 +109,7 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(InferenceModule):
     """Causal LM over one step's flattened tokens: forward -> hidden states, compute_logits -> float32 logits."""
 
     def __init__(self, cfg: ModelConfig):

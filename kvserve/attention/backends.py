@@ -40,6 +40,9 @@ class TorchPagedAttention:
         return out.view(-1, num_heads * d)
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class CpuPagedAttention(TorchPagedAttention):
     """C++ kernel over the paged cache: no gathered copies of the contexts, no masks, GQA heads share K/V loads."""
 
@@ -52,23 +55,24 @@ class CpuPagedAttention(TorchPagedAttention):
 
     @staticmethod
     def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
+        return (q.is_cpu and q.dtype in _KERNEL_DTYPES and k_cache.dtype == q.dtype
                 and k_cache.shape[-1] <= cpu_kernels.MAX_HEAD_DIM)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float):
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
         if not self.supports(q, k_cache):
             return super().forward(q, k, v, k_cache, v_cache, meta, num_heads, scale)
-        q, k, v = (x.flatten(1) for x in (q, k, v))
-        if all(map(cpu_kernels.rows_ok, (k, v))) and k.dtype == v.dtype == k_cache.dtype:
-            cpu_kernels.write_kv(self.lib, k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.dim() != 2 or k.dim() != 2 or v.dim() != 2:
+            q, k, v = q.flatten(1), k.flatten(1), v.flatten(1)
+        args = meta.kernel_args
+        if k.stride(1) == 1 and v.stride(1) == 1 and k.dtype == v.dtype == k_cache.dtype:
+            cpu_kernels.write_kv(self.lib, k, v, k_cache, v_cache, args)
         else:
             self.write_kv(k_cache, v_cache, k, v, meta)
-        if not cpu_kernels.rows_ok(q):
+        if q.stride(1) != 1:
             q = q.contiguous()
         out = q.new_empty(q.shape[0], q.shape[1])
-        cpu_kernels.paged_attention(self.lib, q, k_cache, v_cache, out, meta.block_table_tensor,
-                                    meta.seq_lens_tensor, meta.query_start_loc, num_heads, scale)
+        cpu_kernels.paged_attention(self.lib, q, k_cache, v_cache, out, args, num_heads, scale)
         return out
 
 

@@ -133,27 +133,21 @@ def _require_compiler() -> str:
 
 
 def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start: torch.Tensor, num_heads: int, scale: float) -> None:
-    """out[T, H*D] = causal attention of q[T, H*D] (rows may be strided) over each sequence's paged K/V."""
+                    out: torch.Tensor, kernel_args: tuple, num_heads: int, scale: float) -> None:
+    """out[T, H*D] = causal attention of q[T, H*D] (rows may be strided) over each sequence's paged K/V;
+    kernel_args: AttentionMetadata.kernel_args."""
     _, bs, hkv, d = k_cache.shape
+    _, tables, table_stride, seq_lens, query_start, num_seqs = kernel_args
     fn = lib.kv_paged_attention_bf16 if q.dtype == torch.bfloat16 else lib.kv_paged_attention_f32
-    fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
-       block_tables.stride(0), seq_lens.data_ptr(), query_start.data_ptr(), seq_lens.shape[0], num_heads, hkv, d,
-       bs, scale)
+    fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables, table_stride,
+       seq_lens, query_start, num_seqs, num_heads, hkv, d, bs, scale)
 
 
 def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             kernel_args: tuple) -> None:
     """k_cache/v_cache rows [slot_mapping[t]] = k/v [t] (k, v: [T, Hkv*D], rows may be strided)."""
-    n = k_cache.shape[-2] * k_cache.shape[-1]
-    lib.kv_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), k.shape[0], n,
+    lib.kv_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kernel_args[0], k.shape[0], k.shape[1],
                     k.element_size(), k_cache.data_ptr(), v_cache.data_ptr())
-
-
-def rows_ok(x: torch.Tensor) -> bool:
-    """A [T, N] tensor whose rows are contiguous (any row stride)."""
-    return x.dim() == 2 and x.stride(1) == 1
 
 
 def skinny_pack(lib: ctypes.CDLL, weight: torch.Tensor, out: torch.Tensor) -> None:

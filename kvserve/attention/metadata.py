@@ -45,6 +45,18 @@ class AttentionMetadata:
     block_table_tensor: torch.Tensor  # [B, max blocks] int32, padded with 0
     device: torch.device | str = "cpu"
     _groups: list[AttnGroup] | None = field(default=None, repr=False)
+    _kernel_args: tuple | None = field(default=None, repr=False)
+
+    @property
+    def kernel_args(self) -> tuple[int, int, int, int, int, int]:
+        """(slot mapping, block table, its row stride, seq lens, query starts, number of sequences): the raw
+        pointers the C++ kernels take, read once per step instead of once per layer."""
+        if self._kernel_args is None:
+            t = self.block_table_tensor
+            self._kernel_args = (self.slot_mapping.data_ptr(), t.data_ptr(), t.stride(0),
+                                 self.seq_lens_tensor.data_ptr(), self.query_start_loc.data_ptr(),
+                                 self.seq_lens_tensor.shape[0])
+        return self._kernel_args
 
     @property
     def groups(self) -> list[AttnGroup]:

@@ -47,7 +47,7 @@ class ModelRunner:
 
         Such steps are bound by memory bandwidth, which one core fewer nearly saturates; the core it frees
         serves the HTTP frontend, which otherwise preempts a compute thread while the others wait for it
-        (single-stream TPOT through the server: 20.4 ms on 2 threads against 16.4 ms on 1, docs/benchmarks.md)."""
+        (single-stream TPOT through the server: 21.1 ms on 2 threads against 15.3 ms, docs/benchmarks.md)."""
         self._all_threads = torch.get_num_threads()
         if self.device.type == "cpu" and self._all_threads > 1:
             self.small_step_threads = self._all_threads - 1

@@ -9,12 +9,13 @@ up to `kv_gemv_max_rows()` rows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
 
 from kvserve.attention import cpu_kernels
-from kvserve.model.layers import prepack_weights
+from kvserve.model.layers import packed_linear, prepack_weights
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
@@ -31,6 +32,9 @@ def main() -> None:
         raise SystemExit("the skinny kernel needs a C++ compiler and a CPU with AVX-512 BF16")
     weights = [torch.randn(n, k).to(torch.bfloat16) for _ in range(30) for n, k in SHAPES]
     packs = prepack_weights(weights)
+    # the engine's own call, forced onto one path or the other (the kernel takes up to 16 rows)
+    paths = {"onednn": [dataclasses.replace(p, skinny=None) for p in packs],
+             "skinny": [dataclasses.replace(p, skinny_rows=16) for p in packs]}
     print(f"threads {torch.get_num_threads()}, engine cut at {lib.kv_gemv_max_rows()} rows")
     for m in map(int, args.rows.split(",")):
         xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in (576, 1536)}
@@ -38,12 +42,8 @@ def main() -> None:
         for _ in range(5):
             for name in best:
                 t0 = time.perf_counter()
-                for w, pack in zip(weights, packs):
-                    x = xs[w.shape[1]]
-                    if name == "skinny":
-                        cpu_kernels.skinny_matmul(lib, x, pack.skinny, pack.out_features)
-                    else:
-                        torch.ops.mkldnn._linear_pointwise(x, pack.onednn, None, "none", [], "")
+                for w, pack in zip(weights, paths[name]):
+                    packed_linear(xs[w.shape[1]], pack)
                 best[name] = min(best[name], time.perf_counter() - t0)
         print(f"M={m:3d}  oneDNN {best['onednn'] * 1e3:7.2f} ms  skinny {best['skinny'] * 1e3:7.2f} ms  "
               f"{best['onednn'] / best['skinny']:.2f}x")

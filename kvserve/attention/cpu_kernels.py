@@ -161,13 +161,6 @@ def skinny_numel(n: int, k: int) -> int:
     return -(-n // 16) * 16 * k
 
 
-def skinny_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] bf16 (M <= lib.kv_gemv_max_rows(), contiguous rows) @ W^T with W packed by skinny_pack."""
-    y = x.new_empty(x.shape[0], n)
-    lib.kv_gemv_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), n, x.shape[0], n, x.shape[1])
-    return y
-
-
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 

@@ -3,6 +3,8 @@ prefills, prefill chunks over cached context, scattered blocks, GQA), in float32
 builder equals a plain per-sequence loop; oneDNN-packed linears equal F.linear."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -177,6 +179,7 @@ def test_packed_linear_equals_f_linear_in_bfloat16(bias):
 def test_skinny_matmul_is_as_close_to_float32_as_f_linear(out_features):
     """The skinny bf16 kernel (1-10 rows; strided rows; N not a multiple of 16) rounds like F.linear: its
     error against the float32 product is within bf16 rounding, as F.linear's is."""
+    from kvserve.model import layers
     from kvserve.model.layers import Linear, can_prepack, prepack_linears
     g = torch.Generator().manual_seed(out_features)
     lin = Linear(576, out_features).to(torch.bfloat16)
@@ -194,6 +197,11 @@ def test_skinny_matmul_is_as_close_to_float32_as_f_linear(out_features):
         err_got, err_plain = ((t.float() - exact).abs().max().item() for t in (got, plain))
         assert err_got <= 1.5 * err_plain + 1e-2
         torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=0.05)
+    # the kernel itself takes any number of rows, 16 at a time
+    forced = dataclasses.replace(lin.packed, skinny_rows=64)
+    x = torch.randn(37, 576, generator=g).to(torch.bfloat16)
+    got = layers.packed_linear(x, forced)
+    torch.testing.assert_close(got.float(), x.float() @ lin.weight.float().t(), rtol=2 ** -7, atol=0.05)
 
 
 @needs_kernels

@@ -79,28 +79,33 @@ void kv_gemv_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
         dst[1] = n < N ? w[n * K + 2 * k + 1] : 0;
       }
 }
-// y[M, N] = x[M, K] @ W^T; rows of x and y may be strided (xs, ys elements); K even, 1 <= M <= max rows
+// y[M, N] = x[M, K] @ W^T; rows of x and y may be strided (xs, ys elements); K even. Fastest up to
+// kv_gemv_max_rows() rows; more are taken 16 at a time, re-reading W
 void kv_gemv_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M, int64_t N,
                   int64_t K) {
 #ifdef KV_HAVE_GEMV
   const int32_t* w = reinterpret_cast<const int32_t*>(wp);
-  switch (M) {
-    case 1: gemv_rows<1, 4>(x, xs, w, y, ys, N, K); break;
-    case 2: gemv_rows<2, 4>(x, xs, w, y, ys, N, K); break;
-    case 3: gemv_rows<3, 2>(x, xs, w, y, ys, N, K); break;
-    case 4: gemv_rows<4, 2>(x, xs, w, y, ys, N, K); break;
-    case 5: gemv_rows<5, 1>(x, xs, w, y, ys, N, K); break;
-    case 6: gemv_rows<6, 1>(x, xs, w, y, ys, N, K); break;
-    case 7: gemv_rows<7, 1>(x, xs, w, y, ys, N, K); break;
-    case 8: gemv_rows<8, 1>(x, xs, w, y, ys, N, K); break;
-    case 9: gemv_rows<9, 1>(x, xs, w, y, ys, N, K); break;
-    case 10: gemv_rows<10, 1>(x, xs, w, y, ys, N, K); break;
-    case 11: gemv_rows<11, 1>(x, xs, w, y, ys, N, K); break;
-    case 12: gemv_rows<12, 1>(x, xs, w, y, ys, N, K); break;
-    case 13: gemv_rows<13, 1>(x, xs, w, y, ys, N, K); break;
-    case 14: gemv_rows<14, 1>(x, xs, w, y, ys, N, K); break;
-    case 15: gemv_rows<15, 1>(x, xs, w, y, ys, N, K); break;
-    default: gemv_rows<16, 1>(x, xs, w, y, ys, N, K); break;
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {   // 16 rows at a time: more would not fit the registers
+    const uint16_t* xm = x + m0 * xs;
+    uint16_t* ym = y + m0 * ys;
+    switch (std::min<int64_t>(16, M - m0)) {
+      case 1: gemv_rows<1, 4>(xm, xs, w, ym, ys, N, K); break;
+      case 2: gemv_rows<2, 4>(xm, xs, w, ym, ys, N, K); break;
+      case 3: gemv_rows<3, 2>(xm, xs, w, ym, ys, N, K); break;
+      case 4: gemv_rows<4, 2>(xm, xs, w, ym, ys, N, K); break;
+      case 5: gemv_rows<5, 1>(xm, xs, w, ym, ys, N, K); break;
+      case 6: gemv_rows<6, 1>(xm, xs, w, ym, ys, N, K); break;
+      case 7: gemv_rows<7, 1>(xm, xs, w, ym, ys, N, K); break;
+      case 8: gemv_rows<8, 1>(xm, xs, w, ym, ys, N, K); break;
+      case 9: gemv_rows<9, 1>(xm, xs, w, ym, ys, N, K); break;
+      case 10: gemv_rows<10, 1>(xm, xs, w, ym, ys, N, K); break;
+      case 11: gemv_rows<11, 1>(xm, xs, w, ym, ys, N, K); break;
+      case 12: gemv_rows<12, 1>(xm, xs, w, ym, ys, N, K); break;
+      case 13: gemv_rows<13, 1>(xm, xs, w, ym, ys, N, K); break;
+      case 14: gemv_rows<14, 1>(xm, xs, w, ym, ys, N, K); break;
+      case 15: gemv_rows<15, 1>(xm, xs, w, ym, ys, N, K); break;
+      default: gemv_rows<16, 1>(xm, xs, w, ym, ys, N, K); break;
+    }
   }
 #endif
 }

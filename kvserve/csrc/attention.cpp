@@ -261,6 +261,50 @@ inline void tile_pv_rows(const __m512i* Vi, int nseg, int np, const int32_t* con
   if (i0 < nseg) tile_pv<NR, 2>(Vi, nseg, i0, np, pp, acc, corr);   // nseg is even (D % 32 == 0)
 }
 
+// Kt (32 keys, dim-pair-major) and Vi (np key pairs interleaved) of one kv head at offset go of each key row
+inline void build_tiles(const uint16_t* kb, const uint16_t* vb, const int64_t* off, int64_t go, int nblk, int nseg,
+                        int nd2, int np, __m512i* Kt, __m512i* Vi) {
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < nblk; ++c) {
+      __m512i rows[16];
+      for (int j = 0; j < 16; ++j) rows[j] = _mm512_loadu_si512(kb + off[16 * h + j] + go + 32 * c);
+      transpose16x16(rows);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(Kt + h * nd2 + 16 * c + j, rows[j]);
+    }
+  for (int k = 0; k < np; ++k)
+    for (int c = 0; c < nblk; ++c) {
+      const __m512i a = _mm512_loadu_si512(vb + off[2 * k] + go + 32 * c);
+      const __m512i b = _mm512_loadu_si512(vb + off[2 * k + 1] + go + 32 * c);
+      _mm512_store_si512(Vi + k * nseg + 2 * c, _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(Vi + k * nseg + 2 * c + 1, _mm512_unpackhi_epi16(a, b));
+    }
+}
+
+// buf row j = the `row` elements at src + off[j], for j < n, read in address order
+inline void stage_rows(const uint16_t* src, const int64_t* off, int64_t n, int64_t row, uint16_t* buf) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t e = 0; e < row; e += 32) _mm512_store_si512(buf + j * row + e, _mm512_loadu_si512(src + off[j] + e));
+}
+
+// online softmax of one row over the chunk's raw scores (s0: keys 0-15, s1: 16-31), nv of them visible:
+// updates the running max m and sum l, sets the rescale factor corr and the bf16 probability pairs pp
+inline void softmax_row(__m512 s0, __m512 s1, int64_t nv, float scale, float& m, float& l, float& corr,
+                        int32_t* pp) {
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
+  const __mmask16 m0 = nv >= 16 ? __mmask16(0xffff) : __mmask16((1u << nv) - 1);
+  const __mmask16 m1 = nv >= 32 ? __mmask16(0xffff) : nv > 16 ? __mmask16((1u << (nv - 16)) - 1) : __mmask16(0);
+  s0 = _mm512_mask_blend_ps(m0, neg_inf, _mm512_mul_ps(s0, vscale));
+  s1 = _mm512_mask_blend_ps(m1, neg_inf, _mm512_mul_ps(s1, vscale));
+  const float mnew = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+  const __m512 vm = _mm512_set1_ps(mnew);
+  const __m512 z0 = _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(s0, vm)));
+  const __m512 z1 = _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(s1, vm)));
+  corr = std::exp(m - mnew);
+  l = l * corr + _mm512_reduce_add_ps(_mm512_add_ps(z0, z1));
+  m = mnew;
+  _mm512_store_si512(pp, (__m512i)_mm512_cvtne2ps_pbh(z1, z0));
+}
+
 // One work item: sequence b, kv heads [g0, g0 + ng), query tokens [t0, t0 + nt). Rows are kv-head-major
 // (kv head, token, q head of that kv head), so each kv head's rows are one range whose causal limits grow.
 void attend_item_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
@@ -291,7 +335,6 @@ void attend_item_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const u
   }
   const int64_t end = limit[RH - 1] + 1, kv_row = Hkv * D, blk_stride = bs * kv_row;
   const int64_t span = ng * D * 2;   // bytes of one key row this item reads
-  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
   int64_t r0[MAX_ROWS];   // per kv head: rows before r0 have seen all their keys
   for (int64_t gi = 0; gi < ng; ++gi) r0[gi] = gi * RH;
   for (int64_t p = 0; p < end; p += TCH) {
@@ -316,12 +359,8 @@ void attend_item_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const u
     const uint16_t* vb = vc;
     if (ng > 1) {
       const int64_t row = ng * D;
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t e = 0; e < row; e += 32)
-          _mm512_store_si512(kbuf + j * row + e, _mm512_loadu_si512(kc + off[j] + e));
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t e = 0; e < row; e += 32)
-          _mm512_store_si512(vbuf + j * row + e, _mm512_loadu_si512(vc + off[j] + e));
+      stage_rows(kc, off, n, row, kbuf);
+      stage_rows(vc, off, n, row, vbuf);
       for (int64_t j = 0; j < TCH; ++j) off[j] = (j < n ? j : 0) * row;
       kb = kbuf;
       vb = vbuf;
@@ -331,20 +370,7 @@ void attend_item_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const u
       const int64_t go = gi * D, rend = (gi + 1) * RH;
       while (r0[gi] < rend && limit[r0[gi]] < p) ++r0[gi];
       if (r0[gi] == rend) continue;
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < nblk; ++c) {
-          __m512i rows[16];
-          for (int j = 0; j < 16; ++j) rows[j] = _mm512_loadu_si512(kb + off[16 * h + j] + go + 32 * c);
-          transpose16x16(rows);
-          for (int j = 0; j < 16; ++j) _mm512_store_si512(Kt + h * nd2 + 16 * c + j, rows[j]);
-        }
-      for (int k = 0; k < np; ++k)
-        for (int c = 0; c < nblk; ++c) {
-          const __m512i a = _mm512_loadu_si512(vb + off[2 * k] + go + 32 * c);
-          const __m512i b = _mm512_loadu_si512(vb + off[2 * k + 1] + go + 32 * c);
-          _mm512_store_si512(Vi + k * nseg + 2 * c, _mm512_unpacklo_epi16(a, b));
-          _mm512_store_si512(Vi + k * nseg + 2 * c + 1, _mm512_unpackhi_epi16(a, b));
-        }
+      build_tiles(kb, vb, off, go, nblk, nseg, nd2, np, Kt, Vi);
       for (int64_t rb = r0[gi]; rb < rend; rb += 4) {
         const int nr = int(std::min<int64_t>(4, rend - rb));
         __m512 s[8];
@@ -355,20 +381,8 @@ void attend_item_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const u
           default: tile_scores<1>(Kt, nd2, qd + rb, s); break;
         }
         for (int i = 0; i < nr; ++i) {
-          const int64_t r = rb + i;
-          const int64_t nv = std::min<int64_t>(n, limit[r] - p + 1);   // >= 1 for rows from r0
-          const __mmask16 m0 = nv >= 16 ? __mmask16(0xffff) : __mmask16((1u << nv) - 1);
-          const __mmask16 m1 = nv >= 32 ? __mmask16(0xffff) : nv > 16 ? __mmask16((1u << (nv - 16)) - 1) : __mmask16(0);
-          const __m512 s0 = _mm512_mask_blend_ps(m0, neg_inf, _mm512_mul_ps(s[2 * i], vscale));
-          const __m512 s1 = _mm512_mask_blend_ps(m1, neg_inf, _mm512_mul_ps(s[2 * i + 1], vscale));
-          const float mnew = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-          const __m512 vm = _mm512_set1_ps(mnew);
-          const __m512 z0 = _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(s0, vm)));
-          const __m512 z1 = _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(s1, vm)));
-          corr[r] = std::exp(m[r] - mnew);
-          l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(z0, z1));
-          m[r] = mnew;
-          _mm512_store_si512(pp[r], (__m512i)_mm512_cvtne2ps_pbh(z1, z0));
+          const int64_t r = rb + i, nv = std::min<int64_t>(n, limit[r] - p + 1);   // >= 1 for rows from r0
+          softmax_row(s[2 * i], s[2 * i + 1], nv, scale, m[r], l[r], corr[r], pp[r]);
         }
       }
       for (int64_t rb = r0[gi]; rb < rend; rb += 4) {

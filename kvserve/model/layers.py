@@ -145,11 +145,12 @@ class RMSNorm(InferenceModule):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        lib = _fast_lib(x) if x.shape[-1] <= 8192 and self.weight.dtype == x.dtype else None
+        weight = self.weight   # one nn.Module attribute lookup: this runs twice per layer per step
+        lib = _fast_lib(x) if x.shape[-1] <= 8192 and weight.dtype == x.dtype else None
         if lib is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
             out = torch.empty_like(x)
             lib.kv_rmsnorm_bf16(x.data_ptr(), None if residual is None else residual.data_ptr(),
-                                self.weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.eps)
+                                weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.eps)
             return out if residual is None else (out, residual)
         if residual is not None:
             x = x + residual
@@ -157,7 +158,7 @@ class RMSNorm(InferenceModule):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x.to(dtype)
+        out = weight * x.to(dtype)
         return out if residual is None else (out, residual)
 
 

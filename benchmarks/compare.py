@@ -32,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from compare_report import plot, report, write_doc
+from compare_report import log, plot, report, write_doc
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -45,10 +45,6 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os
             "VLLM_USE_AOT_COMPILE": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 PY = sys.executable
 SWEEP = (4, 16)   # extra --max-concurrency points between the single stream and S1
-
-
-def log(msg: str) -> None:
-    print(f"[compare {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def load_avg() -> str:

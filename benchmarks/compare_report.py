@@ -3,6 +3,7 @@ docs/bench_*.png figures (W1 bars, S1 bars, throughput and TPOT against concurre
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -11,7 +12,7 @@ COLORS = {"transformers": "#999999", "vllm": "#6c8ebf", "kvserve": "#d6792c"}
 
 
 def log(msg: str) -> None:
-    print(f"[compare_report] {msg}", flush=True)
+    print(f"[compare {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def plot(results: dict) -> list[str]:

@@ -151,7 +151,7 @@ def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
 
 
 def skinny_pack(lib: ctypes.CDLL, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """Repack a bf16 weight [N, K] (K even) into `out` (ceil(N / 16) * 16 * K bf16) for skinny_matmul."""
+    """Repack a bf16 weight [N, K] (K even) into `out` (ceil(N / 16) * 16 * K bf16) for kv_gemv_bf16."""
     n, k = weight.shape
     w = weight.contiguous()
     lib.kv_gemv_pack(w.data_ptr(), n, k, out.data_ptr())
@@ -167,8 +167,8 @@ _MADV_HUGEPAGE = 14
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of nbytes, 2 MiB aligned, advised to the kernel as transparent huge pages before it is
-    touched (Linux; elsewhere, or when refused, plain pages). Weights streamed every step read ~1.3x faster
-    from huge pages here (fewer TLB misses; benchmarks/attention_kernel.py notes)."""
+    touched (Linux; elsewhere, or when refused, plain pages). Weights streamed every step read ~1.4x faster
+    from huge pages here (32.6 against 23.2 GB/s, the read test in docs/benchmarks.md)."""
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
     buf = raw[start:start + nbytes]

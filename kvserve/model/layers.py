@@ -48,8 +48,9 @@ def can_prepack(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return False
     try:
-        w = torch.ones(8, 8, dtype=torch.bfloat16)
-        packed_linear(torch.ones(1, 8, dtype=torch.bfloat16), prepack_weights([w])[0])
+        w = torch.ones(8, 8, dtype=torch.bfloat16)   # oneDNN's path only: no skinny pack for a probe
+        packed = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 1), 8)
+        packed_linear(torch.ones(1, 8, dtype=torch.bfloat16), packed)
         return True
     except (RuntimeError, AttributeError):
         return False

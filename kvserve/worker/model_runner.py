@@ -37,8 +37,7 @@ class ModelRunner:
         self.sampler = Sampler()
         if device.type == "cpu" and hasattr(model, "prepack"):
             model.prepack()   # oneDNN-packed bf16 weights: faster matmuls, above all for small decode batches
-        self.small_step_threads: int | None = None   # set by reserve_frontend_core()
-        self._all_threads = torch.get_num_threads()
+        self.small_step_threads: int | None = None   # set by reserve_frontend_core(), with _all_threads
 
     SMALL_STEP_TOKENS = 4
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvserve.attention import (CpuPagedAttention, TorchPagedAttention, build_attention_metadata, cpu_kernels,
-                               get_backend)
+                               get_backend, kv_layout)
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler")
 
@@ -44,13 +44,29 @@ def random_batch(seed: int, num_seqs: int, block_size: int, heads: int, kv_heads
     return q, k, v, k_cache, v_cache, meta
 
 
-def run(backend, batch, heads: int, upcast: bool = False):
+def to_tiled(k_cache: torch.Tensor, v_cache: torch.Tensor, fill: float = 0.0):
+    """Standard-layout pools rewritten in the kernel's tiled layout (every slot copied)."""
+    num_blocks, bs, hkv, d = k_cache.shape
+    k_shape, v_shape = kv_layout.cache_shapes(num_blocks, bs, hkv, d, tiled=True)
+    kt, vt = torch.full(k_shape, fill, dtype=k_cache.dtype), torch.full(v_shape, fill, dtype=v_cache.dtype)
+    kv_layout.write_slots(kt, vt, torch.arange(num_blocks * bs), k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d))
+    return kt, vt
+
+
+def to_standard(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    bs, hkv, d = kv_layout.geometry(k_cache)
+    k, v = kv_layout.read_slots(k_cache, v_cache, torch.arange(k_cache.shape[0] * bs))
+    return k.view(-1, bs, hkv, d), v.view(-1, bs, hkv, d)
+
+
+def run(backend, batch, heads: int, upcast: bool = False, tiled: bool = False):
+    """(output, K pool, V pool) of one step; tiled runs on the kernel layout and returns the pools as standard."""
     q, k, v, k_cache, v_cache, meta = batch
     if upcast:
         q, k, v, k_cache, v_cache = (x.float() for x in (q, k, v, k_cache, v_cache))
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    k_cache, v_cache = to_tiled(k_cache, v_cache) if tiled else (k_cache.clone(), v_cache.clone())
     out = backend.forward(q, k, v, k_cache, v_cache, meta, heads, (q.shape[1] // heads) ** -0.5)
-    return out, k_cache, v_cache
+    return (out, *to_standard(k_cache, v_cache)) if tiled else (out, k_cache, v_cache)
 
 
 SHAPES = [  # heads, kv heads, head dim, block size
@@ -59,6 +75,9 @@ SHAPES = [  # heads, kv heads, head dim, block size
     (8, 2, 128, 16),    # Llama-style GQA with D = 128
     (4, 1, 64, 5),      # MQA, block size not a power of two
 ]
+TILED_SHAPES = [shape for shape in SHAPES if shape[3] % 16 == 0] + [(9, 3, 64, 64), (6, 2, 32, 32)]
+needs_tiles = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.load().kv_bf16_tiles(),
+                                 reason="no C++ compiler or no AVX-512 BF16")
 
 
 @needs_kernels
@@ -88,6 +107,70 @@ def test_cpu_backend_bfloat16_is_as_close_to_float32_as_torch(heads, kv_heads, h
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=1e-2)
 
 
+@needs_tiles
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", TILED_SHAPES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tiled_bfloat16_kernel_is_as_close_to_float32_as_torch(heads, kv_heads, head_dim, block_size, seed):
+    """The kernel layout (K and V tiles vdpbf16ps takes): same bound as above, and the C++ cache write puts
+    every new row where the torch write does."""
+    batch = random_batch(seed, 9, block_size, heads, kv_heads, head_dim, torch.bfloat16, max_ctx=150)
+    exact, _, _ = run(TorchPagedAttention(), batch, heads, upcast=True)
+    ref, kc_ref, vc_ref = run(TorchPagedAttention(), batch, heads)
+    got, kc, vc = run(CpuPagedAttention(), batch, heads, tiled=True)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    err_ref = (ref.float() - exact).abs().max().item()
+    err_got = (got.float() - exact).abs().max().item()
+    assert err_got <= max(2 * err_ref, 1e-2)
+    torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_reads_and_writes_the_tiled_layout(dtype):
+    """The reference backend on tiled pools gives exactly what it gives on standard ones."""
+    batch = random_batch(4, 8, 32, 9, 3, 64, dtype)
+    ref, kc_ref, vc_ref = run(TorchPagedAttention(), batch, 9)
+    got, kc, vc = run(TorchPagedAttention(), batch, 9, tiled=True)
+    assert torch.equal(got, ref) and torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+@needs_tiles
+def test_tiled_kernel_ignores_stale_nan_past_the_context():
+    """Keys past a sequence's end share tiles (and, at odd lengths, V key pairs) with the last real ones; stale
+    NaN or inf there must not leak into the output (probabilities of 0 times NaN are NaN)."""
+    g = torch.Generator().manual_seed(11)
+    ctx = [1, 17, 31, 33, 47]
+    tables = [[0], [1, 2], [3, 4], [5, 6, 7], [8, 9, 10]]
+    k_cache, v_cache = (torch.randn(11, 16, 3, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    for t, n in zip(tables, ctx):   # everything past each context: NaN, with an inf in V
+        for p in range(n, 16 * len(t)):
+            k_cache[t[p // 16], p % 16] = float("nan")
+            v_cache[t[p // 16], p % 16] = float("inf") if p % 2 else float("nan")
+    meta = build_attention_metadata([1] * 5, ctx, tables, 16)
+    q, k, v = (torch.randn(5, n * 64, generator=g).to(torch.bfloat16) for n in (9, 3, 3))
+    batch = (q, k, v, k_cache, v_cache, meta)
+    clean = (q, k, v, k_cache.nan_to_num(0.0, 0.0, 0.0), v_cache.nan_to_num(0.0, 0.0, 0.0), meta)
+    exact, _, _ = run(TorchPagedAttention(), clean, 9, upcast=True)
+    got, _, _ = run(CpuPagedAttention(), batch, 9, tiled=True)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=1e-2)
+
+
+def test_bound_bf16_pools_take_the_tiled_layout_only_where_they_can():
+    from kvserve.attention import Attention, bind_kv_cache
+    model = torch.nn.ModuleList([Attention(9, 64, 0.125, 3)])
+    lib = cpu_kernels.load()
+    tiles = lib is not None and bool(lib.kv_bf16_tiles())
+    backend = get_backend("auto")
+    (k, v), = bind_kv_cache(model, 4, 16, torch.bfloat16, backend=backend)
+    assert kv_layout.is_tiled(k) == tiles and k.shape[0] == v.shape[0] == 4
+    assert kv_layout.geometry(k) == (16, 3, 64)
+    for dtype, bs in ((torch.float32, 16), (torch.bfloat16, 8)):
+        (k, _), = bind_kv_cache(model, 4, bs, dtype, backend=backend)
+        assert k.shape == (4, bs, 3, 64)
+    (k, _), = bind_kv_cache(model, 4, 16, torch.bfloat16, backend=TorchPagedAttention())
+    assert k.shape == (4, 16, 3, 64)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_portable_kernel_without_simd_equals_torch(dtype):
@@ -107,6 +190,14 @@ def test_long_contexts_and_large_batches():
     ref, _, _ = run(TorchPagedAttention(), batch, 9)
     got, _, _ = run(CpuPagedAttention(), batch, 9)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+
+
+@needs_tiles
+def test_tiled_long_contexts_and_large_batches():
+    batch = random_batch(6, 40, 16, 9, 3, 64, torch.bfloat16, max_ctx=700)
+    exact, _, _ = run(TorchPagedAttention(), batch, 9, upcast=True)
+    got, _, _ = run(CpuPagedAttention(), batch, 9, tiled=True)
+    torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=1e-2)
 
 
 def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch):
@@ -215,9 +306,10 @@ def test_few_decodes_split_by_kv_head(dtype):
     q, k, v = (torch.randn(2, n * 64, generator=g).to(dtype) for n in (9, 3, 3))
     batch = (q, k, v, k_cache, v_cache, meta)
     exact, _, _ = run(TorchPagedAttention(), batch, 9, upcast=True)
-    got, _, _ = run(CpuPagedAttention(), batch, 9)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
+    for tiled in (False, True) if dtype == torch.bfloat16 and cpu_kernels.load().kv_bf16_tiles() else (False,):
+        got, _, _ = run(CpuPagedAttention(), batch, 9, tiled=tiled)
+        torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
 
 
 @needs_kernels

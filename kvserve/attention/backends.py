@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention import cpu_kernels
+from kvserve.attention import cpu_kernels, kv_layout
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -17,22 +17,25 @@ class TorchPagedAttention:
 
     name = "torch"
 
+    def cache_shapes(self, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(K shape, V shape) of one layer's pools for this backend (kvserve/attention/kv_layout.py)."""
+        return kv_layout.cache_shapes(num_blocks, block_size, num_kv_heads, head_dim, tiled=False)
+
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
-        hkv, d = k_cache.shape[-2:]
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.view(-1, hkv, d).to(k_cache.dtype))
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.view(-1, hkv, d).to(v_cache.dtype))
+        _, hkv, d = kv_layout.geometry(k_cache)
+        kv_layout.write_slots(k_cache, v_cache, meta.slot_mapping, k.reshape(-1, hkv, d), v.reshape(-1, hkv, d))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float):
-        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
+        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]; the pools may be in either layout."""
         self.write_kv(k_cache, v_cache, k, v, meta)
-        hkv, d = k_cache.shape[-2:]
+        _, hkv, d = kv_layout.geometry(k_cache)
         q = q.view(-1, num_heads, d)
-        k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
         out = torch.empty_like(q)
         for g in meta.groups:
             qg = q[g.query_idx].transpose(1, 2)          # [G, H, max_q, D]
-            kg = k_flat[g.ctx_slots].transpose(1, 2)     # [G, Hkv, max_ctx, D]
-            vg = v_flat[g.ctx_slots].transpose(1, 2)
+            kg, vg = kv_layout.read_slots(k_cache, v_cache, g.ctx_slots)
+            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)   # [G, Hkv, max_ctx, D]
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
                                                 enable_gqa=hkv != num_heads)
             og = og.transpose(1, 2).reshape(-1, num_heads, d)
@@ -53,10 +56,18 @@ class CpuPagedAttention(TorchPagedAttention):
         if self.lib is None:
             raise RuntimeError("the C++ CPU kernels are not available")
 
+    def cache_shapes(self, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """bf16 pools on the CPU take the kernel's tiled layout where the build and the geometry allow it."""
+        tiled = (torch.device(device).type == "cpu" and bool(self.lib.kv_bf16_tiles())
+                 and kv_layout.can_tile(dtype, block_size, head_dim, cpu_kernels.MAX_HEAD_DIM)
+                 and num_heads // num_kv_heads <= cpu_kernels.MAX_ROWS)
+        return kv_layout.cache_shapes(num_blocks, block_size, num_kv_heads, head_dim, tiled)
+
     @staticmethod
     def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (q.is_cpu and q.dtype in _KERNEL_DTYPES and k_cache.dtype == q.dtype
-                and k_cache.shape[-1] <= cpu_kernels.MAX_HEAD_DIM)
+                and kv_layout.geometry(k_cache)[2] <= cpu_kernels.MAX_HEAD_DIM)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float):
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""

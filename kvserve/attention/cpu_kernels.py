@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.attention import kv_layout
+
 logger = logging.getLogger("kvserve")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -39,6 +41,7 @@ def _read_source() -> str:
 _SOURCE = _read_source()
 
 MAX_HEAD_DIM = 256
+MAX_ROWS = 64   # query rows of one work item: q heads per kv head must fit
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC",
           "-std=c++17"]
 _lib: ctypes.CDLL | None = None
@@ -85,8 +88,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
         "kv_paged_attention_f32": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f],
-        "kv_paged_attention_bf16": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f],
-        "kv_write_kv": [p, i64, p, i64, p, i64, i64, i64, p, p],
+        "kv_paged_attention_bf16": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64],
+        "kv_write_kv": [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, p, p],
         "kv_rmsnorm_bf16": [p, p, p, p, i64, i64, f],
         "kv_rope_bf16": [p, i64, p, p, i64, i64, i64],
         "kv_silu_mul_bf16": [p, i64, p, i64, i64],
@@ -98,6 +101,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes = argtypes
         fn.restype = None
     lib.kv_simd.restype = ctypes.c_int
+    lib.kv_bf16_tiles.restype = ctypes.c_int
     lib.kv_gemv_max_rows.restype = ctypes.c_int
     lib.kv_silu_mul_fast.restype = ctypes.c_int
     lib.silu_mul_fast = bool(lib.kv_silu_mul_fast())
@@ -134,20 +138,24 @@ def _require_compiler() -> str:
 
 def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor, kernel_args: tuple, num_heads: int, scale: float) -> None:
-    """out[T, H*D] = causal attention of q[T, H*D] (rows may be strided) over each sequence's paged K/V;
-    kernel_args: AttentionMetadata.kernel_args."""
-    _, bs, hkv, d = k_cache.shape
+    """out[T, H*D] = causal attention of q[T, H*D] (rows may be strided) over each sequence's paged K/V (either
+    layout for bf16, standard for float32); kernel_args: AttentionMetadata.kernel_args."""
+    bs, hkv, d = kv_layout.geometry(k_cache)
     _, tables, table_stride, seq_lens, query_start, num_seqs = kernel_args
-    fn = lib.kv_paged_attention_bf16 if q.dtype == torch.bfloat16 else lib.kv_paged_attention_f32
-    fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables, table_stride,
-       seq_lens, query_start, num_seqs, num_heads, hkv, d, bs, scale)
+    args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables, table_stride,
+            seq_lens, query_start, num_seqs, num_heads, hkv, d, bs, scale)
+    if q.dtype == torch.bfloat16:
+        lib.kv_paged_attention_bf16(*args, kv_layout.is_tiled(k_cache))
+    else:
+        lib.kv_paged_attention_f32(*args)
 
 
 def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              kernel_args: tuple) -> None:
-    """k_cache/v_cache rows [slot_mapping[t]] = k/v [t] (k, v: [T, Hkv*D], rows may be strided)."""
-    lib.kv_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kernel_args[0], k.shape[0], k.shape[1],
-                    k.element_size(), k_cache.data_ptr(), v_cache.data_ptr())
+    """k_cache/v_cache rows [slot_mapping[t]] = k/v [t] (k, v: [T, Hkv*D], rows may be strided; either layout)."""
+    bs, hkv, d = kv_layout.geometry(k_cache)
+    lib.kv_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kernel_args[0], k.shape[0], hkv, d,
+                    k.element_size(), bs, kv_layout.is_tiled(k_cache), k_cache.data_ptr(), v_cache.data_ptr())
 
 
 def skinny_pack(lib: ctypes.CDLL, weight: torch.Tensor, out: torch.Tensor) -> None:

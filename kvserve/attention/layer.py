@@ -18,7 +18,7 @@ class Attention(InferenceModule):
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
-        # bound by bind_kv_cache(); shape [num_blocks, block_size, num_kv_heads, head_dim]
+        # bound by bind_kv_cache(), in the backend's layout (kvserve/attention/kv_layout.py)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend = default_backend()
@@ -56,10 +56,11 @@ def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: tor
     """Allocate one K and one V pool per layer and bind them to the model's Attention modules."""
     caches = []
     for layer in attention_layers(model):
-        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         if backend is not None:
             layer.backend = backend
+        k_shape, v_shape = layer.backend.cache_shapes(num_blocks, block_size, layer.num_heads, layer.num_kv_heads,
+                                                      layer.head_dim, dtype, device)
+        layer.k_cache = torch.zeros(k_shape, dtype=dtype, device=device)
+        layer.v_cache = torch.zeros(v_shape, dtype=dtype, device=device)
         caches.append((layer.k_cache, layer.v_cache))
     return caches

@@ -1,4 +1,5 @@
-// Paged attention straight from the KV blocks: a portable path, an AVX-512 path and a bf16 tile path.
+// Paged attention straight from the KV blocks, and the KV cache write: a portable path and an AVX-512 path over
+// the standard layout [blocks, bs, Hkv, D], and a bf16 path over the kernel layout (tiles vdpbf16ps takes).
 #include "common.h"
 
 namespace {
@@ -205,24 +206,27 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
 }
 #endif
 
-#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__) && !defined(KV_NO_BF16_TILE)
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
 #define KV_HAVE_BF16_TILE 1
-// bf16 tiles: every multiply-add of QK^T and PV is a vdpbf16ps (two bf16 products per fp32 lane).
-// Per chunk of 32 keys of one kv head, the K rows are transposed into dim-pair-major tiles (Kt[k] holds dim
-// pair k of 16 keys) and V rows of key pairs are interleaved (Vi[k] holds keys 2k, 2k+1 per dim), once, for all
-// query rows of the item. Scores: acc[16 keys] += q[dim pair k] (broadcast) . Kt[k]. P is rounded to bf16 (as
-// flash attention does on GPUs) so its dword k is the pair (p_2k, p_2k+1): acc[16 dims] += that pair (broadcast)
-// . Vi[k]. The V interleave (unpacklo/hi_epi16) permutes the dims inside each 32-dim segment; the accumulators
-// keep that order and the final store undoes it.
-constexpr int TCH = 32;
+// The bf16 kernel layout of the cache (kvserve/attention/kv_layout.py): each block holds bs / 16 groups of 16
+// keys; per group and kv head, a K tile [D/2][16][2] (dim pair k of the 16 keys in one 64-byte vector) and a
+// V tile [8][D][2] (key pairs 2k, 2k+1 interleaved per dim). Both are what vdpbf16ps takes, straight from the
+// cache: scores acc[16 keys] += q[dim pair k] (broadcast) . K[k]; output acc[16 dims] += (p_2k, p_2k+1)
+// (broadcast) . V[k]. The kernel reads the tiles in address order and never transposes or copies K/V.
+// P is rounded to bf16, as flash attention does on GPUs.
+constexpr int TCH = 32;   // keys per chunk: two 16-key groups
 
-// raw scores of NR rows against the 32 keys of the chunk: s[2r + h] covers keys 16h..16h+15
+inline int64_t tile_offset(const int32_t* table, int64_t pos, int64_t bs, int64_t Hkv, int64_t D, int64_t g) {
+  return ((int64_t(table[pos / bs]) * (bs / 16) + (pos % bs) / 16) * Hkv + g) * 16 * D;
+}
+
+// raw scores of NR rows against the 32 keys of the chunk (K0: keys 0-15, K1: 16-31): s[2r + h] covers keys 16h..
 template <int NR>
-inline void tile_scores(const __m512i* Kt, int nd2, const int32_t* const* qd, __m512* s) {
+inline void tile_scores(const __m512i* K0, const __m512i* K1, int nd2, const int32_t* const* qd, __m512* s) {
   __m512 a[NR][2];
   for (int r = 0; r < NR; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int k = 0; k < nd2; ++k) {
-    const __m512bh k0 = (__m512bh)_mm512_load_si512(Kt + k), k1 = (__m512bh)_mm512_load_si512(Kt + nd2 + k);
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(K0 + k), k1 = (__m512bh)_mm512_load_si512(K1 + k);
     for (int r = 0; r < NR; ++r) {
       const __m512bh qb = (__m512bh)_mm512_set1_epi32(qd[r][k]);
       a[r][0] = _mm512_dpbf16_ps(a[r][0], qb, k0);
@@ -232,9 +236,10 @@ inline void tile_scores(const __m512i* Kt, int nd2, const int32_t* const* qd, __
   for (int r = 0; r < NR; ++r) { s[2 * r] = a[r][0]; s[2 * r + 1] = a[r][1]; }
 }
 
-// acc[r][16 (i0 + i) ...] = acc * corr[r] + P_r @ V over NI accumulators (16 dims each) and np key pairs
+// acc[r][16 (i0 + i) ...] = acc * corr[r] + P_r @ V over NI accumulators (16 dims each) and np key pairs;
+// V[k] points at key pair k's D / 16 vectors
 template <int NR, int NI>
-inline void tile_pv(const __m512i* Vi, int nseg, int i0, int np, const int32_t* const* pp, float* const* acc,
+inline void tile_pv(const __m512i* const* V, int i0, int np, const int32_t* const* pp, float* const* acc,
                     const float* corr) {
   __m512 a[NR][NI];
   for (int r = 0; r < NR; ++r) {
@@ -243,7 +248,7 @@ inline void tile_pv(const __m512i* Vi, int nseg, int i0, int np, const int32_t* 
   }
   for (int k = 0; k < np; ++k) {
     __m512bh v[NI];
-    for (int i = 0; i < NI; ++i) v[i] = (__m512bh)_mm512_load_si512(Vi + k * nseg + i0 + i);
+    for (int i = 0; i < NI; ++i) v[i] = (__m512bh)_mm512_load_si512(V[k] + i0 + i);
     for (int r = 0; r < NR; ++r) {
       const __m512bh pb = (__m512bh)_mm512_set1_epi32(pp[r][k]);
       for (int i = 0; i < NI; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], pb, v[i]);
@@ -254,36 +259,11 @@ inline void tile_pv(const __m512i* Vi, int nseg, int i0, int np, const int32_t* 
 }
 
 template <int NR>
-inline void tile_pv_rows(const __m512i* Vi, int nseg, int np, const int32_t* const* pp, float* const* acc,
+inline void tile_pv_rows(const __m512i* const* V, int nseg, int np, const int32_t* const* pp, float* const* acc,
                          const float* corr) {
   int i0 = 0;
-  for (; i0 + 4 <= nseg; i0 += 4) tile_pv<NR, 4>(Vi, nseg, i0, np, pp, acc, corr);
-  if (i0 < nseg) tile_pv<NR, 2>(Vi, nseg, i0, np, pp, acc, corr);   // nseg is even (D % 32 == 0)
-}
-
-// Kt (32 keys, dim-pair-major) and Vi (np key pairs interleaved) of one kv head at offset go of each key row
-inline void build_tiles(const uint16_t* kb, const uint16_t* vb, const int64_t* off, int64_t go, int nblk, int nseg,
-                        int nd2, int np, __m512i* Kt, __m512i* Vi) {
-  for (int h = 0; h < 2; ++h)
-    for (int c = 0; c < nblk; ++c) {
-      __m512i rows[16];
-      for (int j = 0; j < 16; ++j) rows[j] = _mm512_loadu_si512(kb + off[16 * h + j] + go + 32 * c);
-      transpose16x16(rows);
-      for (int j = 0; j < 16; ++j) _mm512_store_si512(Kt + h * nd2 + 16 * c + j, rows[j]);
-    }
-  for (int k = 0; k < np; ++k)
-    for (int c = 0; c < nblk; ++c) {
-      const __m512i a = _mm512_loadu_si512(vb + off[2 * k] + go + 32 * c);
-      const __m512i b = _mm512_loadu_si512(vb + off[2 * k + 1] + go + 32 * c);
-      _mm512_store_si512(Vi + k * nseg + 2 * c, _mm512_unpacklo_epi16(a, b));
-      _mm512_store_si512(Vi + k * nseg + 2 * c + 1, _mm512_unpackhi_epi16(a, b));
-    }
-}
-
-// buf row j = the `row` elements at src + off[j], for j < n, read in address order
-inline void stage_rows(const uint16_t* src, const int64_t* off, int64_t n, int64_t row, uint16_t* buf) {
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t e = 0; e < row; e += 32) _mm512_store_si512(buf + j * row + e, _mm512_loadu_si512(src + off[j] + e));
+  for (; i0 + 4 <= nseg; i0 += 4) tile_pv<NR, 4>(V, i0, np, pp, acc, corr);
+  if (i0 < nseg) tile_pv<NR, 2>(V, i0, np, pp, acc, corr);   // nseg is even (D % 32 == 0)
 }
 
 // online softmax of one row over the chunk's raw scores (s0: keys 0-15, s1: 16-31), nv of them visible:
@@ -305,19 +285,18 @@ inline void softmax_row(__m512 s0, __m512 s1, int64_t nv, float scale, float& m,
   _mm512_store_si512(pp, (__m512i)_mm512_cvtne2ps_pbh(z1, z0));
 }
 
-// One work item: sequence b, kv heads [g0, g0 + ng), query tokens [t0, t0 + nt). Rows are kv-head-major
-// (kv head, token, q head of that kv head), so each kv head's rows are one range whose causal limits grow.
-void attend_item_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
-                      const int32_t* table, int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt,
-                      int64_t g0, int64_t ng, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale) {
+// One work item over the kernel layout: sequence b, kv heads [g0, g0 + ng), query tokens [t0, t0 + nt). Rows are
+// kv-head-major (kv head, token, q head of that kv head), so each kv head's rows are one range whose causal
+// limits grow.
+void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
+                       const int32_t* table, int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt,
+                       int64_t g0, int64_t ng, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale) {
   const int64_t G = H / Hkv, RH = nt * G, R = ng * RH;   // RH: rows per kv head
-  const int nd2 = int(D / 2), nseg = int(D / 16), nblk = int(D / 32);
-  alignas(64) __m512i Kt[2 * MAX_D / 2];
-  alignas(64) __m512i Vi[(TCH / 2) * (MAX_D / 16)];
+  const int nd2 = int(D / 2), nseg = int(D / 16);
+  const int64_t tile = 16 * D;   // elements of one K (or V) tile
   alignas(64) float acc[MAX_ROWS * MAX_D];
-  alignas(64) uint16_t kbuf[TCH * MAX_KV_ROW];
-  alignas(64) uint16_t vbuf[TCH * MAX_KV_ROW];
   alignas(64) int32_t pp[MAX_ROWS][16];
+  alignas(64) __m512i vlast[MAX_D / 16];   // a last key pair whose second key lies past the end, that key zeroed
   float m[MAX_ROWS], l[MAX_ROWS], corr[MAX_ROWS];
   const int32_t* qd[MAX_ROWS];
   const int32_t* ppr[MAX_ROWS];
@@ -333,52 +312,45 @@ void attend_item_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const u
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;
   }
-  const int64_t end = limit[RH - 1] + 1, kv_row = Hkv * D, blk_stride = bs * kv_row;
-  const int64_t span = ng * D * 2;   // bytes of one key row this item reads
+  const int64_t end = limit[RH - 1] + 1;
   int64_t r0[MAX_ROWS];   // per kv head: rows before r0 have seen all their keys
   for (int64_t gi = 0; gi < ng; ++gi) r0[gi] = gi * RH;
   for (int64_t p = 0; p < end; p += TCH) {
     const int64_t n = std::min<int64_t>(TCH, end - p);
-    int64_t off[TCH];
-    for (int64_t j = 0; j < TCH; ++j) {   // keys past the end read key 0 again; their P is 0
-      const int64_t pos = p + (j < n ? j : 0);
-      off[j] = int64_t(table[pos / bs]) * blk_stride + (pos % bs) * kv_row + g0 * D;
-    }
-    // K/V rows two chunks ahead, into L2 (measured best of distances 1-8, hints T0/T1/T2/NTA: the blocks are
-    // scattered, so the hardware prefetcher restarts at every block)
-    for (int64_t pos = p + 2 * TCH; pos < std::min<int64_t>(p + 3 * TCH, end); ++pos) {
-      const int64_t o = int64_t(table[pos / bs]) * blk_stride + (pos % bs) * kv_row + g0 * D;
-      for (int64_t b = 0; b < span; b += 64) {
+    // the chunk's two groups; a second group past the end reuses the first (its keys are masked out)
+    const int64_t base0 = tile_offset(table, p, bs, Hkv, D, g0);
+    const int64_t base1 = n > 16 ? tile_offset(table, p + 16, bs, Hkv, D, g0) : base0;
+    // the groups two chunks ahead, into L2: the item's kv heads are adjacent in a group, so each prefetch
+    // covers one contiguous run of K and one of V
+    for (int64_t pos = p + 2 * TCH; pos < std::min<int64_t>(p + 3 * TCH, end); pos += 16) {
+      const int64_t o = tile_offset(table, pos, bs, Hkv, D, g0);
+      for (int64_t b = 0; b < ng * tile * 2; b += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(kc + o) + b, _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(vc + o) + b, _MM_HINT_T1);
       }
     }
-    // An item with several kv heads first copies the chunk's K rows, then its V rows, in address order, so
-    // DRAM sees two streams rather than head-by-head strided passes (4% faster on W1-shaped decode steps)
-    const uint16_t* kb = kc;
-    const uint16_t* vb = vc;
-    if (ng > 1) {
-      const int64_t row = ng * D;
-      stage_rows(kc, off, n, row, kbuf);
-      stage_rows(vc, off, n, row, vbuf);
-      for (int64_t j = 0; j < TCH; ++j) off[j] = (j < n ? j : 0) * row;
-      kb = kbuf;
-      vb = vbuf;
-    }
     const int np = int((n + 1) / 2);
     for (int64_t gi = 0; gi < ng; ++gi) {
-      const int64_t go = gi * D, rend = (gi + 1) * RH;
+      const int64_t rend = (gi + 1) * RH;
       while (r0[gi] < rend && limit[r0[gi]] < p) ++r0[gi];
       if (r0[gi] == rend) continue;
-      build_tiles(kb, vb, off, go, nblk, nseg, nd2, np, Kt, Vi);
+      const __m512i* K0 = reinterpret_cast<const __m512i*>(kc + base0 + gi * tile);
+      const __m512i* K1 = reinterpret_cast<const __m512i*>(kc + base1 + gi * tile);
+      const __m512i* V[TCH / 2];
+      for (int k = 0; k < np; ++k)
+        V[k] = reinterpret_cast<const __m512i*>(vc + (k < 8 ? base0 : base1) + gi * tile) + (k % 8) * nseg;
+      if (n % 2) {   // P of the missing key is 0, but 0 * (stale inf or NaN) is not: zero that key's V
+        for (int i = 0; i < nseg; ++i) vlast[i] = _mm512_maskz_mov_epi16(0x55555555u, _mm512_load_si512(V[np - 1] + i));
+        V[np - 1] = vlast;
+      }
       for (int64_t rb = r0[gi]; rb < rend; rb += 4) {
         const int nr = int(std::min<int64_t>(4, rend - rb));
         __m512 s[8];
         switch (nr) {
-          case 4: tile_scores<4>(Kt, nd2, qd + rb, s); break;
-          case 3: tile_scores<3>(Kt, nd2, qd + rb, s); break;
-          case 2: tile_scores<2>(Kt, nd2, qd + rb, s); break;
-          default: tile_scores<1>(Kt, nd2, qd + rb, s); break;
+          case 4: tile_scores<4>(K0, K1, nd2, qd + rb, s); break;
+          case 3: tile_scores<3>(K0, K1, nd2, qd + rb, s); break;
+          case 2: tile_scores<2>(K0, K1, nd2, qd + rb, s); break;
+          default: tile_scores<1>(K0, K1, nd2, qd + rb, s); break;
         }
         for (int i = 0; i < nr; ++i) {
           const int64_t r = rb + i, nv = std::min<int64_t>(n, limit[r] - p + 1);   // >= 1 for rows from r0
@@ -388,41 +360,37 @@ void attend_item_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const u
       for (int64_t rb = r0[gi]; rb < rend; rb += 4) {
         const int nr = int(std::min<int64_t>(4, rend - rb));
         switch (nr) {
-          case 4: tile_pv_rows<4>(Vi, nseg, np, ppr + rb, accr + rb, corr + rb); break;
-          case 3: tile_pv_rows<3>(Vi, nseg, np, ppr + rb, accr + rb, corr + rb); break;
-          case 2: tile_pv_rows<2>(Vi, nseg, np, ppr + rb, accr + rb, corr + rb); break;
-          default: tile_pv_rows<1>(Vi, nseg, np, ppr + rb, accr + rb, corr + rb); break;
+          case 4: tile_pv_rows<4>(V, nseg, np, ppr + rb, accr + rb, corr + rb); break;
+          case 3: tile_pv_rows<3>(V, nseg, np, ppr + rb, accr + rb, corr + rb); break;
+          case 2: tile_pv_rows<2>(V, nseg, np, ppr + rb, accr + rb, corr + rb); break;
+          default: tile_pv_rows<1>(V, nseg, np, ppr + rb, accr + rb, corr + rb); break;
         }
       }
     }
   }
   for (int64_t r = 0; r < R; ++r) {
     uint16_t* dst = out + hrow[r] * D;
-    const float inv = 1.f / l[r];
-    for (int64_t d = 0; d < D; ++d) {   // undo the unpack order: dim 32c + 8L + 4hl + e sits at lane 4L + e of acc 2c + hl
-      const int64_t c = d / 32, L = (d % 32) / 8, hl = (d % 8) / 4, e = d % 4;
-      dst[d] = f32_to_bf16(accr[r][(2 * c + hl) * 16 + 4 * L + e] * inv);
-    }
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(accr[r] + d), inv)));
   }
 }
 #endif
 
+// tiled: K/V are in the bf16 kernel layout (bf16 only, bs % 16 == 0, D % 32 == 0), else [blocks, bs, Hkv, D]
 template <typename T>
 void paged_attention(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* block_tables, int64_t table_stride,
                      const int32_t* seq_lens, const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv,
-                     int64_t D, int64_t bs, float scale) {
+                     int64_t D, int64_t bs, float scale, bool tiled) {
   const int64_t G = H / Hkv;
   bool simd = false;
 #ifdef KV_HAVE_AVX512
   simd = D % 32 == 0 && Hkv * D <= MAX_KV_ROW && H <= MAX_ROWS;
 #endif
-  bool bf16_tile = false;
-#ifdef KV_HAVE_BF16_TILE
-  bf16_tile = std::is_same<T, uint16_t>::value && D % 32 == 0 && G <= MAX_ROWS;
-#endif
   // A work item is (sequence, query tile, kv heads). With many sequences an item takes all kv heads, so it
   // reads whole contiguous KV rows; with few (single-stream decode) it takes one kv head, for parallelism.
-  // The bf16 tile kernel decides per sequence: all kv heads when every row of the sequence fits one item
+  // The tiled kernel decides per sequence: all kv heads when every row of the sequence fits one item
   // (decodes, short chunks), else one kv head per item with the longest token tiles (prefill).
   const int64_t total_q = query_start[B];
   const bool many = B >= 4 * omp_get_max_threads();
@@ -430,7 +398,7 @@ void paged_attention(const T* q, int64_t qs, const T* kc, const T* vc, T* out, c
   std::vector<int64_t> first(B + 1, 0), ngs(B), tiles(B);   // first item, kv heads per item, tokens per item
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = query_start[b + 1] - query_start[b];
-    ngs[b] = bf16_tile ? (many && q_len * H <= MAX_ROWS && Hkv * D <= MAX_KV_ROW ? Hkv : 1) : ng_all;
+    ngs[b] = tiled ? (many && q_len * H <= MAX_ROWS ? Hkv : 1) : ng_all;
     tiles[b] = std::max<int64_t>(1, MAX_ROWS / (ngs[b] * G));
     first[b + 1] = first[b] + ((q_len + tiles[b] - 1) / tiles[b]) * (Hkv / ngs[b]);
   }
@@ -444,9 +412,9 @@ void paged_attention(const T* q, int64_t qs, const T* kc, const T* vc, T* out, c
     const int32_t* table = block_tables + b * table_stride;
 #ifdef KV_HAVE_BF16_TILE
     if constexpr (std::is_same<T, uint16_t>::value) {
-      if (bf16_tile) {
-        attend_item_bf16(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D, bs,
-                         scale);
+      if (tiled) {
+        attend_item_tiled(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D,
+                          bs, scale);
         continue;
       }
     }
@@ -462,12 +430,51 @@ void paged_attention(const T* q, int64_t qs, const T* kc, const T* vc, T* out, c
   }
 }
 
+// cache rows of the tokens: slot s = block * bs + offset; row_elems = Hkv * D elements of es bytes (standard
+// layout), or the kernel layout's tiles for bf16 (tiled)
+void write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t Hkv,
+              int64_t D, int64_t es, int64_t bs, bool tiled, char* kc, char* vc) {
+  const int64_t n = Hkv * D;
+  if (!tiled) {
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(kc + slots[t] * n * es, k + t * ks * es, n * es);
+      std::memcpy(vc + slots[t] * n * es, v + t * vs * es, n * es);
+    }
+    return;
+  }
+  const uint16_t* k16 = reinterpret_cast<const uint16_t*>(k);
+  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v);
+  uint16_t* kc16 = reinterpret_cast<uint16_t*>(kc);
+  uint16_t* vc16 = reinterpret_cast<uint16_t*>(vc);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = slots[t], j = s % 16;
+    const int64_t group = (s / bs) * (bs / 16) + (s % bs) / 16;
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const int64_t base = (group * Hkv + g) * 16 * D;
+      const uint16_t* kr = k16 + t * ks + g * D;
+      const uint16_t* vr = v16 + t * vs + g * D;
+      uint16_t* kt = kc16 + base + 2 * j;                      // K[d / 2][j][d % 2]
+      uint16_t* vt = vc16 + base + (j / 2) * 2 * D + j % 2;    // V[j / 2][d][j % 2]
+      for (int64_t d = 0; d < D; d += 2) { kt[16 * d] = kr[d]; kt[16 * d + 1] = kr[d + 1]; }
+      for (int64_t d = 0; d < D; ++d) vt[2 * d] = vr[d];
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
-int kv_abi_version() { return 1; }
+int kv_abi_version() { return 2; }
 int kv_simd() {
 #ifdef KV_HAVE_AVX512
+  return 1;
+#else
+  return 0;
+#endif
+}
+// 1 when bf16 caches can take the kernel layout (AVX-512 BF16)
+int kv_bf16_tiles() {
+#ifdef KV_HAVE_BF16_TILE
   return 1;
 #else
   return 0;
@@ -477,13 +484,18 @@ void kv_paged_attention_f32(const float* q, int64_t qs, const float* kc, const f
                             const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                             const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
                             float scale) {
-  paged_attention<float>(q, qs, kc, vc, out, tables, table_stride, seq_lens, query_start, B, H, Hkv, D, bs, scale);
+  paged_attention<float>(q, qs, kc, vc, out, tables, table_stride, seq_lens, query_start, B, H, Hkv, D, bs, scale,
+                         false);
 }
 void kv_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
                              const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                              const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                             float scale) {
+                             float scale, int64_t tiled) {
   paged_attention<uint16_t>(q, qs, kc, vc, out, tables, table_stride, seq_lens, query_start, B, H, Hkv, D, bs,
-                            scale);
+                            scale, tiled != 0);
+}
+void kv_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t Hkv,
+                 int64_t D, int64_t es, int64_t bs, int64_t tiled, char* kc, char* vc) {
+  write_kv(k, ks, v, vs, slots, T, Hkv, D, es, bs, tiled != 0, kc, vc);
 }
 }

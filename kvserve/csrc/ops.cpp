@@ -1,15 +1,7 @@
-// Fused per-row layer ops in bf16 (RMSNorm + residual, RoPE) and the KV cache write.
+// Fused per-row layer ops in bf16 (RMSNorm + residual, RoPE, SiLU * up).
 #include "common.h"
 
 extern "C" {
-// cache rows [slot] = k/v rows [t] (rows of n elements, element size es bytes)
-void kv_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t n,
-                 int64_t es, char* kc, char* vc) {
-  for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(kc + slots[t] * n * es, k + t * ks * es, n * es);
-    std::memcpy(vc + slots[t] * n * es, v + t * vs * es, n * es);
-  }
-}
 // 1 when kv_silu_mul_bf16 is vectorized (AVX-512 BF16); its scalar loop is slower than torch's own ops
 int kv_silu_mul_fast() {
 #if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)

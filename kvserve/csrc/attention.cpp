@@ -215,17 +215,26 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
 // (broadcast) . V[k]. The kernel reads the tiles in address order and never transposes or copies K/V.
 // P is rounded to bf16, as flash attention does on GPUs.
 constexpr int TCH = 32;   // keys per chunk: two 16-key groups
+#ifndef PF_CHUNKS
+#define PF_CHUNKS 1
+#endif
 
 inline int64_t tile_offset(const int32_t* table, int64_t pos, int64_t bs, int64_t Hkv, int64_t D, int64_t g) {
   return ((int64_t(table[pos / bs]) * (bs / 16) + (pos % bs) / 16) * Hkv + g) * 16 * D;
 }
 
 // raw scores of NR rows against the 32 keys of the chunk (K0: keys 0-15, K1: 16-31): s[2r + h] covers keys 16h..
+// pf (or nullptr): the K tiles of a chunk ahead, prefetched one line per line read
 template <int NR>
-inline void tile_scores(const __m512i* K0, const __m512i* K1, int nd2, const int32_t* const* qd, __m512* s) {
+inline void tile_scores(const __m512i* K0, const __m512i* K1, int nd2, const int32_t* const* qd, __m512* s,
+                        const __m512i* const* pf) {
   __m512 a[NR][2];
   for (int r = 0; r < NR; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int k = 0; k < nd2; ++k) {
+    if (pf) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf[0] + k), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(pf[1] + k), _MM_HINT_T1);
+    }
     const __m512bh k0 = (__m512bh)_mm512_load_si512(K0 + k), k1 = (__m512bh)_mm512_load_si512(K1 + k);
     for (int r = 0; r < NR; ++r) {
       const __m512bh qb = (__m512bh)_mm512_set1_epi32(qd[r][k]);
@@ -238,15 +247,19 @@ inline void tile_scores(const __m512i* K0, const __m512i* K1, int nd2, const int
 
 // acc[r][16 (i0 + i) ...] = acc * corr[r] + P_r @ V over NI accumulators (16 dims each) and np key pairs;
 // V[k] points at key pair k's D / 16 vectors
+// pf (or nullptr): the two V tiles of a chunk ahead, prefetched one line per line read
 template <int NR, int NI>
-inline void tile_pv(const __m512i* const* V, int i0, int np, const int32_t* const* pp, float* const* acc,
-                    const float* corr) {
+inline void tile_pv(const __m512i* const* V, int nseg, int i0, int np, const int32_t* const* pp, float* const* acc,
+                    const float* corr, const __m512i* const* pf) {
   __m512 a[NR][NI];
   for (int r = 0; r < NR; ++r) {
     const __m512 c = _mm512_set1_ps(corr[r]);
     for (int i = 0; i < NI; ++i) a[r][i] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * (i0 + i)), c);
   }
   for (int k = 0; k < np; ++k) {
+    if (pf)
+      for (int i = 0; i < NI; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(pf[k / 8] + (k % 8) * nseg + i0 + i), _MM_HINT_T1);
     __m512bh v[NI];
     for (int i = 0; i < NI; ++i) v[i] = (__m512bh)_mm512_load_si512(V[k] + i0 + i);
     for (int r = 0; r < NR; ++r) {
@@ -260,10 +273,10 @@ inline void tile_pv(const __m512i* const* V, int i0, int np, const int32_t* cons
 
 template <int NR>
 inline void tile_pv_rows(const __m512i* const* V, int nseg, int np, const int32_t* const* pp, float* const* acc,
-                         const float* corr) {
+                         const float* corr, const __m512i* const* pf) {
   int i0 = 0;
-  for (; i0 + 4 <= nseg; i0 += 4) tile_pv<NR, 4>(V, i0, np, pp, acc, corr);
-  if (i0 < nseg) tile_pv<NR, 2>(V, i0, np, pp, acc, corr);   // nseg is even (D % 32 == 0)
+  for (; i0 + 4 <= nseg; i0 += 4) tile_pv<NR, 4>(V, nseg, i0, np, pp, acc, corr, pf);
+  if (i0 < nseg) tile_pv<NR, 2>(V, nseg, i0, np, pp, acc, corr, pf);   // nseg is even (D % 32 == 0)
 }
 
 // online softmax of one row over the chunk's raw scores (s0: keys 0-15, s1: 16-31), nv of them visible:
@@ -320,15 +333,12 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
     // the chunk's two groups; a second group past the end reuses the first (its keys are masked out)
     const int64_t base0 = tile_offset(table, p, bs, Hkv, D, g0);
     const int64_t base1 = n > 16 ? tile_offset(table, p + 16, bs, Hkv, D, g0) : base0;
-    // the groups two chunks ahead, into L2: the item's kv heads are adjacent in a group, so each prefetch
-    // covers one contiguous run of K and one of V
-    for (int64_t pos = p + 2 * TCH; pos < std::min<int64_t>(p + 3 * TCH, end); pos += 16) {
-      const int64_t o = tile_offset(table, pos, bs, Hkv, D, g0);
-      for (int64_t b = 0; b < ng * tile * 2; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(kc + o) + b, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(vc + o) + b, _MM_HINT_T1);
-      }
-    }
+    // the tiles PF_CHUNKS ahead go to L2 one line per line the chunk reads (a burst of prefetches at the start of
+    // each chunk overflows the miss queues): 28 against 20 GB/s in a read test with this much compute per line
+    const int64_t ahead = p + PF_CHUNKS * TCH;
+    const bool prefetch = ahead < end;
+    const int64_t pf0 = prefetch ? tile_offset(table, ahead, bs, Hkv, D, g0) : 0;
+    const int64_t pf1 = prefetch && ahead + 16 < end ? tile_offset(table, ahead + 16, bs, Hkv, D, g0) : pf0;
     const int np = int((n + 1) / 2);
     for (int64_t gi = 0; gi < ng; ++gi) {
       const int64_t rend = (gi + 1) * RH;
@@ -343,14 +353,19 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
         for (int i = 0; i < nseg; ++i) vlast[i] = _mm512_maskz_mov_epi16(0x55555555u, _mm512_load_si512(V[np - 1] + i));
         V[np - 1] = vlast;
       }
+      const __m512i* pfk[2] = {reinterpret_cast<const __m512i*>(kc + pf0 + gi * tile),
+                               reinterpret_cast<const __m512i*>(kc + pf1 + gi * tile)};
+      const __m512i* pfv[2] = {reinterpret_cast<const __m512i*>(vc + pf0 + gi * tile),
+                               reinterpret_cast<const __m512i*>(vc + pf1 + gi * tile)};
       for (int64_t rb = r0[gi]; rb < rend; rb += 4) {
         const int nr = int(std::min<int64_t>(4, rend - rb));
+        const __m512i* const* pf = prefetch && rb == r0[gi] ? pfk : nullptr;   // the first row block prefetches
         __m512 s[8];
         switch (nr) {
-          case 4: tile_scores<4>(K0, K1, nd2, qd + rb, s); break;
-          case 3: tile_scores<3>(K0, K1, nd2, qd + rb, s); break;
-          case 2: tile_scores<2>(K0, K1, nd2, qd + rb, s); break;
-          default: tile_scores<1>(K0, K1, nd2, qd + rb, s); break;
+          case 4: tile_scores<4>(K0, K1, nd2, qd + rb, s, pf); break;
+          case 3: tile_scores<3>(K0, K1, nd2, qd + rb, s, pf); break;
+          case 2: tile_scores<2>(K0, K1, nd2, qd + rb, s, pf); break;
+          default: tile_scores<1>(K0, K1, nd2, qd + rb, s, pf); break;
         }
         for (int i = 0; i < nr; ++i) {
           const int64_t r = rb + i, nv = std::min<int64_t>(n, limit[r] - p + 1);   // >= 1 for rows from r0
@@ -359,11 +374,12 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
       }
       for (int64_t rb = r0[gi]; rb < rend; rb += 4) {
         const int nr = int(std::min<int64_t>(4, rend - rb));
+        const __m512i* const* pf = prefetch && rb == r0[gi] ? pfv : nullptr;
         switch (nr) {
-          case 4: tile_pv_rows<4>(V, nseg, np, ppr + rb, accr + rb, corr + rb); break;
-          case 3: tile_pv_rows<3>(V, nseg, np, ppr + rb, accr + rb, corr + rb); break;
-          case 2: tile_pv_rows<2>(V, nseg, np, ppr + rb, accr + rb, corr + rb); break;
-          default: tile_pv_rows<1>(V, nseg, np, ppr + rb, accr + rb, corr + rb); break;
+          case 4: tile_pv_rows<4>(V, nseg, np, ppr + rb, accr + rb, corr + rb, pf); break;
+          case 3: tile_pv_rows<3>(V, nseg, np, ppr + rb, accr + rb, corr + rb, pf); break;
+          case 2: tile_pv_rows<2>(V, nseg, np, ppr + rb, accr + rb, corr + rb, pf); break;
+          default: tile_pv_rows<1>(V, nseg, np, ppr + rb, accr + rb, corr + rb, pf); break;
         }
       }
     }

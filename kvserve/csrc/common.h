@@ -50,6 +50,16 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
+#if defined(__AVX512BF16__)
+// v rounded to bf16 (nearest even) and widened back: the value a bf16 tensor would hold
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+inline void store16_bf16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
 inline void transpose16x16(__m512i* r) {
   __m512i t[16];
   for (int i = 0; i < 8; ++i) {

@@ -44,17 +44,37 @@ void kv_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, u
   for (int64_t t = 0; t < T; ++t) {
     const uint16_t* xr = x + t * N;
     uint16_t* rr = residual ? residual + t * N : nullptr;
+    uint16_t* o = out + t * N;
     float buf[8192];
     float ss = 0.f;
-    for (int64_t i = 0; i < N; ++i) {
-      float r = bf16_to_f32(xr[i]);
-      if (rr) { r = bf16_to_f32(f32_to_bf16(r + bf16_to_f32(rr[i]))); rr[i] = f32_to_bf16(r); }
-      buf[i] = r;
+    int64_t i = 0;
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+    __m512 ssv = _mm512_setzero_ps();
+    for (; i + 16 <= N; i += 16) {
+      __m512 r = load16(xr + i);
+      if (rr) {
+        r = round_bf16(_mm512_add_ps(r, load16(rr + i)));
+        store16_bf16(rr + i, r);
+      }
+      _mm512_storeu_ps(buf + i, r);
+      ssv = _mm512_fmadd_ps(r, r, ssv);
+    }
+    ss = _mm512_reduce_add_ps(ssv);
+#endif
+    for (int64_t j = i; j < N; ++j) {
+      float r = bf16_to_f32(xr[j]);
+      if (rr) { r = bf16_to_f32(f32_to_bf16(r + bf16_to_f32(rr[j]))); rr[j] = f32_to_bf16(r); }
+      buf[j] = r;
       ss += r * r;
     }
     const float inv = 1.f / std::sqrt(ss / float(N) + eps);
-    for (int64_t i = 0; i < N; ++i)
-      out[t * N + i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(buf[i] * inv)));
+    i = 0;
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; i + 16 <= N; i += 16)
+      store16_bf16(o + i, _mm512_mul_ps(load16(w + i), round_bf16(_mm512_mul_ps(_mm512_loadu_ps(buf + i), vinv))));
+#endif
+    for (; i < N; ++i) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(buf[i] * inv)));
   }
 }
 // rotate (rotate_half convention) the first nh heads of every row of x in place:
@@ -67,6 +87,20 @@ void kv_rope_bf16(uint16_t* x, int64_t xs, const uint16_t* cos, const uint16_t* 
       uint16_t* p = x + t * xs + h * D;
       const uint16_t* c = cos + t * D;
       const uint16_t* s = sin + t * D;
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+      if (half % 16 == 0) {   // 16 dims of each half at a time, the same roundings as below
+        for (int64_t d = 0; d < half; d += 16) {
+          const __m512 lo = load16(p + d), hi = load16(p + d + half);
+          const __m512 xlo = round_bf16(_mm512_mul_ps(lo, load16(c + d)));
+          const __m512 rlo = round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), load16(s + d)));
+          const __m512 xhi = round_bf16(_mm512_mul_ps(hi, load16(c + d + half)));
+          const __m512 rhi = round_bf16(_mm512_mul_ps(lo, load16(s + d + half)));
+          store16_bf16(p + d, _mm512_add_ps(xlo, rlo));
+          store16_bf16(p + d + half, _mm512_add_ps(xhi, rhi));
+        }
+        continue;
+      }
+#endif
       float a[512];
       for (int64_t d = 0; d < D; ++d) a[d] = bf16_to_f32(p[d]);
       for (int64_t d = 0; d < D; ++d) {

@@ -1,10 +1,11 @@
-"""The skinny bf16 matmul (kvserve/csrc/gemv.cpp) against oneDNN's packed path, side by side in one process,
-over 30 layers of SmolLM2-135M-shaped weights (qkv, o, gate|up, down) for decode steps of M rows.
+"""The decode-step bf16 matmuls (kvserve/csrc/gemv.cpp: the GEMV up to 8 rows, register-tiled GEMM beyond)
+against oneDNN's packed path, side by side in one process, on SmolLM2-135M's shapes for steps of M rows.
 
-  python benchmarks/skinny_matmul.py [--num-threads N] [--rows 1,2,4,6,8,10,12,16]
+  python benchmarks/skinny_matmul.py [--num-threads N] [--rows 1,4,8,12,16,32,64,128,256]
 
-Prints the best of 5 passes over all 120 weights for each path and the ratio. The engine takes the skinny path
-up to `kv_gemv_max_rows()` rows.
+For each M: the best of 5 passes over 30 layers' qkv, o, gate|up and down weights (120 matmuls), and over the
+tied LM head (49152 x 576), for both paths, with GFLOP/s and the ratio. The engine takes the C++ kernels up to
+`kv_packed_matmul_max_rows()` rows and oneDNN beyond.
 """
 from __future__ import annotations
 
@@ -17,36 +18,46 @@ import torch
 from kvserve.attention import cpu_kernels
 from kvserve.model.layers import packed_linear, prepack_weights
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+LM_HEAD = (49152, 576)
+
+
+def best_of(fn, passes: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--rows", default="1,2,4,6,8,10,12,16")
+    p.add_argument("--rows", default="1,4,8,12,16,32,64,128,256")
     args = p.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     lib = cpu_kernels.load()
-    if lib is None or lib.kv_gemv_max_rows() == 0:
-        raise SystemExit("the skinny kernel needs a C++ compiler and a CPU with AVX-512 BF16")
-    weights = [torch.randn(n, k).to(torch.bfloat16) for _ in range(30) for n, k in SHAPES]
-    packs = prepack_weights(weights)
-    # the engine's own call, forced onto one path or the other (the kernel takes up to 16 rows)
-    paths = {"onednn": [dataclasses.replace(p, skinny=None) for p in packs],
-             "skinny": [dataclasses.replace(p, skinny_rows=16) for p in packs]}
-    print(f"threads {torch.get_num_threads()}, engine cut at {lib.kv_gemv_max_rows()} rows")
-    for m in map(int, args.rows.split(",")):
-        xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in (576, 1536)}
-        best = {"onednn": float("inf"), "skinny": float("inf")}
-        for _ in range(5):
-            for name in best:
-                t0 = time.perf_counter()
-                for w, pack in zip(weights, paths[name]):
-                    packed_linear(xs[w.shape[1]], pack)
-                best[name] = min(best[name], time.perf_counter() - t0)
-        print(f"M={m:3d}  oneDNN {best['onednn'] * 1e3:7.2f} ms  skinny {best['skinny'] * 1e3:7.2f} ms  "
-              f"{best['onednn'] / best['skinny']:.2f}x")
+    if lib is None or lib.kv_packed_matmul_max_rows() == 0:
+        raise SystemExit("the C++ matmul kernels need a C++ compiler and a CPU with AVX-512 BF16")
+    sets = {"layers": [torch.randn(n, k).to(torch.bfloat16) for _ in range(30) for n, k in LAYER_SHAPES],
+            "lm head": [torch.randn(*LM_HEAD).to(torch.bfloat16)]}
+    print(f"threads {torch.get_num_threads()}, engine cut at {lib.kv_packed_matmul_max_rows()} rows")
+    print(f"{'M':>4} {'weights':<8} {'oneDNN ms':>9} {'GFLOP/s':>7} {'kvserve ms':>10} {'GFLOP/s':>7} {'ratio':>6}")
+    for name, weights in sets.items():
+        packs = prepack_weights(weights)
+        # the engine's own call, forced onto one path or the other
+        paths = {"onednn": [dataclasses.replace(p, skinny=None) for p in packs],
+                 "kernel": [dataclasses.replace(p, skinny_rows=1 << 30) for p in packs]}
+        for m in map(int, args.rows.split(",")):
+            xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {w.shape[1] for w in weights}}
+            flop = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
+            t = {path: best_of(lambda: [packed_linear(xs[w.shape[1]], pk) for w, pk in zip(weights, pp)])
+                 for path, pp in paths.items()}
+            print(f"{m:4d} {name:<8} {t['onednn'] * 1e3:9.2f} {flop / t['onednn'] / 1e9:7.0f} "
+                  f"{t['kernel'] * 1e3:10.2f} {flop / t['kernel'] / 1e9:7.0f} {t['onednn'] / t['kernel']:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -267,10 +267,10 @@ def test_packed_linear_equals_f_linear_in_bfloat16(bias):
 
 @needs_kernels
 @pytest.mark.parametrize("out_features", [100, 48])
-def test_skinny_matmul_is_as_close_to_float32_as_f_linear(out_features):
-    """The skinny bf16 kernel (1-10 rows; strided rows; N not a multiple of 16) rounds like F.linear: its
-    error against the float32 product is within bf16 rounding, as F.linear's is."""
-    from kvserve.model import layers
+def test_decode_matmul_kernels_are_as_close_to_float32_as_f_linear(out_features):
+    """The C++ matmuls of decode steps (GEMV up to 8 rows, register tiles of 6 rows x 64 columns beyond, up to
+    256 rows; strided rows; N not a multiple of 16 or 64) round like F.linear: their error against the float32
+    product is within bf16 rounding, as F.linear's is. 257 rows take oneDNN's path, bit-identical to F.linear."""
     from kvserve.model.layers import Linear, can_prepack, prepack_linears
     g = torch.Generator().manual_seed(out_features)
     lin = Linear(576, out_features).to(torch.bfloat16)
@@ -278,21 +278,21 @@ def test_skinny_matmul_is_as_close_to_float32_as_f_linear(out_features):
     if not can_prepack(lin.weight):
         pytest.skip("no oneDNN bf16 linear in this torch build")
     prepack_linears(lin)
-    assert lin.packed.skinny is not None and lin.packed.skinny_rows == 10
-    for rows in range(1, 12):   # 11 rows take oneDNN's path
+    if lin.packed.skinny is None:
+        pytest.skip("no AVX-512 BF16: no C++ matmul kernels")
+    assert lin.packed.skinny_rows == cpu_kernels.load().kv_packed_matmul_max_rows() == 256
+    for rows in [*range(1, 14), 37, 100, 256, 257]:
         wide = torch.randn(rows, 600, generator=g).to(torch.bfloat16)
         x = wide[:, :576]   # rows with a stride of 600
         exact = x.float() @ lin.weight.float().t()
         got, plain = lin(x), torch.nn.functional.linear(x, lin.weight)
         assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+        if rows > 256:
+            assert torch.equal(got, plain)
+            continue
         err_got, err_plain = ((t.float() - exact).abs().max().item() for t in (got, plain))
         assert err_got <= 1.5 * err_plain + 1e-2
         torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=0.05)
-    # the kernel itself takes any number of rows, 16 at a time
-    forced = dataclasses.replace(lin.packed, skinny_rows=64)
-    x = torch.randn(37, 576, generator=g).to(torch.bfloat16)
-    got = layers.packed_linear(x, forced)
-    torch.testing.assert_close(got.float(), x.float() @ lin.weight.float().t(), rtol=2 ** -7, atol=0.05)
 
 
 @needs_kernels

@@ -94,7 +94,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kv_rope_bf16": [p, i64, p, p, i64, i64, i64],
         "kv_silu_mul_bf16": [p, i64, p, i64, i64],
         "kv_gemv_pack": [p, i64, i64, p],
-        "kv_gemv_bf16": [p, i64, p, p, i64, i64, i64, i64],
+        "kv_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -102,7 +102,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = None
     lib.kv_simd.restype = ctypes.c_int
     lib.kv_bf16_tiles.restype = ctypes.c_int
-    lib.kv_gemv_max_rows.restype = ctypes.c_int
+    lib.kv_packed_matmul_max_rows.restype = ctypes.c_int
     lib.kv_silu_mul_fast.restype = ctypes.c_int
     lib.silu_mul_fast = bool(lib.kv_silu_mul_fast())
     return lib
@@ -159,7 +159,7 @@ def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
 
 
 def skinny_pack(lib: ctypes.CDLL, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """Repack a bf16 weight [N, K] (K even) into `out` (ceil(N / 16) * 16 * K bf16) for kv_gemv_bf16."""
+    """Repack a bf16 weight [N, K] (K even) into `out` (ceil(N / 16) * 16 * K bf16) for kv_packed_matmul_bf16."""
     n, k = weight.shape
     w = weight.contiguous()
     lib.kv_gemv_pack(w.data_ptr(), n, k, out.data_ptr())

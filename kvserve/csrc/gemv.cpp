@@ -1,13 +1,19 @@
-// Skinny bf16 matmul y[M, N] = x[M, K] @ W[N, K]^T for the few rows of a decode step (M <= GEMV_MAX_ROWS).
-// Such a step is bound by reading W, so W is repacked once into the order the loop streams it:
+// bf16 matmul y[M, N] = x[M, K] @ W[N, K]^T for the rows of decode steps (M <= PACKED_MAX_ROWS), on W repacked
+// once into the order the loops stream it:
 //   Wp[n / 16][k / 2][n % 16] = the bf16 pair (W[n][k], W[n][k + 1]) as one dword,
-// and every vdpbf16ps multiplies one 64-byte line of Wp (16 outputs x 2 inputs) by a broadcast pair of x.
+// so every vdpbf16ps multiplies one 64-byte line of Wp (16 outputs x 2 inputs) by a broadcast pair of x.
+// Up to GEMV_MAX_ROWS rows a step is bound by reading W: the GEMV streams it once with every row in registers.
+// More rows are compute-bound: register tiles of GEMM_MR rows x GEMM_NB column blocks (see gemm_tile).
 #include "common.h"
 
 namespace {
 
 #ifndef GEMV_MAX_ROWS
-#define GEMV_MAX_ROWS 10   // beyond, oneDNN catches up (1.02x at 12 rows, 0.90x at 16 on one thread)
+#define GEMV_MAX_ROWS 8      // the GEMV and the tiles are even at 6-8 rows; the tiles win from 10
+#endif
+static_assert(GEMV_MAX_ROWS >= 1 && GEMV_MAX_ROWS <= 8, "kv_packed_matmul_bf16 dispatches 1-8 rows to the GEMV");
+#ifndef PACKED_MAX_ROWS
+#define PACKED_MAX_ROWS 256  // beyond, the prefill's big matmuls take oneDNN's path (bit-identical to F.linear)
 #endif
 
 #if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
@@ -54,14 +60,51 @@ void gemv_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, in
       _mm256_mask_storeu_epi16(y + m * ys + b * 16, mask, (__m256i)_mm512_cvtneps_pbh(out[m]));
   }
 }
+
+// Small GEMM for steps of a few dozen rows (decode batches): register tiles of MR rows x NB 16-column blocks,
+// MR * NB accumulators, so each weight vector loaded feeds MR vdpbf16ps and each broadcast of x feeds NB (the
+// GEMV above needs one broadcast per vdpbf16ps). 400-440 GFLOP/s on SmolLM2's shapes from 32 rows on 2 cores,
+// against oneDNN's 240-380 (benchmarks/skinny_matmul.py). Same packed W; fp32 sums rounded once to bf16.
+template <int MR, int NB>
+void gemm_tile(const uint16_t* x, int64_t xs, const int32_t* w, int64_t K2, uint16_t* y, int64_t ys, int64_t left) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int32_t* xd[MR];
+  for (int m = 0; m < MR; ++m) xd[m] = reinterpret_cast<const int32_t*>(x + m * xs);
+  const int64_t bstride = K2 * 16;
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_load_si512(w + j * bstride + k * 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xd[m][k]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t l = left - 16 * j;
+    const __mmask16 mask = l >= 16 ? __mmask16(0xffff) : __mmask16((1u << l) - 1);
+    for (int m = 0; m < MR; ++m)
+      _mm256_mask_storeu_epi16(y + m * ys + 16 * j, mask, (__m256i)_mm512_cvtneps_pbh(acc[m][j]));
+  }
+}
+
+constexpr int GEMM_MR = 6, GEMM_NB = 4;
+using GemmFn = void (*)(const uint16_t*, int64_t, const int32_t*, int64_t, uint16_t*, int64_t, int64_t);
+template <int NB>
+constexpr GemmFn gemm_row_fns[GEMM_MR + 1] = {nullptr, gemm_tile<1, NB>, gemm_tile<2, NB>, gemm_tile<3, NB>,
+                                              gemm_tile<4, NB>, gemm_tile<5, NB>, gemm_tile<6, NB>};
+const GemmFn* const gemm_fns[GEMM_NB + 1] = {nullptr, gemm_row_fns<1>, gemm_row_fns<2>, gemm_row_fns<3>,
+                                             gemm_row_fns<4>};
 #endif
 
 }  // namespace
 
 extern "C" {
-int kv_gemv_max_rows() {
+// the most rows kv_packed_matmul_bf16 is for (0: not built here)
+int kv_packed_matmul_max_rows() {
 #ifdef KV_HAVE_GEMV
-  return GEMV_MAX_ROWS;
+  return PACKED_MAX_ROWS;
 #else
   return 0;
 #endif
@@ -79,33 +122,34 @@ void kv_gemv_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
         dst[1] = n < N ? w[n * K + 2 * k + 1] : 0;
       }
 }
-// y[M, N] = x[M, K] @ W^T; rows of x and y may be strided (xs, ys elements); K even. Fastest up to
-// kv_gemv_max_rows() rows; more are taken 16 at a time, re-reading W
-void kv_gemv_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M, int64_t N,
-                  int64_t K) {
+// y[M, N] = x[M, K] @ W^T; rows of x and y may be strided (xs, ys elements); K even; any M (fastest up to
+// kv_packed_matmul_max_rows(), where the engine switches to oneDNN)
+void kv_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
+                           int64_t N, int64_t K) {
 #ifdef KV_HAVE_GEMV
   const int32_t* w = reinterpret_cast<const int32_t*>(wp);
-  for (int64_t m0 = 0; m0 < M; m0 += 16) {   // 16 rows at a time: more would not fit the registers
-    const uint16_t* xm = x + m0 * xs;
-    uint16_t* ym = y + m0 * ys;
-    switch (std::min<int64_t>(16, M - m0)) {
-      case 1: gemv_rows<1, 4>(xm, xs, w, ym, ys, N, K); break;
-      case 2: gemv_rows<2, 4>(xm, xs, w, ym, ys, N, K); break;
-      case 3: gemv_rows<3, 2>(xm, xs, w, ym, ys, N, K); break;
-      case 4: gemv_rows<4, 2>(xm, xs, w, ym, ys, N, K); break;
-      case 5: gemv_rows<5, 1>(xm, xs, w, ym, ys, N, K); break;
-      case 6: gemv_rows<6, 1>(xm, xs, w, ym, ys, N, K); break;
-      case 7: gemv_rows<7, 1>(xm, xs, w, ym, ys, N, K); break;
-      case 8: gemv_rows<8, 1>(xm, xs, w, ym, ys, N, K); break;
-      case 9: gemv_rows<9, 1>(xm, xs, w, ym, ys, N, K); break;
-      case 10: gemv_rows<10, 1>(xm, xs, w, ym, ys, N, K); break;
-      case 11: gemv_rows<11, 1>(xm, xs, w, ym, ys, N, K); break;
-      case 12: gemv_rows<12, 1>(xm, xs, w, ym, ys, N, K); break;
-      case 13: gemv_rows<13, 1>(xm, xs, w, ym, ys, N, K); break;
-      case 14: gemv_rows<14, 1>(xm, xs, w, ym, ys, N, K); break;
-      case 15: gemv_rows<15, 1>(xm, xs, w, ym, ys, N, K); break;
-      default: gemv_rows<16, 1>(xm, xs, w, ym, ys, N, K); break;
+  const int64_t K2 = K / 2, nb = (N + 15) / 16;
+  if (M <= GEMV_MAX_ROWS) {
+    switch (M) {
+      case 1: gemv_rows<1, 4>(x, xs, w, y, ys, N, K); break;
+      case 2: gemv_rows<2, 4>(x, xs, w, y, ys, N, K); break;
+      case 3: gemv_rows<3, 2>(x, xs, w, y, ys, N, K); break;
+      case 4: gemv_rows<4, 2>(x, xs, w, y, ys, N, K); break;
+      case 5: gemv_rows<5, 1>(x, xs, w, y, ys, N, K); break;
+      case 6: gemv_rows<6, 1>(x, xs, w, y, ys, N, K); break;
+      case 7: gemv_rows<7, 1>(x, xs, w, y, ys, N, K); break;
+      default: gemv_rows<8, 1>(x, xs, w, y, ys, N, K); break;
     }
+    return;
+  }
+  const int64_t groups = (nb + GEMM_NB - 1) / GEMM_NB, row_tiles = (M + GEMM_MR - 1) / GEMM_MR;
+  // items column-group-major: a thread's consecutive items reuse one group of W from its L1/L2
+  #pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < groups * row_tiles; ++item) {
+    const int64_t g = item / row_tiles, t = item % row_tiles;
+    const int64_t b0 = g * GEMM_NB, m0 = t * GEMM_MR;
+    const int nbk = int(std::min<int64_t>(GEMM_NB, nb - b0)), mr = int(std::min<int64_t>(GEMM_MR, M - m0));
+    gemm_fns[nbk][mr](x + m0 * xs, xs, w + b0 * K2 * 16, K2, y + m0 * ys + b0 * 16, ys, N - b0 * 16);
   }
 #endif
 }

@@ -31,9 +31,10 @@ class Linear(InferenceModule):
 
 @dataclass
 class PackedWeight:
-    """A bf16 CPU weight [N, K] in the layouts the matmul kernels stream: oneDNN's blocked layout, and (when
-    the C++ kernels build) the skinny layout for steps of at most `skinny_rows` rows, i.e. small decode batches,
-    which are bound by reading the weight (kvserve/csrc/gemv.cpp)."""
+    """A bf16 CPU weight [N, K] in the layouts the matmul kernels stream: oneDNN's blocked layout for big steps
+    (prefill), and (when the C++ kernels build) the skinny layout for steps of at most `skinny_rows` rows, i.e.
+    decode batches: kvserve/csrc/gemv.cpp's GEMV up to 8 rows (bound by reading the weight), register-tiled GEMM
+    beyond."""
 
     onednn: torch.Tensor
     out_features: int
@@ -61,7 +62,7 @@ def prepack_weights(weights: list[torch.Tensor]) -> list[PackedWeight]:
     buffer: they are read from start to end at every decode step."""
     packs = [PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), w.shape[0]) for w in weights]
     lib = cpu_kernels.load()
-    rows = lib.kv_gemv_max_rows() if lib is not None else 0
+    rows = lib.kv_packed_matmul_max_rows() if lib is not None else 0
     if rows == 0 or any(w.shape[1] % 2 for w in weights):
         return packs
     sizes = [cpu_kernels.skinny_numel(*w.shape) for w in weights]
@@ -73,13 +74,14 @@ def prepack_weights(weights: list[torch.Tensor]) -> list[PackedWeight]:
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T with a prepacked weight. oneDNN's path is bit-identical to F.linear in bf16 and up to 2x faster
-    for small batches; the skinny kernel takes steps of few rows (1.2-2.7x faster than oneDNN at one row)."""
+    """x @ W^T with a prepacked weight. Steps of up to `skinny_rows` (256) rows take the C++ kernels (1.2-2.7x
+    faster than oneDNN at one row, 1.1-1.6x at 12-128 rows); bigger ones oneDNN's path, bit-identical to F.linear
+    in bf16."""
     if packed.skinny is not None and x.dim() == 2 and x.shape[0] <= packed.skinny_rows and x.stride(1) == 1:
         n = packed.out_features   # the call inlined: decode steps make 121 of these per token
         y = x.new_empty(x.shape[0], n)
-        packed.lib.kv_gemv_bf16(x.data_ptr(), x.stride(0), packed.skinny_ptr, y.data_ptr(), n, x.shape[0], n,
-                                x.shape[1])
+        packed.lib.kv_packed_matmul_bf16(x.data_ptr(), x.stride(0), packed.skinny_ptr, y.data_ptr(), n,
+                                         x.shape[0], n, x.shape[1])
     else:
         y = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, None, "none", [], "")
     return y if bias is None else y + bias

@@ -245,20 +245,20 @@ def test_vectorized_metadata_equals_a_loop(seed):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_equals_f_linear_in_bfloat16(bias):
-    """oneDNN's packed path (more rows than the skinny kernel takes) is bit-identical to F.linear."""
-    from kvserve.model.layers import Linear, can_prepack, prepack_linears
+def test_onednn_packed_linear_equals_f_linear_in_bfloat16(bias):
+    """oneDNN's packed path (where the C++ matmul kernels do not build) is bit-identical to F.linear."""
+    from kvserve.model.layers import Linear, packed_linear, prepack_weights
     lin = Linear(64, 96, bias=bias).to(torch.bfloat16)
     for p in lin.parameters():
         torch.nn.init.normal_(p)
-    if not can_prepack(lin.weight):
-        pytest.skip("no oneDNN bf16 linear in this torch build")
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    pack, = prepack_weights([lin.weight], onednn=True)
+    assert pack.onednn is not None and pack.kernel is None
     for rows in (7, 300):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         plain = lin(x)
-        assert prepack_linears(lin)[0] == 1
-        packed = lin(x)
-        lin.packed = None
+        packed = packed_linear(x, pack, lin.bias)
         if bias:   # the bias is added after rounding the product to bf16
             torch.testing.assert_close(packed, plain, atol=0.5, rtol=2e-2)
         else:
@@ -267,32 +267,29 @@ def test_packed_linear_equals_f_linear_in_bfloat16(bias):
 
 @needs_kernels
 @pytest.mark.parametrize("out_features", [100, 48])
-def test_decode_matmul_kernels_are_as_close_to_float32_as_f_linear(out_features):
-    """The C++ matmuls of decode steps (GEMV up to 8 rows, register tiles of 6 rows x 64 columns beyond, up to
-    256 rows; strided rows; N not a multiple of 16 or 64) round like F.linear: their error against the float32
-    product is within bf16 rounding, as F.linear's is. 257 rows take oneDNN's path, bit-identical to F.linear."""
+def test_matmul_kernels_are_as_close_to_float32_as_f_linear(out_features):
+    """The C++ matmuls (GEMV up to 8 rows, register tiles of 6 rows x 64 columns beyond; strided rows; 3-d
+    input; N not a multiple of 16 or 64) round like F.linear: their error against the float32 product is within
+    bf16 rounding, as F.linear's is."""
     from kvserve.model.layers import Linear, can_prepack, prepack_linears
     g = torch.Generator().manual_seed(out_features)
     lin = Linear(576, out_features).to(torch.bfloat16)
     lin.weight.copy_(torch.randn(out_features, 576, generator=g))
-    if not can_prepack(lin.weight):
-        pytest.skip("no oneDNN bf16 linear in this torch build")
-    prepack_linears(lin)
-    if lin.packed.skinny is None:
+    if not cpu_kernels.load().kv_has_packed_matmul():
         pytest.skip("no AVX-512 BF16: no C++ matmul kernels")
-    assert lin.packed.skinny_rows == cpu_kernels.load().kv_packed_matmul_max_rows() == 256
-    for rows in [*range(1, 14), 37, 100, 256, 257]:
+    assert can_prepack(lin.weight) and prepack_linears(lin)[0] == 1
+    assert lin.packed.kernel is not None and lin.packed.onednn is None   # one packed copy, not two
+    for rows in [*range(1, 14), 37, 100, 257, 1030]:
         wide = torch.randn(rows, 600, generator=g).to(torch.bfloat16)
         x = wide[:, :576]   # rows with a stride of 600
         exact = x.float() @ lin.weight.float().t()
         got, plain = lin(x), torch.nn.functional.linear(x, lin.weight)
         assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
-        if rows > 256:
-            assert torch.equal(got, plain)
-            continue
         err_got, err_plain = ((t.float() - exact).abs().max().item() for t in (got, plain))
         assert err_got <= 1.5 * err_plain + 1e-2
         torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=0.05)
+    x3 = torch.randn(2, 5, 576, generator=g).to(torch.bfloat16)
+    torch.testing.assert_close(lin(x3).float(), x3.float() @ lin.weight.float().t(), rtol=2 ** -7, atol=0.05)
 
 
 @needs_kernels

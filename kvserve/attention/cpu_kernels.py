@@ -102,7 +102,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = None
     lib.kv_simd.restype = ctypes.c_int
     lib.kv_bf16_tiles.restype = ctypes.c_int
-    lib.kv_packed_matmul_max_rows.restype = ctypes.c_int
+    lib.kv_has_packed_matmul.restype = ctypes.c_int
     lib.kv_silu_mul_fast.restype = ctypes.c_int
     lib.silu_mul_fast = bool(lib.kv_silu_mul_fast())
     return lib
@@ -158,14 +158,14 @@ def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
                     k.element_size(), bs, kv_layout.is_tiled(k_cache), k_cache.data_ptr(), v_cache.data_ptr())
 
 
-def skinny_pack(lib: ctypes.CDLL, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """Repack a bf16 weight [N, K] (K even) into `out` (ceil(N / 16) * 16 * K bf16) for kv_packed_matmul_bf16."""
+def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """Repack a bf16 weight [N, K] (K even) into `out` (packed_numel(N, K) bf16) for kv_packed_matmul_bf16."""
     n, k = weight.shape
     w = weight.contiguous()
     lib.kv_gemv_pack(w.data_ptr(), n, k, out.data_ptr())
 
 
-def skinny_numel(n: int, k: int) -> int:
+def packed_numel(n: int, k: int) -> int:
     return -(-n // 16) * 16 * k
 
 

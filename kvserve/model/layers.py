@@ -31,57 +31,69 @@ class Linear(InferenceModule):
 
 @dataclass
 class PackedWeight:
-    """A bf16 CPU weight [N, K] in the layouts the matmul kernels stream: oneDNN's blocked layout for big steps
-    (prefill), and (when the C++ kernels build) the skinny layout for steps of at most `skinny_rows` rows, i.e.
-    decode batches: kvserve/csrc/gemv.cpp's GEMV up to 8 rows (bound by reading the weight), register-tiled GEMM
-    beyond."""
+    """A bf16 CPU weight [N, K] packed once in the layout a matmul kernel streams: kvserve/csrc/gemv.cpp's
+    (16 output columns x 2 inputs per 64-byte line; a GEMV up to 8 rows, register-tiled GEMM beyond) where the
+    C++ kernels build with AVX-512 BF16 and K is even, else oneDNN's blocked layout."""
 
-    onednn: torch.Tensor
     out_features: int
-    skinny: torch.Tensor | None = None
-    skinny_rows: int = 0
-    skinny_ptr: int = 0
+    kernel: torch.Tensor | None = None   # the C++ kernels' layout
+    kernel_ptr: int = 0
     lib: object = None
+    onednn: torch.Tensor | None = None   # oneDNN's layout, where the C++ kernels are not available
+
+
+def _kernel_lib():
+    lib = cpu_kernels.load()
+    return lib if lib is not None and lib.kv_has_packed_matmul() else None
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """True where a oneDNN-packed bf16 weight is available: CPU, bf16, a torch built with mkldnn."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """True where a packed bf16 weight is available: CPU and bf16, with the C++ matmul kernels or a torch built
+    with mkldnn."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return False
+    if _kernel_lib() is not None and weight.shape[1] % 2 == 0:
+        return True
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
-        w = torch.ones(8, 8, dtype=torch.bfloat16)   # oneDNN's path only: no skinny pack for a probe
-        packed = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 1), 8)
-        packed_linear(torch.ones(1, 8, dtype=torch.bfloat16), packed)
+        w = torch.ones(8, 8, dtype=torch.bfloat16)
+        packed_linear(torch.ones(1, 8, dtype=torch.bfloat16), PackedWeight(8, onednn=_onednn_pack(w)))
         return True
     except (RuntimeError, AttributeError):
         return False
 
 
-def prepack_weights(weights: list[torch.Tensor]) -> list[PackedWeight]:
-    """Pack weights [N, K] once (they must not change afterwards). The skinny copies share one huge-page
-    buffer: they are read from start to end at every decode step."""
-    packs = [PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), w.shape[0]) for w in weights]
-    lib = cpu_kernels.load()
-    rows = lib.kv_packed_matmul_max_rows() if lib is not None else 0
-    if rows == 0 or any(w.shape[1] % 2 for w in weights):
-        return packs
-    sizes = [cpu_kernels.skinny_numel(*w.shape) for w in weights]
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+
+
+def prepack_weights(weights: list[torch.Tensor], onednn: bool = False) -> list[PackedWeight]:
+    """Pack weights [N, K] once (they must not change afterwards). The C++ kernels' copies share one huge-page
+    buffer: decode steps read it from start to end. onednn=True packs for oneDNN even where the kernels exist
+    (benchmarks compare the two)."""
+    lib = _kernel_lib()
+    if onednn or lib is None or any(w.shape[1] % 2 for w in weights):
+        return [PackedWeight(w.shape[0], onednn=_onednn_pack(w)) for w in weights]
+    sizes = [cpu_kernels.packed_numel(*w.shape) for w in weights]
     buf = cpu_kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16)
-    for pack, w, part in zip(packs, weights, buf.split(sizes)):
-        cpu_kernels.skinny_pack(lib, w, part)
-        pack.skinny, pack.skinny_rows, pack.skinny_ptr, pack.lib = part, rows, part.data_ptr(), lib
+    packs = []
+    for w, part in zip(weights, buf.split(sizes)):
+        cpu_kernels.pack_weight(lib, w, part)
+        packs.append(PackedWeight(w.shape[0], kernel=part, kernel_ptr=part.data_ptr(), lib=lib))
     return packs
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T with a prepacked weight. Steps of up to `skinny_rows` (256) rows take the C++ kernels (1.2-2.7x
-    faster than oneDNN at one row, 1.1-1.6x at 12-128 rows); bigger ones oneDNN's path, bit-identical to F.linear
-    in bf16."""
-    if packed.skinny is not None and x.dim() == 2 and x.shape[0] <= packed.skinny_rows and x.stride(1) == 1:
+    """x @ W^T with a prepacked weight. The C++ kernels: 1.2-2.2x oneDNN at 1-16 rows, 1.1-1.2x at 32-256,
+    even at prefill sizes (benchmarks/matmul.py); oneDNN's path is bit-identical to F.linear in bf16."""
+    if packed.kernel is not None:
+        if x.dim() != 2 or x.stride(1) != 1:
+            return packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias).view(*x.shape[:-1], -1)
         n = packed.out_features   # the call inlined: decode steps make 121 of these per token
         y = x.new_empty(x.shape[0], n)
-        packed.lib.kv_packed_matmul_bf16(x.data_ptr(), x.stride(0), packed.skinny_ptr, y.data_ptr(), n,
-                                         x.shape[0], n, x.shape[1])
+        packed.lib.kv_packed_matmul_bf16(x.data_ptr(), x.stride(0), packed.kernel_ptr, y.data_ptr(), n, x.shape[0],
+                                         n, x.shape[1])
     else:
         y = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, None, "none", [], "")
     return y if bias is None else y + bias

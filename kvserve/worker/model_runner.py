@@ -36,7 +36,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         if device.type == "cpu" and hasattr(model, "prepack"):
-            model.prepack()   # oneDNN-packed bf16 weights: faster matmuls, above all for small decode batches
+            model.prepack()   # bf16 weights packed for the C++ matmul kernels (or oneDNN): kvserve/csrc/gemv.cpp
         self.small_step_threads: int | None = None   # set by reserve_frontend_core(), with _all_threads
 
     SMALL_STEP_TOKENS = 4

@@ -1,16 +1,16 @@
-"""The decode-step bf16 matmuls (kvserve/csrc/gemv.cpp: the GEMV up to 8 rows, register-tiled GEMM beyond)
-against oneDNN's packed path, side by side in one process, on SmolLM2-135M's shapes for steps of M rows.
+"""The engine's bf16 matmuls (kvserve/csrc/gemv.cpp: a GEMV up to 8 rows, register-tiled GEMM beyond) against
+oneDNN's packed path (torch's fastest bf16 linear on the CPU), side by side in one process, on SmolLM2-135M's
+shapes for steps of M rows.
 
-  python benchmarks/skinny_matmul.py [--num-threads N] [--rows 1,4,8,12,16,32,64,128,256]
+  python benchmarks/matmul.py [--num-threads N] [--rows 1,4,8,12,16,32,64,128,256,1024]
 
 For each M: the best of 5 passes over 30 layers' qkv, o, gate|up and down weights (120 matmuls), and over the
-tied LM head (49152 x 576), for both paths, with GFLOP/s and the ratio. The engine takes the C++ kernels up to
-`kv_packed_matmul_max_rows()` rows and oneDNN beyond.
+tied LM head (49152 x 576), for both paths, with GFLOP/s and the ratio. The engine takes the C++ kernels
+wherever they build (AVX-512 BF16), oneDNN elsewhere.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import torch
@@ -35,22 +35,20 @@ def best_of(fn, passes: int = 5) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--rows", default="1,4,8,12,16,32,64,128,256")
+    p.add_argument("--rows", default="1,4,8,12,16,32,64,128,256,1024")
     args = p.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     lib = cpu_kernels.load()
-    if lib is None or lib.kv_packed_matmul_max_rows() == 0:
+    if lib is None or not lib.kv_has_packed_matmul():
         raise SystemExit("the C++ matmul kernels need a C++ compiler and a CPU with AVX-512 BF16")
     sets = {"layers": [torch.randn(n, k).to(torch.bfloat16) for _ in range(30) for n, k in LAYER_SHAPES],
             "lm head": [torch.randn(*LM_HEAD).to(torch.bfloat16)]}
-    print(f"threads {torch.get_num_threads()}, engine cut at {lib.kv_packed_matmul_max_rows()} rows")
+    print(f"threads {torch.get_num_threads()}")
     print(f"{'M':>4} {'weights':<8} {'oneDNN ms':>9} {'GFLOP/s':>7} {'kvserve ms':>10} {'GFLOP/s':>7} {'ratio':>6}")
     for name, weights in sets.items():
-        packs = prepack_weights(weights)
-        # the engine's own call, forced onto one path or the other
-        paths = {"onednn": [dataclasses.replace(p, skinny=None) for p in packs],
-                 "kernel": [dataclasses.replace(p, skinny_rows=1 << 30) for p in packs]}
+        # the engine's own call on either packing
+        paths = {"onednn": prepack_weights(weights, onednn=True), "kernel": prepack_weights(weights)}
         for m in map(int, args.rows.split(",")):
             xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {w.shape[1] for w in weights}}
             flop = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)

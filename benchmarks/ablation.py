@@ -4,7 +4,8 @@ workload (ratios against the first row; absolute figures on a shared machine are
   python benchmarks/ablation.py [--num-prompts 16] [--repeats 2] [--num-threads N] [--json out.json]
 
 Rows: the pure-torch path (reference attention backend, plain F.linear, unfused norm/rope/silu), then
-+ C++ paged attention, + oneDNN-packed bf16 weights, + fused bf16 RMSNorm/residual, RoPE and SiLU kernels.
++ C++ paged attention, + packed bf16 weights (the C++ matmul kernels; oneDNN where they do not build), + fused
+bf16 RMSNorm/residual, RoPE and SiLU kernels.
 Configurations are interleaved over the repeats and the best run of each is kept.
 """
 from __future__ import annotations

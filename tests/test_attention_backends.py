@@ -155,6 +155,19 @@ def test_tiled_kernel_ignores_stale_nan_past_the_context():
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=1e-2)
 
 
+def test_tiled_blocks_copy_whole_along_dim_0():
+    """Copy-on-write and swapping copy pools along dim 0 (ModelRunner._copy_blocks): a tiled block copied there
+    holds the same keys and values at the same offsets."""
+    g = torch.Generator().manual_seed(3)
+    k_std, v_std = (torch.randn(6, 32, 3, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    kt, vt = to_tiled(k_std, v_std)
+    for cache in (kt, vt):
+        cache.index_copy_(0, torch.tensor([5]), cache.index_select(0, torch.tensor([2])))
+    k_back, v_back = to_standard(kt, vt)
+    assert torch.equal(k_back[5], k_std[2]) and torch.equal(v_back[5], v_std[2])
+    assert torch.equal(k_back[:5], k_std[:5]) and torch.equal(v_back[:5], v_std[:5])
+
+
 def test_bound_bf16_pools_take_the_tiled_layout_only_where_they_can():
     from kvserve.attention import Attention, bind_kv_cache
     model = torch.nn.ModuleList([Attention(9, 64, 0.125, 3)])

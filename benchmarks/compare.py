@@ -6,7 +6,8 @@
 
 Workloads (the performance issue's):
   W1 offline: N random-token prompts of 64-512 tokens, 32-256 output tokens each, greedy, ignore_eos, seed 0.
-  S1 serving burst: `vllm bench serve` random 256 in / 128 out, 64 requests at once.
+  S1 serving burst: `vllm bench serve` random 256 in / 128 out, 64 requests at once; --s1-runs times (3) with
+  new prompts, the run with the median output throughput reported and every run listed.
   Single stream: `vllm bench serve --max-concurrency 1`, 8 requests, 256 in / 128 out.
   Start-up: seconds from launching the server until the first request is answered.
   Concurrency sweep: `vllm bench serve --max-concurrency C` with 2C requests for C in 4, 16 (with the single
@@ -270,7 +271,12 @@ def serve_all(args, tmp: Path) -> dict:
                 log(f"{name} server did not come up; see {tmp / f'{name}-server.log'}")
                 continue
             res = {"startup_s": server.startup_s, "load_before": load_avg()}
-            res["s1"] = bench_serve(server, tmp, "s1", 64, None, seed=0)
+            # S1 several times (new prompts each: no prefix-cache hits); the run with the median throughput
+            # stands for the engine, all are listed: single runs on a shared 2-core machine swing by 5-8%
+            runs = [bench_serve(server, tmp, f"s1-{i}", 64, None, seed=100 * i) for i in range(args.s1_runs)]
+            res["s1_runs"] = [r for r in runs if r]
+            res["s1"] = (sorted(res["s1_runs"], key=lambda r: r["output_throughput"])[len(res["s1_runs"]) // 2]
+                         if res["s1_runs"] else None)
             res["single_stream"] = bench_serve(server, tmp, "single", 8, 1, seed=1)
             # throughput against concurrency: 1 is the single stream, 64 is S1 (all 64 at once)
             res["sweep"] = {str(c): bench_serve(server, tmp, f"c{c}", 2 * c, c, seed=10 + c) for c in SWEEP}
@@ -316,6 +322,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=["offline", "serve"], default=None)
+    p.add_argument("--s1-runs", type=int, default=3, help="S1 runs per engine; the median-throughput one is reported")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md and the plots")

@@ -150,6 +150,13 @@ def report(results: dict, plots: list[str]) -> str:
                          f"{fmt(s1.get('mean_ttft_ms'), '.0f')} | {fmt(s1.get('mean_tpot_ms'))} | "
                          f"{fmt(ss.get('mean_ttft_ms'), '.0f')} | {fmt(ss.get('mean_tpot_ms'))} |")
         lines.append("")
+        runs = {n: serve[n].get("s1_runs") for n in ("kvserve", "vllm") if serve.get(n) and serve[n].get("s1_runs")}
+        if runs:
+            lines.append("S1 is the run with the median output throughput of each engine's runs (new prompts each), "
+                         "output tok/s / mean TTFT s per run: " + "; ".join(
+                             f"{n} " + ", ".join(f"{fmt(r['output_throughput'])} / {r['mean_ttft_ms'] / 1e3:.2f}"
+                                                  for r in rs) for n, rs in runs.items()) + ".")
+            lines.append("")
         sweep_rows = [(n, concurrency_points(serve[n])) for n in ("kvserve", "vllm") if serve.get(n)]
         if any(r.get("sweep") for r in serve.values() if r):
             lines += ["Output tok/s (median TPOT ms) against concurrency (`--max-concurrency C`, 2C requests; 64 = S1):", "",

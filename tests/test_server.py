@@ -157,6 +157,7 @@ def test_streaming_completion_matches_and_ends_with_done(server, client):
                                                     "stream": True, "stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole.choices[0].text
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
@@ -235,7 +236,7 @@ def test_request_id_field_and_header(server):
 
 
 # ----- chat -----
-def test_chat_greedy_equals_llm_chat_and_streams_the_same(client, llm):
+def test_chat_greedy_equals_llm_chat_and_streams_the_same(server, client, llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ref = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     want = ref.outputs[0].text
@@ -248,6 +249,9 @@ def test_chat_greedy_equals_llm_chat_and_streams_the_same(client, llm):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    events = sse_events(server, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 12,
+                                                         "temperature": 0, "stream": True})
+    assert events[-1] == "[DONE]" and all(json.loads(e)["object"] == "chat.completion.chunk" for e in events[:-1])
 
 
 def test_chat_template_per_request(client, llm):

@@ -105,8 +105,9 @@ class _ChatView:
         yield SSE_DONE
 
     def _chunk(self, choice: ChatStreamChoice | None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
-                                   choices=[choice] if choice else [])
+        # `object` set explicitly: chunks are dumped with exclude_unset, and OpenAI's carry it
+        return ChatCompletionChunk(id=self.request_id, object="chat.completion.chunk", created=self.created,
+                                   model=self.model, choices=[choice] if choice else [])
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]]) -> ChatLogProbs | None:
         if self.k is None:

@@ -118,8 +118,9 @@ class _CompletionView:
         yield SSE_DONE
 
     def _chunk(self, choice: CompletionChoice | None, usage_info=None) -> CompletionResponse:
-        chunk = CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                   choices=[choice] if choice else [])
+        # `object` set explicitly: chunks are dumped with exclude_unset, and OpenAI's carry it
+        chunk = CompletionResponse(id=self.request_id, object="text_completion", created=self.created,
+                                   model=self.model, choices=[choice] if choice else [])
         if usage_info is not None:
             chunk.usage = usage_info
         return chunk

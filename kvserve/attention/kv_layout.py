@@ -54,6 +54,12 @@ def _tile_index(k_cache: torch.Tensor, slots: torch.Tensor):
     return slots // bs, offset // TILE_KEYS, offset % TILE_KEYS
 
 
+def _key_major(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of tiled pools indexed key first: K [n, grp, hkv, d/2, key, 2] as [n, grp, key, hkv, d/2, 2], V
+    [n, grp, hkv, pair, d, 2] as [n, grp, pair, 2, hkv, d]; advanced indexing on them reads or writes the pools."""
+    return k_cache.permute(0, 1, 4, 2, 3, 5), v_cache.permute(0, 1, 3, 5, 2, 4)
+
+
 def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> None:
     """Pool rows [slots[t]] = k/v [t] ([T, num_kv_heads, head_dim])."""
@@ -65,10 +71,9 @@ def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tenso
         return
     block, group, key = _tile_index(k_cache, slots)
     t, hkv, d = k.shape
-    # K [n, grp, hkv, d/2, key, 2] seen as [n, grp, key, hkv, d/2, 2]; V [n, grp, hkv, pair, d, 2] as
-    # [n, grp, pair, 2, hkv, d]: advanced indexing on these views writes into the pools
-    k_cache.permute(0, 1, 4, 2, 3, 5)[block, group, key] = k.view(t, hkv, d // 2, 2)
-    v_cache.permute(0, 1, 3, 5, 2, 4)[block, group, key // 2, key % 2] = v
+    k_view, v_view = _key_major(k_cache, v_cache)
+    k_view[block, group, key] = k.view(t, hkv, d // 2, 2)
+    v_view[block, group, key // 2, key % 2] = v
 
 
 def read_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +83,5 @@ def read_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
         return k_cache.view(-1, hkv, d)[slots], v_cache.view(-1, hkv, d)[slots]
     block, group, key = _tile_index(k_cache, slots)
     _, hkv, d = geometry(k_cache)
-    k = k_cache.permute(0, 1, 4, 2, 3, 5)[block, group, key].reshape(*slots.shape, hkv, d)
-    v = v_cache.permute(0, 1, 3, 5, 2, 4)[block, group, key // 2, key % 2]
-    return k, v
+    k_view, v_view = _key_major(k_cache, v_cache)
+    return k_view[block, group, key].reshape(*slots.shape, hkv, d), v_view[block, group, key // 2, key % 2]

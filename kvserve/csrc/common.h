@@ -60,30 +60,6 @@ inline void store16_bf16(uint16_t* p, __m512 v) {
 }
 #endif
 
-inline void transpose16x16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
-    t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
-    t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
-    t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
-    r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
-  }
-}
-
 #endif
 
 }  // namespace

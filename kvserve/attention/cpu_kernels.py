@@ -25,7 +25,7 @@ from kvserve.attention import kv_layout
 logger = logging.getLogger("kvserve")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp")
+_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "layers.cpp")
 
 
 def _read_source() -> str:
@@ -95,6 +95,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kv_silu_mul_bf16": [p, i64, p, i64, i64],
         "kv_gemv_pack": [p, i64, i64, p],
         "kv_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
+        "kv_llama_layers_bf16": [p, p, i64, p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64,
+                                 i64, f, f, p],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

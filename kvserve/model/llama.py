@@ -10,6 +10,7 @@ from kvserve.attention import Attention
 from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding,
                                   PackedWeight, apply_rotary, load_packed_weights, packed_linear, prepack_linears,
                                   rotate_heads_inplace)
+from kvserve.model.fused import FusedLayers, binding_key, build_fused_layers, is_same_binding
 from kvserve.model.model_config import ModelConfig
 from kvserve.module import InferenceModule
 
@@ -97,16 +98,34 @@ class LlamaModel(InferenceModule):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling)
+        self.use_fused_layers = True   # the one-call C++ layer stack where it applies (kvserve/model/fused.py)
+        self._fused: FusedLayers | None = None
+        self._fused_refused: tuple | None = None   # the binding on which the fused stack did not apply
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
+        fused = self._fused_layers() if hidden.dtype == torch.bfloat16 else None
+        if fused is not None:
+            hidden, residual = fused.forward(hidden, cos, sin, attn_metadata)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
         if residual is None:   # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
+
+    def _fused_layers(self) -> FusedLayers | None:
+        if not self.use_fused_layers or not self.layers:
+            return None
+        if self._fused is not None and self._fused.is_current(self.layers):
+            return self._fused
+        if self._fused_refused is not None and is_same_binding(self._fused_refused, self.layers):
+            return None
+        self._fused = build_fused_layers(self.layers)
+        self._fused_refused = None if self._fused is not None else binding_key(self.layers)
+        return self._fused
 
 
 class LlamaForCausalLM(InferenceModule):

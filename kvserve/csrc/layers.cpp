@@ -1,0 +1,65 @@
+// A whole stack of Llama-family decoder layers (no biases, no q/k norm) in bf16 in one call: the same kernels,
+// in the same order, on the same buffers as the per-op Python path (kvserve/model/llama.py), so its results are
+// bit-identical; what it removes is the ~10 Python calls per layer (tensor allocations, ctypes argument
+// conversion, module dispatch), which cost a single-stream decode step more than its attention does.
+#include "common.h"
+
+extern "C" {
+void kv_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out, int64_t T, int64_t N,
+                     float eps);
+void kv_rope_bf16(uint16_t* x, int64_t xs, const uint16_t* cos, const uint16_t* sin, int64_t T, int64_t nh,
+                  int64_t D);
+void kv_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I);
+void kv_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
+                           int64_t N, int64_t K);
+void kv_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
+                             const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
+                             const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                             float scale, int64_t tiled);
+void kv_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t Hkv,
+                 int64_t D, int64_t es, int64_t bs, int64_t tiled, char* kc, char* vc);
+
+// What one layer reads, as raw pointers (kvserve/model/fused.py fills one row per layer):
+// input norm weight, packed qkv, packed o_proj, post-attention norm weight, packed gate|up, packed down,
+// K pool, V pool.
+enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_PTRS };
+
+// dims: T tokens, H hidden, NH / NKV heads, D head dim, I intermediate size, BS block size, TILED pool layout.
+// residual [T, H]: the residual stream; with has_residual == 0 it holds the embedding output (layer 0 normalizes
+// it without an add). hidden [T, H]: the last layer's MLP output on return (its input when has_residual).
+// scratch: T * (H + (NH + 2 NKV) D + NH D + 3 I) bf16.
+void kv_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, int64_t has_residual, const int64_t* layer_ptrs,
+                          int64_t L, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
+                          const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
+                          const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
+                          int64_t D, int64_t I, int64_t BS, int64_t TILED, float eps, float scale,
+                          uint16_t* scratch) {
+  const int64_t nqkv = (NH + 2 * NKV) * D;
+  uint16_t* normed = scratch;
+  uint16_t* qkv = normed + T * H;
+  uint16_t* attn = qkv + T * nqkv;
+  uint16_t* gate_up = attn + T * NH * D;
+  uint16_t* act = gate_up + T * 2 * I;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t* p = layer_ptrs + l * L_PTRS;
+    auto w = [p](int i) { return reinterpret_cast<const uint16_t*>(p[i]); };
+    if (l == 0 && !has_residual)
+      kv_rmsnorm_bf16(residual, nullptr, w(L_IN_NORM), normed, T, H, eps);
+    else
+      kv_rmsnorm_bf16(hidden, residual, w(L_IN_NORM), normed, T, H, eps);
+    kv_packed_matmul_bf16(normed, H, w(L_QKV), qkv, nqkv, T, nqkv, H);
+    kv_rope_bf16(qkv, nqkv, cos, sin, T, NH + NKV, D);
+    const uint16_t* k = qkv + NH * D;
+    const uint16_t* v = k + NKV * D;
+    kv_write_kv(reinterpret_cast<const char*>(k), nqkv, reinterpret_cast<const char*>(v), nqkv, slots, T, NKV, D,
+                2, BS, TILED, reinterpret_cast<char*>(p[L_K_CACHE]), reinterpret_cast<char*>(p[L_V_CACHE]));
+    kv_paged_attention_bf16(qkv, nqkv, w(L_K_CACHE), w(L_V_CACHE), attn, tables, table_stride, seq_lens,
+                            query_start, B, NH, NKV, D, BS, scale, TILED);
+    kv_packed_matmul_bf16(attn, NH * D, w(L_O), hidden, H, T, H, NH * D);
+    kv_rmsnorm_bf16(hidden, residual, w(L_POST_NORM), normed, T, H, eps);
+    kv_packed_matmul_bf16(normed, H, w(L_GATE_UP), gate_up, 2 * I, T, 2 * I, H);
+    kv_silu_mul_bf16(gate_up, 2 * I, act, T, I);
+    kv_packed_matmul_bf16(act, I, w(L_DOWN), hidden, H, T, H, I);
+  }
+}
+}

@@ -1,0 +1,100 @@
+"""The one-call C++ layer stack (kvserve/model/fused.py) gives bit-identical results to the per-layer modules."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.attention import TorchPagedAttention, bind_kv_cache, build_attention_metadata, cpu_kernels, kv_layout
+from model_utils import load_ours, save_tiny_model
+
+_lib = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(_lib is None or not (_lib.kv_has_packed_matmul() and _lib.silu_mul_fast),
+                                reason="the fused layer stack needs the C++ kernels with AVX-512 BF16")
+
+A, B = list(range(3, 43)), [7, 9, 11, 13, 200, 3]
+# token ranges of A and B per step: chunked prefill, a mixed step, then decodes of both
+STEPS = [((0, 17), (0, 5)), ((17, 40), (5, 6)), ((40, 41), None), ((41, 42), (6, 7))]
+
+
+def _run_steps(model, block_size: int, backend=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Logits of every step of STEPS (fresh pools, scattered blocks) and the first layer's pools afterwards."""
+    (k, v), *_ = bind_kv_cache(model, num_blocks=16, block_size=block_size, dtype=torch.bfloat16, backend=backend)
+    tables = [[5, 0, 7, 2, 1, 6, 9, 10, 11, 12, 13, 14, 15, 8][:-(-42 // block_size)], [3, 4]]
+    a_tokens, b_tokens = A + [50, 51], B + [60]
+    out = []
+    for step_a, step_b in STEPS:
+        ids, pos, qlens, slens, used = [], [], [], [], []
+        for seq, rng, table in ((a_tokens, step_a, tables[0]), (b_tokens, step_b, tables[1])):
+            if rng is not None:
+                ids += seq[rng[0]:rng[1]]
+                pos += list(range(*rng))
+                qlens.append(rng[1] - rng[0])
+                slens.append(rng[1])
+                used.append(table)
+        meta = build_attention_metadata(qlens, slens, used, block_size=block_size)
+        with torch.inference_mode():
+            out.append(model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta)))
+    return out, [k.clone(), v.clone()]
+
+
+def _tiny_bf16(tmp_path, family: str = "llama", **overrides):
+    save_tiny_model(family, tmp_path, **overrides)
+    model, _ = load_ours(str(tmp_path), "bfloat16")
+    model.prepack()
+    return model
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(32, 16), (32, 4), (16, 16)])
+def test_fused_stack_is_bit_identical_to_the_modules(tmp_path, head_dim, block_size):
+    """Tiled pools (head dim 32, blocks of 16) and standard ones; the same model rebinds its pools between runs,
+    so the third run also checks that the stack follows the new pools instead of writing into freed ones."""
+    model = _tiny_bf16(tmp_path, hidden_size=4 * head_dim, intermediate_size=96)
+    tiled = kv_layout.can_tile(torch.bfloat16, block_size, head_dim, cpu_kernels.MAX_HEAD_DIM)
+    fused, fused_pools = _run_steps(model, block_size)
+    assert model.model._fused is not None and bool(model.model._fused.tiled) == tiled
+    model.model.use_fused_layers = False
+    modules, module_pools = _run_steps(model, block_size)
+    assert model.model._fused is not None   # kept, but not called: the modules ran
+    model.model.use_fused_layers = True
+    again, again_pools = _run_steps(model, block_size)
+    for got, want, twice in zip(fused, modules, again):
+        assert got.dtype == torch.float32 and torch.equal(got, want) and torch.equal(twice, want)
+    for got, want, twice in zip(fused_pools, module_pools, again_pools):
+        assert torch.equal(got, want) and torch.equal(twice, want)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_layers_the_stack_does_not_cover_run_as_modules(tmp_path, family):
+    """qkv biases (Qwen2) and q/k norms (Qwen3) have no place in the fused stack: the modules run."""
+    model = _tiny_bf16(tmp_path, family)
+    _run_steps(model, 16)
+    assert model.model._fused is None and model.model._fused_refused is not None
+
+
+def test_torch_backend_and_float32_run_as_modules(tmp_path):
+    model = _tiny_bf16(tmp_path)
+    _run_steps(model, 16, backend=TorchPagedAttention())
+    assert model.model._fused is None
+    float32, _ = load_ours(str(tmp_path), "float32")
+    bind_kv_cache(float32, num_blocks=4, block_size=16, dtype=torch.float32)
+    with torch.inference_mode():
+        float32(torch.tensor([1, 2]), torch.arange(2), build_attention_metadata([2], [2], [[0]], block_size=16))
+    assert float32.model._fused is None and float32.model._fused_refused is None   # never even tried
+
+
+def test_engine_greedy_tokens_and_logprobs_identical_with_and_without_fused_stack():
+    """The bundled SmolLM2 in bf16 through the whole engine: batched prefill and decode, with logprobs."""
+    llm = LLM(dtype="bfloat16", max_model_len=512, enable_prefix_caching=False)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about paged attention."]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
+    stack = llm.llm_engine.model.model
+    runs = {}
+    for flag in (True, False):
+        stack.use_fused_layers = flag
+        runs[flag] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert stack._fused is not None
+    for f, m in zip(runs[True], runs[False]):
+        assert f.token_ids == m.token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in f.logprobs] == \
+            [{t: lp.logprob for t, lp in d.items()} for d in m.logprobs]

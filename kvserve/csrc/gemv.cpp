@@ -140,9 +140,13 @@ void kv_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, ui
     return;
   }
   const int64_t groups = (nb + GEMM_NB - 1) / GEMM_NB, row_tiles = (M + GEMM_MR - 1) / GEMM_MR;
-  // items column-group-major: a thread's consecutive items reuse one group of W from its L1/L2
-  #pragma omp parallel for schedule(static)
-  for (int64_t item = 0; item < groups * row_tiles; ++item) {
+  const int64_t items = groups * row_tiles;
+  // items column-group-major: a thread's consecutive items reuse one group of W from its L1/L2. Handed out in
+  // chunks of up to one group, so that when another process preempts one thread (the HTTP frontend and its
+  // clients share the cores) the others take over its items instead of waiting for it at the barrier.
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(row_tiles, items / (8 * omp_get_max_threads())));
+  #pragma omp parallel for schedule(dynamic, chunk)
+  for (int64_t item = 0; item < items; ++item) {
     const int64_t g = item / row_tiles, t = item % row_tiles;
     const int64_t b0 = g * GEMM_NB, m0 = t * GEMM_MR;
     const int nbk = int(std::min<int64_t>(GEMM_NB, nb - b0)), mr = int(std::min<int64_t>(GEMM_MR, M - m0));

@@ -2,7 +2,7 @@
 
 The call runs the kernels the per-layer modules call, in their order, on the same shapes, so its output is
 bit-identical to theirs; it saves their Python: ~10 calls per layer that each allocate a tensor and convert
-ctypes arguments (~3.5 ms of a 12 ms single-stream decode step on SmolLM2's 30 layers, docs/benchmarks.md).
+ctypes arguments (1.5-2 ms of an 11-12 ms single-stream decode step on SmolLM2's 30 layers, docs/benchmarks.md).
 It applies where every piece has its C++ kernel: packed bf16 weights, the C++ attention backend on bf16 pools,
 no biases, no q/k norm; anywhere else the model runs its modules.
 """
@@ -90,6 +90,7 @@ def build_fused_layers(layers) -> FusedLayers | None:
                 or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() or n.eps != norms[0].eps
                        for n in norms)
                 or not isinstance(attn.attn.backend, CpuPagedAttention) or cache.dtype != torch.bfloat16
+                or not cache.is_cpu
                 or cache.numel() == 0 or attn.head_dim > cpu_kernels.MAX_HEAD_DIM
                 or norms[0].weight.shape[0] > 8192):
             return None

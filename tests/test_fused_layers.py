@@ -83,6 +83,14 @@ def test_torch_backend_and_float32_run_as_modules(tmp_path):
     assert float32.model._fused is None and float32.model._fused_refused is None   # never even tried
 
 
+def _engine_outputs(llm, prompts, params, rounds: int) -> list:
+    llm.reset_prefix_cache()
+    outs = []
+    for _ in range(rounds):   # later rounds read the prefix cache the first one filled
+        outs += [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+    return [(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]) for c in outs]
+
+
 def test_engine_greedy_tokens_and_logprobs_identical_with_and_without_fused_stack():
     """The bundled SmolLM2 in bf16 through the whole engine: batched prefill and decode, with logprobs."""
     llm = LLM(dtype="bfloat16", max_model_len=512, enable_prefix_caching=False)
@@ -92,9 +100,22 @@ def test_engine_greedy_tokens_and_logprobs_identical_with_and_without_fused_stac
     runs = {}
     for flag in (True, False):
         stack.use_fused_layers = flag
-        runs[flag] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        runs[flag] = _engine_outputs(llm, prompts, params, 1)
     assert stack._fused is not None
-    for f, m in zip(runs[True], runs[False]):
-        assert f.token_ids == m.token_ids
-        assert [{t: lp.logprob for t, lp in d.items()} for d in f.logprobs] == \
-            [{t: lp.logprob for t, lp in d.items()} for d in m.logprobs]
+    assert runs[True] == runs[False]
+
+
+def test_engine_with_chunks_prefix_hits_and_shared_samples_identical_with_and_without_fused_stack():
+    """Chunked prefill (32-token budget), prefix-cache hits (a shared prefix, then the same prompts again) and
+    n = 2 seeded samples sharing their prompt's blocks (copy-on-write): both paths read the same pools."""
+    llm = LLM(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=32, block_size=16)
+    prefix = "You are a careful assistant. Answer briefly and precisely, in one sentence. Question: "
+    prompts = [prefix + q for q in ("Why is the sky blue?", "What is a block table?", "Name a prime.")]
+    params = SamplingParams(n=2, max_tokens=20, temperature=0.8, seed=7, ignore_eos=True, logprobs=2)
+    stack = llm.llm_engine.model.model
+    runs = {}
+    for flag in (True, False):
+        stack.use_fused_layers = flag
+        runs[flag] = _engine_outputs(llm, prompts, params, 2)
+    assert stack._fused is not None and len(runs[True]) == 12
+    assert runs[True] == runs[False]

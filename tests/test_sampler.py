@@ -4,10 +4,12 @@ import math
 import pytest
 import torch
 
+from kvserve.attention import cpu_kernels
 from kvserve.errors import InvalidRequestError
 from kvserve.sample import (LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, SamplingRow,
                             compute_prompt_logprobs)
 from kvserve.sample.logits_processors import apply_logits_processors
+from kvserve.sample.sampler import argmax_rows
 from kvserve.sample.truncation import apply_min_p, apply_top_k_top_p
 from kvserve.sampling_params import SamplingParams
 
@@ -375,3 +377,23 @@ def test_non_contiguous_logits():
     expected[0, 4] = NEG_INF
     expected[1, 5] -= 2.0
     assert torch.equal(out, expected)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("vocab", [1, 5, 16, 31, 32, 33, 100, 49152])
+def test_argmax_kernel_matches_torch_argmax(vocab):
+    """First maximum on ties, NaN counts as the maximum (first NaN wins), -inf rows, inf twice, strided rows."""
+    torch.manual_seed(vocab)
+    x = torch.randn(7, vocab + 3)[:, :vocab]   # rows strided past V
+    x[1] = 3.0
+    x[2] = float("-inf")
+    if vocab > 3:
+        x[3, vocab // 2] = x[3, vocab - 1] = float("nan")
+    x[4] = torch.randint(0, 3, (vocab,)).float()
+    if vocab > 20:
+        x[5, 20] = x[5, vocab - 1] = float("inf")
+    if vocab > 40:
+        x[6, 35] = float("nan")   # a NaN in the vector part, past a larger value
+        x[6, 3] = 100.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(torch.empty(0, vocab)).shape == (0,)

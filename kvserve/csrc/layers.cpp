@@ -25,10 +25,9 @@ void kv_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int
 enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_PTRS };
 
 // dims: T tokens, H hidden, NH / NKV heads, D head dim, I intermediate size, BS block size, TILED pool layout.
-// residual [T, H]: the residual stream; with has_residual == 0 it holds the embedding output (layer 0 normalizes
-// it without an add). hidden [T, H]: the last layer's MLP output on return (its input when has_residual).
-// scratch: T * (H + (NH + 2 NKV) D + NH D + 3 I) bf16.
-void kv_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, int64_t has_residual, const int64_t* layer_ptrs,
+// residual [T, H]: the embedding output on entry (layer 0 normalizes it without an add), the residual stream on
+// return. hidden [T, H]: the last layer's MLP output on return. scratch: T * (H + (NH + 2 NKV) D + NH D + 3 I) bf16.
+void kv_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64_t* layer_ptrs,
                           int64_t L, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
                           const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                           const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
@@ -43,7 +42,7 @@ void kv_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, int64_t has_resi
   for (int64_t l = 0; l < L; ++l) {
     const int64_t* p = layer_ptrs + l * L_PTRS;
     auto w = [p](int i) { return reinterpret_cast<const uint16_t*>(p[i]); };
-    if (l == 0 && !has_residual)
+    if (l == 0)
       kv_rmsnorm_bf16(residual, nullptr, w(L_IN_NORM), normed, T, H, eps);
     else
       kv_rmsnorm_bf16(hidden, residual, w(L_IN_NORM), normed, T, H, eps);

@@ -51,7 +51,7 @@ class FusedLayers:
         scratch = residual.new_empty(t * self.scratch_per_token)
         slots, tables, table_stride, seq_lens, query_start, num_seqs = meta.kernel_args
         self.lib.kv_llama_layers_bf16(
-            hidden.data_ptr(), residual.data_ptr(), 0, self.ptrs.data_ptr(), self.num_layers, cos.data_ptr(),
+            hidden.data_ptr(), residual.data_ptr(), self.ptrs.data_ptr(), self.num_layers, cos.data_ptr(),
             sin.data_ptr(), slots, tables, table_stride, seq_lens, query_start, num_seqs, t, self.hidden_size,
             self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.block_size, self.tiled,
             self.eps, self.scale, scratch.data_ptr())
@@ -87,8 +87,7 @@ def build_fused_layers(layers) -> FusedLayers | None:
         cache = attn.attn.k_cache
         if (attn.q_norm is not None or any(m.bias is not None or m.packed is None or m.packed.kernel is None
                                            for m in linears)
-                or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() or n.eps != norms[0].eps
-                       for n in norms)
+                or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms)
                 or not isinstance(attn.attn.backend, CpuPagedAttention) or cache.dtype != torch.bfloat16
                 or not cache.is_cpu
                 or cache.numel() == 0 or attn.head_dim > cpu_kernels.MAX_HEAD_DIM
@@ -98,6 +97,7 @@ def build_fused_layers(layers) -> FusedLayers | None:
         ptrs.append([norms[0].weight.data_ptr(), attn.qkv_proj.packed.kernel_ptr, attn.o_proj.packed.kernel_ptr,
                      norms[1].weight.data_ptr(), mlp.gate_up_proj.packed.kernel_ptr,
                      mlp.down_proj.packed.kernel_ptr, cache.data_ptr(), attn.attn.v_cache.data_ptr()])
-    if len(tiled) != 1 or len({layer.input_layernorm.eps for layer in layers}) != 1:
+    eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+    if len(tiled) != 1 or len(eps) != 1:   # the kernel takes one pool layout and one eps
         return None
     return FusedLayers(lib, layers, torch.tensor(ptrs, dtype=torch.int64).reshape(-1, _LAYER_PTRS), tiled.pop())

@@ -64,6 +64,46 @@ def test_fused_stack_is_bit_identical_to_the_modules(tmp_path, head_dim, block_s
         assert torch.equal(got, want) and torch.equal(twice, want)
 
 
+def _run_batch_decodes(model, lens: list[int], steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prefill len(lens) sequences of the given lengths in one step, then decode all of them `steps` times."""
+    bs = 16
+    blocks = [-(-(n + steps) // bs) for n in lens]
+    perm = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(0)).tolist()   # scattered blocks
+    tables = [perm[sum(blocks[:i]):sum(blocks[:i + 1])] for i in range(len(lens))]
+    (k, v), *_ = bind_kv_cache(model, num_blocks=sum(blocks), block_size=bs, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 60, (sum(lens),), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    out = []
+    with torch.inference_mode():
+        out.append(model.compute_logits(model(ids, pos, build_attention_metadata(lens, lens, tables, block_size=bs))))
+        for s in range(steps):
+            ctx = [n + s + 1 for n in lens]
+            meta = build_attention_metadata([1] * len(lens), ctx, tables, block_size=bs)
+            ids = torch.randint(3, 60, (len(lens),), generator=gen)
+            out.append(model.compute_logits(model(ids, torch.tensor(ctx) - 1, meta)))
+    return out, [k.clone(), v.clone()]
+
+
+def test_fused_stack_splitting_a_decode_batch_between_threads_is_bit_identical(tmp_path):
+    """Decode-only steps of 24+ sequences split the batch between the threads (each runs the whole stack on its
+    share, cut by estimated cost: uneven context lengths give uneven shares); the results stay bit-identical."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)   # the split needs 2+ threads
+    try:
+        model = _tiny_bf16(tmp_path, hidden_size=128, intermediate_size=96)
+        lens = [1, 70, 3, 40, 2, 9, 110, 5] * 5
+        fused, fused_pools = _run_batch_decodes(model, lens, 3)
+        model.model.use_fused_layers = False
+        modules, module_pools = _run_batch_decodes(model, lens, 3)
+    finally:
+        torch.set_num_threads(threads)
+    for got, want in zip(fused, modules):
+        assert torch.equal(got, want)
+    for got, want in zip(fused_pools, module_pools):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_layers_the_stack_does_not_cover_run_as_modules(tmp_path, family):
     """qkv biases (Qwen2) and q/k norms (Qwen3) have no place in the fused stack: the modules run."""

@@ -281,9 +281,9 @@ def test_onednn_packed_linear_equals_f_linear_in_bfloat16(bias):
 @needs_kernels
 @pytest.mark.parametrize("out_features", [100, 48])
 def test_matmul_kernels_are_as_close_to_float32_as_f_linear(out_features):
-    """The C++ matmuls (GEMV up to 8 rows, register tiles of 6 rows x 64 columns beyond; strided rows; 3-d
-    input; N not a multiple of 16 or 64) round like F.linear: their error against the float32 product is within
-    bf16 rounding, as F.linear's is."""
+    """The C++ matmuls (GEMV up to 8 rows, register tiles of 6 rows x 64 columns beyond, a remainder of 1-2 rows
+    sharing the last two tiles; strided rows; 3-d input; N not a multiple of 16 or 64) round like F.linear: their
+    error against the float32 product is within bf16 rounding, as F.linear's is."""
     from kvserve.model.layers import Linear, can_prepack, prepack_linears
     g = torch.Generator().manual_seed(out_features)
     lin = Linear(576, out_features).to(torch.bfloat16)
@@ -292,7 +292,7 @@ def test_matmul_kernels_are_as_close_to_float32_as_f_linear(out_features):
         pytest.skip("no AVX-512 BF16: no C++ matmul kernels")
     assert can_prepack(lin.weight) and prepack_linears(lin)[0] == 1
     assert lin.packed.kernel is not None and lin.packed.onednn is None   # one packed copy, not two
-    for rows in [*range(1, 14), 37, 100, 257, 1030]:
+    for rows in [*range(1, 15), 20, 32, 37, 100, 257, 1030]:   # 13, 14, 20, 32: last tiles 4 + 3 or 4 + 4
         wide = torch.randn(rows, 600, generator=g).to(torch.bfloat16)
         x = wide[:, :576]   # rows with a stride of 600
         exact = x.float() @ lin.weight.float().t()

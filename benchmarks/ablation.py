@@ -6,7 +6,8 @@ workload (ratios against the first row; absolute figures on a shared machine are
 
 Rows: the pure-torch path (reference attention backend, plain F.linear, unfused norm/rope/silu), then
 + C++ paged attention, + packed bf16 weights (the C++ matmul kernels; oneDNN where they do not build), + fused
-bf16 RMSNorm/residual, RoPE and SiLU kernels, + all decoder layers in one C++ call (kvserve/model/fused.py).
+bf16 RMSNorm/residual, RoPE and SiLU kernels, + all decoder layers in one C++ call (kvserve/model/fused.py),
++ decode-only steps of 24+ sequences shared out between the threads, each running the whole stack on its share.
 Configurations are interleaved over the repeats and the best run of each is kept.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvserve.model import layers
 from kvserve.model.layers import Linear
 
 CONFIGS = ["torch ops only", "+ C++ paged attention", "+ packed bf16 weights", "+ fused norm/rope/silu",
-           "+ one-call layer stack"]
+           "+ one-call layer stack", "+ decode batches split between threads"]
 
 
 def configure(llm, level: int, packs: dict, fast_lib) -> None:
@@ -39,6 +40,7 @@ def configure(llm, level: int, packs: dict, fast_lib) -> None:
     model.packed_lm_head = packs.get("lm_head") if level >= 2 else None
     layers._fast_lib = fast_lib if level >= 3 else (lambda x: None)
     model.model.use_fused_layers = level >= 4
+    model.model.split_decode_batches = level >= 5
 
 
 def single_stream_tpot_ms(llm, prompt: list[int], out_len: int = 128) -> float:

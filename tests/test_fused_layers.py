@@ -87,21 +87,23 @@ def _run_batch_decodes(model, lens: list[int], steps: int) -> tuple[list[torch.T
 
 def test_fused_stack_splitting_a_decode_batch_between_threads_is_bit_identical(tmp_path):
     """Decode-only steps of 24+ sequences split the batch between the threads (each runs the whole stack on its
-    share, cut by estimated cost: uneven context lengths give uneven shares); the results stay bit-identical."""
+    share, cut by estimated cost: uneven context lengths give uneven shares); the results stay bit-identical to
+    the unsplit stack and to the modules."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)   # the split needs 2+ threads
     try:
         model = _tiny_bf16(tmp_path, hidden_size=128, intermediate_size=96)
         lens = [1, 70, 3, 40, 2, 9, 110, 5] * 5
-        fused, fused_pools = _run_batch_decodes(model, lens, 3)
-        model.model.use_fused_layers = False
-        modules, module_pools = _run_batch_decodes(model, lens, 3)
+        runs = []
+        for fused, split in ((True, True), (True, False), (False, False)):
+            model.model.use_fused_layers, model.model.split_decode_batches = fused, split
+            runs.append(_run_batch_decodes(model, lens, 3))
     finally:
         torch.set_num_threads(threads)
-    for got, want in zip(fused, modules):
-        assert torch.equal(got, want)
-    for got, want in zip(fused_pools, module_pools):
-        assert torch.equal(got, want)
+    (split_logits, split_pools), *others = runs
+    for logits, pools in others:
+        assert all(torch.equal(a, b) for a, b in zip(split_logits, logits))
+        assert all(torch.equal(a, b) for a, b in zip(split_pools, pools))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

@@ -97,7 +97,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kv_argmax_f32": [p, i64, i64, i64, p],
         "kv_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
         "kv_llama_layers_bf16": [p, p, p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64,
-                                 f, f, p],
+                                 f, f, p, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -75,9 +75,9 @@ void kv_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64_t* l
                           const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                           const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
                           int64_t D, int64_t I, int64_t BS, int64_t TILED, float eps, float scale,
-                          uint16_t* scratch) {
+                          uint16_t* scratch, int64_t split) {
   const int nt = omp_get_max_threads();
-  if (T != B || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel()) {
+  if (!split || T != B || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel()) {
     layers_rows(hidden, residual, layer_ptrs, L, cos, sin, slots, tables, table_stride, seq_lens, query_start, B, T,
                 H, NH, NKV, D, I, BS, TILED, eps, scale, scratch);
     return;

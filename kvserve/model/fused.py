@@ -42,10 +42,11 @@ class FusedLayers:
         """False once the pools were rebound or the weights repacked (the pointers would be stale)."""
         return is_same_binding(self.key, layers)
 
-    def forward(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta,
+                split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """residual: the embedding output [T, hidden] (updated in place into the residual stream) ->
-        (last layer's MLP output, residual stream), as the layer modules return them."""
+        (last layer's MLP output, residual stream), as the layer modules return them. split: decode-only steps
+        of 24+ sequences may share the batch out between the threads (layers.cpp; the results are the same)."""
         t = residual.shape[0]
         hidden = torch.empty_like(residual)
         scratch = residual.new_empty(t * self.scratch_per_token)
@@ -54,7 +55,7 @@ class FusedLayers:
             hidden.data_ptr(), residual.data_ptr(), self.ptrs.data_ptr(), self.num_layers, cos.data_ptr(),
             sin.data_ptr(), slots, tables, table_stride, seq_lens, query_start, num_seqs, t, self.hidden_size,
             self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.block_size, self.tiled,
-            self.eps, self.scale, scratch.data_ptr())
+            self.eps, self.scale, scratch.data_ptr(), int(split))
         return hidden, residual
 
 

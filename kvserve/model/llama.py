@@ -99,6 +99,7 @@ class LlamaModel(InferenceModule):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling)
         self.use_fused_layers = True   # the one-call C++ layer stack where it applies (kvserve/model/fused.py)
+        self.split_decode_batches = True   # in it, big decode batches shared out between the threads
         self._fused: FusedLayers | None = None
         self._fused_refused: tuple | None = None   # the binding on which the fused stack did not apply
 
@@ -108,7 +109,7 @@ class LlamaModel(InferenceModule):
         residual = None
         fused = self._fused_layers() if hidden.dtype == torch.bfloat16 else None
         if fused is not None:
-            hidden, residual = fused.forward(hidden, cos, sin, attn_metadata)
+            hidden, residual = fused.forward(hidden, cos, sin, attn_metadata, self.split_decode_batches)
         else:
             for layer in self.layers:
                 hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)

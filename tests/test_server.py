@@ -9,6 +9,8 @@ import asyncio
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -400,3 +402,48 @@ def num_aborted(server) -> float:
         return metric(server, "vllm:request_success_total", finished_reason="abort")
     except KeyError:
         return 0.0
+
+
+def _bench_serve(server, tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "kvserve", "bench", "serve", "--base-url", server.url,
+                           "--api-key", API_KEY, "--output-json", str(out), *flags],
+                          capture_output=True, text=True, timeout=300)
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_bench_serve_client_measures_the_random_workload(server, tmp_path):
+    """`kvserve bench serve` sends every request of the seeded random workload (token-id prompts of exactly their
+    input lengths, ignore_eos) and counts what the server streamed back."""
+    from kvserve.entrypoints.bench import random_workload
+    from kvserve.entrypoints.bench_serve import _special_ids
+    from kvserve.model.tokenizer import load_tokenizer
+    wait_idle(server)
+    counted = [metric(server, f"vllm:{name}_tokens_total") for name in ("prompt", "generation")]
+    proc, got = _bench_serve(server, tmp_path, "--num-prompts", "6", "--input-len", "8:24", "--output-len", "4:9",
+                             "--max-concurrency", "3", "--seed", "123")
+    assert proc.returncode == 0, proc.stderr
+    # the client's counts are the server's
+    assert got["total_input_tokens"] == metric(server, "vllm:prompt_tokens_total") - counted[0]
+    assert got["total_output_tokens"] == metric(server, "vllm:generation_tokens_total") - counted[1]
+    tok = load_tokenizer(None)
+    work = random_workload(6, (8, 24), (4, 9), 123, len(tok), _special_ids(tok))
+    assert got["model_id"] == MODEL and got["completed"] == 6 and got["failed"] == 0
+    assert got["total_input_tokens"] == sum(len(w["prompt_token_ids"]) for w in work)
+    assert got["total_output_tokens"] == sum(w["output_len"] for w in work)
+    assert 0 < got["mean_ttft_ms"] < got["mean_e2el_ms"] and got["mean_tpot_ms"] > 0
+    assert got["output_throughput"] == pytest.approx(got["total_output_tokens"] / got["duration"])
+    assert "Output token throughput (tok/s):" in proc.stdout
+
+
+def test_bench_serve_client_reports_the_servers_rejection_and_bad_flags(server, tmp_path):
+    wait_idle(server)
+    proc, got = _bench_serve(server, tmp_path, "--num-prompts", "2", "--input-len", "8",
+                             "--output-len", str(MAX_MODEL_LEN + 10))
+    assert proc.returncode != 0 and got["completed"] == 0 and got["failed"] == 2
+    assert "every request failed; first error: HTTP 400: this model's maximum context length is 512" in proc.stderr
+    proc, _ = _bench_serve(server, tmp_path, "--max-concurrency", "0")
+    assert proc.returncode != 0 and "--max-concurrency must be >= 1" in proc.stderr
+    unreachable = subprocess.run([sys.executable, "-m", "kvserve", "bench", "serve", "--base-url",
+                                  "http://127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert unreachable.returncode != 0 and "cannot reach http://127.0.0.1:1/v1/models" in unreachable.stderr

@@ -1,8 +1,9 @@
-"""`kvserve bench throughput|latency`: offline benchmarks with vLLM's flag names.
+"""`kvserve bench throughput|latency|serve`: benchmarks with vLLM's flag names.
 
 throughput: N random-token prompts with random input/output lengths, all submitted at once (greedy,
 ignore_eos), like `vllm bench throughput --dataset-name random`; prints requests/s and tokens/s.
 latency: one request at a time, repeated; prints TTFT and TPOT percentiles.
+serve: a client for a running server (kvserve/entrypoints/bench_serve.py).
 Without the CLI: `python -m kvserve.entrypoints.bench throughput --num-prompts 64 ...`.
 """
 from __future__ import annotations
@@ -182,11 +183,14 @@ def add_latency_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_arguments(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` with its `throughput` and `latency` subcommands on a CLI's subparsers."""
-    bench = subparsers.add_parser("bench", help="offline throughput and latency benchmarks")
+    """Register `bench` with its `throughput`, `latency` and `serve` subcommands on a CLI's subparsers."""
+    from kvserve.entrypoints.bench_serve import add_serve_bench_arguments
+    bench = subparsers.add_parser("bench", help="offline throughput and latency benchmarks, and a serving client")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     add_throughput_arguments(kinds.add_parser("throughput", help="many random requests at once"))
     add_latency_arguments(kinds.add_parser("latency", help="one request at a time: TTFT and TPOT"))
+    add_serve_bench_arguments(kinds.add_parser(
+        "serve", help="a client for a running OpenAI-compatible server (vllm bench serve's random workload)"))
     bench.set_defaults(func=run_bench)
     return bench
 

@@ -415,8 +415,7 @@ def _bench_serve(server, tmp_path, *flags: str) -> tuple[subprocess.CompletedPro
 def test_bench_serve_client_measures_the_random_workload(server, tmp_path):
     """`kvserve bench serve` sends every request of the seeded random workload (token-id prompts of exactly their
     input lengths, ignore_eos) and counts what the server streamed back."""
-    from kvserve.entrypoints.bench import random_workload
-    from kvserve.entrypoints.bench_serve import _special_ids
+    from kvserve.entrypoints.bench import _special_ids, random_workload
     from kvserve.model.tokenizer import load_tokenizer
     wait_idle(server)
     counted = [metric(server, f"vllm:{name}_tokens_total") for name in ("prompt", "generation")]

@@ -77,7 +77,9 @@ void kv_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64_t* l
                           int64_t D, int64_t I, int64_t BS, int64_t TILED, float eps, float scale,
                           uint16_t* scratch, int64_t split) {
   const int nt = omp_get_max_threads();
-  if (!split || T != B || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel()) {
+  bool decode_only = T == B;   // one query token per sequence: sequence b is row b
+  for (int64_t b = 0; decode_only && b < B; ++b) decode_only = query_start[b + 1] - query_start[b] == 1;
+  if (!split || !decode_only || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel()) {
     layers_rows(hidden, residual, layer_ptrs, L, cos, sin, slots, tables, table_stride, seq_lens, query_start, B, T,
                 H, NH, NKV, D, I, BS, TILED, eps, scale, scratch);
     return;
@@ -95,7 +97,7 @@ void kv_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64_t* l
       return i >= n ? B : std::lower_bound(cum.begin(), cum.end(), cum[B] * i / n) - cum.begin();
     };
     const int64_t b0 = cut(tid), b1 = cut(tid + 1);
-    if (b1 > b0) {   // decode rows: sequence b is row b
+    if (b1 > b0) {
       std::vector<int32_t> qs(b1 - b0 + 1);
       for (int64_t i = 0; i <= b1 - b0; ++i) qs[i] = int32_t(i);
       layers_rows(hidden + b0 * H, residual + b0 * H, layer_ptrs, L, cos + b0 * D, sin + b0 * D, slots + b0,

@@ -5,8 +5,9 @@ never drawn, the ids sent as the prompt, so every request has exactly its input 
 ignore_eos, all at once or `--request-rate` per second (Poisson arrivals), at most `--max-concurrency` in flight.
 It prints and (with `--output-json`) writes the figures under `vllm bench serve`'s names: output_throughput,
 mean/median/p99 TTFT, TPOT (per request: (latency - TTFT) / (output tokens - 1)) and ITL (gaps between streamed
-chunks), in ms. Token ids are drawn with the model's tokenizer (`--model`/`--tokenizer`, default: the bundled
-SmolLM2), the one random_workload in bench.py uses for `bench throughput`.
+chunks), in ms; output tokens are the server's usage counts (stream_options.include_usage), else max_tokens.
+Token ids are drawn with the model's tokenizer (`--model`/`--tokenizer`, default: the bundled SmolLM2) by the
+random_workload that `bench throughput` uses.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.attention import CpuPagedAttention, TorchPagedAttention, attention_layers
 from kvserve.entrypoints.bench import random_workload
 from kvserve.model import layers
-from kvserve.model.layers import Linear
+from kvserve.model.layers import Linear, restore_unpacked_weights
 
 CONFIGS = ["torch ops only", "+ C++ paged attention", "+ packed bf16 weights", "+ fused norm/rope/silu",
            "+ one-call layer stack", "+ decode batches split between threads"]
@@ -74,6 +74,7 @@ def main() -> None:
     llm = LLM(dtype="bfloat16", num_threads=args.num_threads, enable_prefix_caching=False)
     engine = llm.llm_engine
     model = engine.model
+    restore_unpacked_weights(model)   # the configurations without packs run F.linear on them
     packs = {m: m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None}
     packs["lm_head"] = model.packed_lm_head
     fast_lib = layers._fast_lib

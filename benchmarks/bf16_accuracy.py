@@ -56,6 +56,7 @@ def main() -> None:
 
     llm = LLM(dtype="bfloat16")
     model = llm.llm_engine.model
+    layers.restore_unpacked_weights(model)   # for oneDNN's packs and the unpacked configurations
     linears = [m for m in model.modules() if isinstance(m, layers.Linear)]
     kernel_packs = [m.packed for m in linears] + [model.packed_lm_head]
     onednn_packs = layers.prepack_weights([m.weight for m in linears] + [model.model.embed_tokens.weight],

@@ -26,6 +26,9 @@ class Linear(InferenceModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
+        if self.weight.is_meta:   # F.linear would return a meta tensor, and the kernels would read address 0
+            raise RuntimeError("this Linear's plain weight was released after packing and its pack removed; "
+                               "restore_unpacked_weights(model) brings the weights back")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -108,6 +111,33 @@ def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = ()) -> tuple[i
     for m, pack in zip(linears, packs):
         m.packed = pack
     return len(linears), packs[len(linears):]
+
+
+def unpack_weight(packed: PackedWeight, in_features: int) -> torch.Tensor:
+    """W [N, K] back from the C++ kernels' layout: the pack is a permutation, so this is exact."""
+    n, k = packed.out_features, in_features
+    nb = -(-n // 16)
+    return packed.kernel.view(nb, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(nb * 16, k)[:n].clone()
+
+
+def release_unpacked_weights(model: nn.Module) -> int:
+    """Drop the plain weight of every Linear that has a C++-kernel pack (the serving path reads only the pack),
+    leaving a shape-only meta tensor; returns the bytes freed. F.linear on a released weight raises, and
+    restore_unpacked_weights() brings them back (benchmarks that switch packing off)."""
+    freed = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and m.packed is not None and m.packed.kernel is not None and not m.weight.is_meta:
+            freed += m.weight.numel() * m.weight.element_size()
+            m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"),
+                                    requires_grad=False)
+    return freed
+
+
+def restore_unpacked_weights(model: nn.Module) -> None:
+    """Undo release_unpacked_weights() from the packs."""
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight.is_meta and m.packed is not None and m.packed.kernel is not None:
+            m.weight = nn.Parameter(unpack_weight(m.packed, m.weight.shape[1]), requires_grad=False)
 
 
 class MergedLinear(Linear):

@@ -161,6 +161,9 @@ class LlamaForCausalLM(InferenceModule):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; unknown or missing names raise ModelLoadError."""
+        for m in self.modules():   # weights released after packing (release_unpacked_weights) get storage again
+            if isinstance(m, Linear) and m.weight.is_meta:
+                m.weight = torch.nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype), requires_grad=False)
         load_packed_weights(self, weights, PACKED_MODULES, self._skip)
         for m in self.modules():   # packed copies of the old weights are stale now
             if isinstance(m, Linear):

@@ -10,6 +10,7 @@ from kvserve.attention import attention_layers, build_attention_metadata
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
+from kvserve.model.layers import release_unpacked_weights
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
 
@@ -35,8 +36,11 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
+        self.released_weight_bytes = 0
         if device.type == "cpu" and hasattr(model, "prepack"):
             model.prepack()   # bf16 weights packed for the C++ matmul kernels (or oneDNN): kvserve/csrc/gemv.cpp
+            # serving reads only the packs: their plain copies would hold the weights' size again in memory
+            self.released_weight_bytes = release_unpacked_weights(model)
         self.small_step_threads: int | None = None   # set by reserve_frontend_core(), with _all_threads
 
     SMALL_STEP_TOKENS = 4

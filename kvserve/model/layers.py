@@ -122,8 +122,8 @@ def unpack_weight(packed: PackedWeight, in_features: int) -> torch.Tensor:
 
 def release_unpacked_weights(model: nn.Module) -> int:
     """Drop the plain weight of every Linear that has a C++-kernel pack (the serving path reads only the pack),
-    leaving a shape-only meta tensor; returns the bytes freed. F.linear on a released weight raises, and
-    restore_unpacked_weights() brings them back (benchmarks that switch packing off)."""
+    leaving a shape-only meta tensor; returns the bytes freed. A Linear whose pack is then removed raises, and
+    restore_unpacked_weights() brings the weights back (benchmarks that switch packing off)."""
     freed = 0
     for m in model.modules():
         if isinstance(m, Linear) and m.packed is not None and m.packed.kernel is not None and not m.weight.is_meta:

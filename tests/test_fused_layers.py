@@ -189,3 +189,21 @@ def test_serving_keeps_one_copy_of_the_packed_weights():
     cpu_kernels.pack_weight(_lib, odd, out)
     from kvserve.model.layers import PackedWeight
     assert torch.equal(unpack_weight(PackedWeight(100, kernel=out), 48), odd)
+
+
+def test_engine_tokens_and_logprobs_identical_with_and_without_the_decode_split():
+    """26 greedy requests decode together through the whole engine (the split applies from 24 sequences)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(dtype="bfloat16", max_model_len=256, enable_prefix_caching=False, num_threads=2)
+        prompts = [f"Item {i}: the number {i * 7} written in words is" for i in range(26)]
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+        stack = llm.llm_engine.model.model
+        runs = {}
+        for flag in (True, False):
+            stack.split_decode_batches = flag
+            runs[flag] = _engine_outputs(llm, prompts, params, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(runs[True]) == 26 and runs[True] == runs[False]

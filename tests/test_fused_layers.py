@@ -133,17 +133,23 @@ def _engine_outputs(llm, prompts, params, rounds: int) -> list:
     return [(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]) for c in outs]
 
 
+def _outputs_with_and_without(llm, switch: str, prompts, params, rounds: int) -> dict[bool, list]:
+    """_engine_outputs with the LlamaModel switch `switch` on, then off."""
+    stack = llm.llm_engine.model.model
+    runs = {}
+    for flag in (True, False):
+        setattr(stack, switch, flag)
+        runs[flag] = _engine_outputs(llm, prompts, params, rounds)
+    return runs
+
+
 def test_engine_greedy_tokens_and_logprobs_identical_with_and_without_fused_stack():
     """The bundled SmolLM2 in bf16 through the whole engine: batched prefill and decode, with logprobs."""
     llm = LLM(dtype="bfloat16", max_model_len=512, enable_prefix_caching=False)
     prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about paged attention."]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
-    stack = llm.llm_engine.model.model
-    runs = {}
-    for flag in (True, False):
-        stack.use_fused_layers = flag
-        runs[flag] = _engine_outputs(llm, prompts, params, 1)
-    assert stack._fused is not None
+    runs = _outputs_with_and_without(llm, "use_fused_layers", prompts, params, 1)
+    assert llm.llm_engine.model.model._fused is not None
     assert runs[True] == runs[False]
 
 
@@ -154,12 +160,8 @@ def test_engine_with_chunks_prefix_hits_and_shared_samples_identical_with_and_wi
     prefix = "You are a careful assistant. Answer briefly and precisely, in one sentence. Question: "
     prompts = [prefix + q for q in ("Why is the sky blue?", "What is a block table?", "Name a prime.")]
     params = SamplingParams(n=2, max_tokens=20, temperature=0.8, seed=7, ignore_eos=True, logprobs=2)
-    stack = llm.llm_engine.model.model
-    runs = {}
-    for flag in (True, False):
-        stack.use_fused_layers = flag
-        runs[flag] = _engine_outputs(llm, prompts, params, 2)
-    assert stack._fused is not None and len(runs[True]) == 12
+    runs = _outputs_with_and_without(llm, "use_fused_layers", prompts, params, 2)
+    assert llm.llm_engine.model.model._fused is not None and len(runs[True]) == 12
     assert runs[True] == runs[False]
 
 
@@ -194,16 +196,11 @@ def test_serving_keeps_one_copy_of_the_packed_weights():
 def test_engine_tokens_and_logprobs_identical_with_and_without_the_decode_split():
     """26 greedy requests decode together through the whole engine (the split applies from 24 sequences)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    try:   # num_threads=2 (the split needs 2+) sets the process-wide count: put it back afterwards
         llm = LLM(dtype="bfloat16", max_model_len=256, enable_prefix_caching=False, num_threads=2)
         prompts = [f"Item {i}: the number {i * 7} written in words is" for i in range(26)]
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
-        stack = llm.llm_engine.model.model
-        runs = {}
-        for flag in (True, False):
-            stack.split_decode_batches = flag
-            runs[flag] = _engine_outputs(llm, prompts, params, 1)
+        runs = _outputs_with_and_without(llm, "split_decode_batches", prompts, params, 1)
     finally:
         torch.set_num_threads(threads)
     assert len(runs[True]) == 26 and runs[True] == runs[False]

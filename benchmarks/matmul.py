@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvserve.attention import cpu_kernels
+from kvserve import kernels
 from kvserve.model.layers import packed_linear, prepack_weights
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -39,8 +39,8 @@ def main() -> None:
     args = p.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    lib = cpu_kernels.load()
-    if lib is None or not lib.kv_has_packed_matmul():
+    lib = kernels.load()
+    if lib is None or not lib.kvserve_has_packed_matmul():
         raise SystemExit("the C++ matmul kernels need a C++ compiler and a CPU with AVX-512 BF16")
     sets = {"layers": [torch.randn(n, k).to(torch.bfloat16) for _ in range(30) for n, k in LAYER_SHAPES],
             "lm head": [torch.randn(*LM_HEAD).to(torch.bfloat16)]}

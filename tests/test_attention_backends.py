@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.attention import (CpuPagedAttention, TorchPagedAttention, build_attention_metadata, cpu_kernels,
-                               get_backend, kv_layout)
+from kvserve import kernels
+from kvserve.attention import (CpuPagedAttention, TorchPagedAttention, build_attention_metadata, get_backend,
+                               kv_layout)
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler")
+needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler")
 
 
 def random_batch(seed: int, num_seqs: int, block_size: int, heads: int, kv_heads: int, head_dim: int,
@@ -76,7 +77,7 @@ SHAPES = [  # heads, kv heads, head dim, block size
     (4, 1, 64, 5),      # MQA, block size not a power of two
 ]
 TILED_SHAPES = [shape for shape in SHAPES if shape[3] % 16 == 0] + [(9, 3, 64, 64), (6, 2, 32, 32)]
-needs_tiles = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.load().kv_bf16_tiles(),
+needs_tiles = pytest.mark.skipif(kernels.load() is None or not kernels.load().kvserve_bf16_tiles(),
                                  reason="no C++ compiler or no AVX-512 BF16")
 
 
@@ -171,8 +172,8 @@ def test_tiled_blocks_copy_whole_along_dim_0():
 def test_bound_bf16_pools_take_the_tiled_layout_only_where_they_can():
     from kvserve.attention import Attention, bind_kv_cache
     model = torch.nn.ModuleList([Attention(9, 64, 0.125, 3)])
-    lib = cpu_kernels.load()
-    tiles = lib is not None and bool(lib.kv_bf16_tiles())
+    lib = kernels.load()
+    tiles = lib is not None and bool(lib.kvserve_bf16_tiles())
     backend = get_backend("auto")
     (k, v), = bind_kv_cache(model, 4, 16, torch.bfloat16, backend=backend)
     assert kv_layout.is_tiled(k) == tiles and k.shape[0] == v.shape[0] == 4
@@ -188,8 +189,8 @@ def test_bound_bf16_pools_take_the_tiled_layout_only_where_they_can():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_portable_kernel_without_simd_equals_torch(dtype):
     """The plain C++ path (other CPUs, head dims the SIMD path does not take) is tested here too."""
-    lib = cpu_kernels.load(extra_flags=("-DKV_GENERIC",))
-    assert lib.kv_simd() == 0
+    lib = kernels.load(extra_flags=("-DKV_GENERIC",))
+    assert lib.kvserve_simd() == 0
     batch = random_batch(3, 6, 16, 9, 3, 64, dtype)
     exact, _, _ = run(TorchPagedAttention(), batch, 9, upcast=True)
     got, _, _ = run(CpuPagedAttention(lib), batch, 9)
@@ -214,18 +215,18 @@ def test_tiled_long_contexts_and_large_batches():
 
 
 def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "_lib", None)
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
     assert isinstance(get_backend("auto"), TorchPagedAttention)
     assert not isinstance(get_backend("auto"), CpuPagedAttention)
 
 
 def test_failed_build_falls_back_to_torch(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernels, "_lib", None)
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(cpu_kernels, "_SOURCE", "this is not C++")
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernels, "_SOURCE", "this is not C++")
     assert type(get_backend("auto")) is TorchPagedAttention
 
 
@@ -288,7 +289,7 @@ def test_matmul_kernels_are_as_close_to_float32_as_f_linear(out_features):
     g = torch.Generator().manual_seed(out_features)
     lin = Linear(576, out_features).to(torch.bfloat16)
     lin.weight.copy_(torch.randn(out_features, 576, generator=g))
-    if not cpu_kernels.load().kv_has_packed_matmul():
+    if not kernels.load().kvserve_has_packed_matmul():
         pytest.skip("no AVX-512 BF16: no C++ matmul kernels")
     assert can_prepack(lin.weight) and prepack_linears(lin)[0] == 1
     assert lin.packed.kernel is not None and lin.packed.onednn is None   # one packed copy, not two
@@ -317,7 +318,7 @@ def test_few_decodes_split_by_kv_head(dtype):
     batch = (q, k, v, k_cache, v_cache, meta)
     exact, _, _ = run(TorchPagedAttention(), batch, 9, upcast=True)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    for tiled in (False, True) if dtype == torch.bfloat16 and cpu_kernels.load().kv_bf16_tiles() else (False,):
+    for tiled in (False, True) if dtype == torch.bfloat16 and kernels.load().kvserve_bf16_tiles() else (False,):
         got, _, _ = run(CpuPagedAttention(), batch, 9, tiled=tiled)
         torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
 

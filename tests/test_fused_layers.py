@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.attention import TorchPagedAttention, bind_kv_cache, build_attention_metadata, cpu_kernels, kv_layout
+from kvserve import kernels
+from kvserve.attention import TorchPagedAttention, bind_kv_cache, build_attention_metadata, kv_layout
 from model_utils import load_ours, save_tiny_model
 
-_lib = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(_lib is None or not (_lib.kv_has_packed_matmul() and _lib.silu_mul_fast),
+_lib = kernels.load()
+pytestmark = pytest.mark.skipif(_lib is None or not (_lib.kvserve_has_packed_matmul() and _lib.silu_mul_fast),
                                 reason="the fused layer stack needs the C++ kernels with AVX-512 BF16")
 
 A, B = list(range(3, 43)), [7, 9, 11, 13, 200, 3]
@@ -50,7 +51,7 @@ def test_fused_stack_is_bit_identical_to_the_modules(tmp_path, head_dim, block_s
     """Tiled pools (head dim 32, blocks of 16) and standard ones; the same model rebinds its pools between runs,
     so the third run also checks that the stack follows the new pools instead of writing into freed ones."""
     model = _tiny_bf16(tmp_path, hidden_size=4 * head_dim, intermediate_size=96)
-    tiled = kv_layout.can_tile(torch.bfloat16, block_size, head_dim, cpu_kernels.MAX_HEAD_DIM)
+    tiled = kv_layout.can_tile(torch.bfloat16, block_size, head_dim, kernels.MAX_HEAD_DIM)
     fused, fused_pools = _run_steps(model, block_size)
     assert model.model._fused is not None and bool(model.model._fused.tiled) == tiled
     model.model.use_fused_layers = False
@@ -187,8 +188,8 @@ def test_serving_keeps_one_copy_of_the_packed_weights():
         assert name and torch.equal(got, want), name
     assert llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids == before
     odd = torch.randn(100, 48).to(torch.bfloat16)   # N not a multiple of 16
-    out = torch.empty(cpu_kernels.packed_numel(100, 48), dtype=torch.bfloat16)
-    cpu_kernels.pack_weight(_lib, odd, out)
+    out = torch.empty(kernels.packed_numel(100, 48), dtype=torch.bfloat16)
+    kernels.pack_weight(_lib, odd, out)
     from kvserve.model.layers import PackedWeight
     assert torch.equal(unpack_weight(PackedWeight(100, kernel=out), 48), odd)
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from kvserve.attention import cpu_kernels
+from kvserve import kernels
 from kvserve.errors import InvalidRequestError
 from kvserve.sample import (LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, SamplingRow,
                             compute_prompt_logprobs)
@@ -379,7 +379,7 @@ def test_non_contiguous_logits():
     assert torch.equal(out, expected)
 
 
-@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels do not build here")
+@pytest.mark.skipif(kernels.load() is None, reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("vocab", [1, 5, 16, 31, 32, 33, 100, 49152])
 def test_argmax_kernel_matches_torch_argmax(vocab):
     """First maximum on ties, NaN counts as the maximum (first NaN wins), -inf rows, inf twice, strided rows."""

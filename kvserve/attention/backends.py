@@ -1,14 +1,15 @@
 """Attention backends: read K/V through block tables, write new K/V by slot mapping.
 
 torch: the reference, plain PyTorch (gathers each group's context, then SDPA with a mask).
-cpu:   C++ kernels (kvserve/attention/cpu_kernels.py) reading K/V straight from the blocks, float32 and bfloat16.
+cpu:   C++ kernels (kvserve/attention/kernels.py) reading K/V straight from the blocks, float32 and bfloat16.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention import cpu_kernels, kv_layout
+from kvserve import kernels
+from kvserve.attention import kv_layout
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -52,22 +53,22 @@ class CpuPagedAttention(TorchPagedAttention):
     name = "cpu"
 
     def __init__(self, lib=None):
-        self.lib = lib or cpu_kernels.load()
+        self.lib = lib or kernels.load()
         if self.lib is None:
             raise RuntimeError("the C++ CPU kernels are not available")
 
     def cache_shapes(self, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                      dtype: torch.dtype, device) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """bf16 pools on the CPU take the kernel's tiled layout where the build and the geometry allow it."""
-        tiled = (torch.device(device).type == "cpu" and bool(self.lib.kv_bf16_tiles())
-                 and kv_layout.can_tile(dtype, block_size, head_dim, cpu_kernels.MAX_HEAD_DIM)
-                 and num_heads // num_kv_heads <= cpu_kernels.MAX_ROWS)
+        tiled = (torch.device(device).type == "cpu" and bool(self.lib.kvserve_bf16_tiles())
+                 and kv_layout.can_tile(dtype, block_size, head_dim, kernels.MAX_HEAD_DIM)
+                 and num_heads // num_kv_heads <= kernels.MAX_ROWS)
         return kv_layout.cache_shapes(num_blocks, block_size, num_kv_heads, head_dim, tiled)
 
     @staticmethod
     def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (q.is_cpu and q.dtype in _KERNEL_DTYPES and k_cache.dtype == q.dtype
-                and kv_layout.geometry(k_cache)[2] <= cpu_kernels.MAX_HEAD_DIM)
+                and kv_layout.geometry(k_cache)[2] <= kernels.MAX_HEAD_DIM)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float):
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
@@ -77,13 +78,13 @@ class CpuPagedAttention(TorchPagedAttention):
             q, k, v = q.flatten(1), k.flatten(1), v.flatten(1)
         args = meta.kernel_args
         if k.stride(1) == 1 and v.stride(1) == 1 and k.dtype == v.dtype == k_cache.dtype:
-            cpu_kernels.write_kv(self.lib, k, v, k_cache, v_cache, args)
+            kernels.write_kv(self.lib, k, v, k_cache, v_cache, args)
         else:
             self.write_kv(k_cache, v_cache, k, v, meta)
         if q.stride(1) != 1:
             q = q.contiguous()
         out = q.new_empty(q.shape[0], q.shape[1])
-        cpu_kernels.paged_attention(self.lib, q, k_cache, v_cache, out, args, num_heads, scale)
+        kernels.paged_attention(self.lib, q, k_cache, v_cache, out, args, num_heads, scale)
         return out
 
 
@@ -93,7 +94,7 @@ _BACKENDS = {"torch": TorchPagedAttention, "cpu": CpuPagedAttention}
 def get_backend(name: str = "auto"):
     """Return an attention backend instance by name; 'auto' is the C++ CPU backend when it builds, else torch."""
     if name == "auto":
-        lib = cpu_kernels.load()
+        lib = kernels.load()
         return CpuPagedAttention(lib) if lib is not None else TorchPagedAttention()
     try:
         return _BACKENDS[name]()

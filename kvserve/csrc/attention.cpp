@@ -478,8 +478,7 @@ void write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_
 }  // namespace
 
 extern "C" {
-int kv_abi_version() { return 2; }
-int kv_simd() {
+int kvserve_simd() {
 #ifdef KV_HAVE_AVX512
   return 1;
 #else
@@ -487,28 +486,28 @@ int kv_simd() {
 #endif
 }
 // 1 when bf16 caches can take the kernel layout (AVX-512 BF16)
-int kv_bf16_tiles() {
+int kvserve_bf16_tiles() {
 #ifdef KV_HAVE_BF16_TILE
   return 1;
 #else
   return 0;
 #endif
 }
-void kv_paged_attention_f32(const float* q, int64_t qs, const float* kc, const float* vc, float* out,
+void kvserve_paged_attention_f32(const float* q, int64_t qs, const float* kc, const float* vc, float* out,
                             const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                             const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
                             float scale) {
   paged_attention<float>(q, qs, kc, vc, out, tables, table_stride, seq_lens, query_start, B, H, Hkv, D, bs, scale,
                          false);
 }
-void kv_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
+void kvserve_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
                              const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                              const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
                              float scale, int64_t tiled) {
   paged_attention<uint16_t>(q, qs, kc, vc, out, tables, table_stride, seq_lens, query_start, B, H, Hkv, D, bs,
                             scale, tiled != 0);
 }
-void kv_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t Hkv,
+void kvserve_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t Hkv,
                  int64_t D, int64_t es, int64_t bs, int64_t tiled, char* kc, char* vc) {
   write_kv(k, ks, v, vs, slots, T, Hkv, D, es, bs, tiled != 0, kc, vc);
 }

@@ -1,5 +1,5 @@
 // Shared by the kernel files: bf16 conversions and AVX-512 helpers. The files are compiled as one unit
-// (common.h first), see kvserve/attention/cpu_kernels.py.
+// (common.h first), see kvserve/attention/kernels.py.
 #pragma once
 
 #include <cstdint>

@@ -12,7 +12,7 @@ namespace {
 #ifndef GEMV_MAX_ROWS
 #define GEMV_MAX_ROWS 8      // the GEMV and the tiles are even at 6-8 rows; the tiles win from 10
 #endif
-static_assert(GEMV_MAX_ROWS >= 1 && GEMV_MAX_ROWS <= 8, "kv_packed_matmul_bf16 dispatches 1-8 rows to the GEMV");
+static_assert(GEMV_MAX_ROWS >= 1 && GEMV_MAX_ROWS <= 8, "kvserve_packed_matmul_bf16 dispatches 1-8 rows to the GEMV");
 
 #if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
 #define KV_HAVE_GEMV 1
@@ -112,8 +112,8 @@ const GemmFn* const gemm_fns[2][GEMM_NB + 1] = {
 }  // namespace
 
 extern "C" {
-// 1 when kv_packed_matmul_bf16 is built (AVX-512 BF16)
-int kv_has_packed_matmul() {
+// 1 when kvserve_packed_matmul_bf16 is built (AVX-512 BF16)
+int kvserve_has_packed_matmul() {
 #ifdef KV_HAVE_GEMV
   return 1;
 #else
@@ -121,7 +121,7 @@ int kv_has_packed_matmul() {
 #endif
 }
 // Wp (see above) from W [N, K] bf16 row-major; Wp holds ceil(N / 16) * 16 * K bf16, padding rows are zero
-void kv_gemv_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
+void kvserve_gemv_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
   const int64_t K2 = K / 2, nb = (N + 15) / 16;
   #pragma omp parallel for
   for (int64_t b = 0; b < nb; ++b)
@@ -134,7 +134,7 @@ void kv_gemv_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
       }
 }
 // y[M, N] = x[M, K] @ W^T; rows of x and y may be strided (xs, ys elements); K even; any M
-void kv_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
+void kvserve_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
                            int64_t N, int64_t K) {
 #ifdef KV_HAVE_GEMV
   const int32_t* w = reinterpret_cast<const int32_t*>(wp);

@@ -5,18 +5,18 @@
 #include "common.h"
 
 extern "C" {
-void kv_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out, int64_t T, int64_t N,
+void kvserve_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out, int64_t T, int64_t N,
                      float eps);
-void kv_rope_bf16(uint16_t* x, int64_t xs, const uint16_t* cos, const uint16_t* sin, int64_t T, int64_t nh,
+void kvserve_rope_bf16(uint16_t* x, int64_t xs, const uint16_t* cos, const uint16_t* sin, int64_t T, int64_t nh,
                   int64_t D);
-void kv_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I);
-void kv_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
+void kvserve_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I);
+void kvserve_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
                            int64_t N, int64_t K);
-void kv_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
+void kvserve_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
                              const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                              const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
                              float scale, int64_t tiled);
-void kv_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t Hkv,
+void kvserve_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t Hkv,
                  int64_t D, int64_t es, int64_t bs, int64_t tiled, char* kc, char* vc);
 
 // What one layer reads, as raw pointers (kvserve/model/fused.py fills one row per layer):
@@ -43,22 +43,22 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
     const int64_t* p = layer_ptrs + l * L_PTRS;
     auto w = [p](int i) { return reinterpret_cast<const uint16_t*>(p[i]); };
     if (l == 0)
-      kv_rmsnorm_bf16(residual, nullptr, w(L_IN_NORM), normed, T, H, eps);
+      kvserve_rmsnorm_bf16(residual, nullptr, w(L_IN_NORM), normed, T, H, eps);
     else
-      kv_rmsnorm_bf16(hidden, residual, w(L_IN_NORM), normed, T, H, eps);
-    kv_packed_matmul_bf16(normed, H, w(L_QKV), qkv, nqkv, T, nqkv, H);
-    kv_rope_bf16(qkv, nqkv, cos, sin, T, NH + NKV, D);
+      kvserve_rmsnorm_bf16(hidden, residual, w(L_IN_NORM), normed, T, H, eps);
+    kvserve_packed_matmul_bf16(normed, H, w(L_QKV), qkv, nqkv, T, nqkv, H);
+    kvserve_rope_bf16(qkv, nqkv, cos, sin, T, NH + NKV, D);
     const uint16_t* k = qkv + NH * D;
     const uint16_t* v = k + NKV * D;
-    kv_write_kv(reinterpret_cast<const char*>(k), nqkv, reinterpret_cast<const char*>(v), nqkv, slots, T, NKV, D,
+    kvserve_write_kv(reinterpret_cast<const char*>(k), nqkv, reinterpret_cast<const char*>(v), nqkv, slots, T, NKV, D,
                 2, BS, TILED, reinterpret_cast<char*>(p[L_K_CACHE]), reinterpret_cast<char*>(p[L_V_CACHE]));
-    kv_paged_attention_bf16(qkv, nqkv, w(L_K_CACHE), w(L_V_CACHE), attn, tables, table_stride, seq_lens,
+    kvserve_paged_attention_bf16(qkv, nqkv, w(L_K_CACHE), w(L_V_CACHE), attn, tables, table_stride, seq_lens,
                             query_start, B, NH, NKV, D, BS, scale, TILED);
-    kv_packed_matmul_bf16(attn, NH * D, w(L_O), hidden, H, T, H, NH * D);
-    kv_rmsnorm_bf16(hidden, residual, w(L_POST_NORM), normed, T, H, eps);
-    kv_packed_matmul_bf16(normed, H, w(L_GATE_UP), gate_up, 2 * I, T, 2 * I, H);
-    kv_silu_mul_bf16(gate_up, 2 * I, act, T, I);
-    kv_packed_matmul_bf16(act, I, w(L_DOWN), hidden, H, T, H, I);
+    kvserve_packed_matmul_bf16(attn, NH * D, w(L_O), hidden, H, T, H, NH * D);
+    kvserve_rmsnorm_bf16(hidden, residual, w(L_POST_NORM), normed, T, H, eps);
+    kvserve_packed_matmul_bf16(normed, H, w(L_GATE_UP), gate_up, 2 * I, T, 2 * I, H);
+    kvserve_silu_mul_bf16(gate_up, 2 * I, act, T, I);
+    kvserve_packed_matmul_bf16(act, I, w(L_DOWN), hidden, H, T, H, I);
   }
 }
 
@@ -70,7 +70,7 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
 // -> 32.8, 24: 28.4 -> 26.6, 16: 21.8 -> 21.5, 12: 17.2 -> 21.0).
 constexpr int64_t SPLIT_MIN_SEQS = 24;
 
-void kv_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64_t* layer_ptrs,
+void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64_t* layer_ptrs,
                           int64_t L, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
                           const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                           const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,

@@ -2,8 +2,8 @@
 #include "common.h"
 
 extern "C" {
-// 1 when kv_silu_mul_bf16 is vectorized (AVX-512 BF16); its scalar loop is slower than torch's own ops
-int kv_silu_mul_fast() {
+// 1 when kvserve_silu_mul_bf16 is vectorized (AVX-512 BF16); its scalar loop is slower than torch's own ops
+int kvserve_silu_mul_fast() {
 #if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
   return 1;
 #else
@@ -11,7 +11,7 @@ int kv_silu_mul_fast() {
 #endif
 }
 // out[t] = bf16(bf16(silu(gate)) * up) for x[t] = gate | up (I each), the rounding of torch's F.silu(g) * u
-void kv_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I) {
+void kvserve_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I) {
   #pragma omp parallel for if (T * I > 65536)
   for (int64_t t = 0; t < T; ++t) {
     const uint16_t* g = x + t * xs;
@@ -38,7 +38,7 @@ void kv_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, i
 }
 // out = rmsnorm(x [+ residual]) * w, bf16 rounding as torch's ops: r = bf16(x + residual) (written back to
 // residual), y = bf16(r * rsqrt(mean(r^2) + eps)), out = bf16(w * y)
-void kv_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out, int64_t T, int64_t N,
+void kvserve_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out, int64_t T, int64_t N,
                      float eps) {
   #pragma omp parallel for if (T * N > 65536)
   for (int64_t t = 0; t < T; ++t) {
@@ -79,7 +79,7 @@ void kv_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, u
 }
 // rotate (rotate_half convention) the first nh heads of every row of x in place:
 // x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), cos/sin [T, D] bf16
-void kv_rope_bf16(uint16_t* x, int64_t xs, const uint16_t* cos, const uint16_t* sin, int64_t T, int64_t nh, int64_t D) {
+void kvserve_rope_bf16(uint16_t* x, int64_t xs, const uint16_t* cos, const uint16_t* sin, int64_t T, int64_t nh, int64_t D) {
   const int64_t half = D / 2;
   #pragma omp parallel for if (T * nh * D > 65536)
   for (int64_t t = 0; t < T; ++t)
@@ -127,7 +127,7 @@ int64_t argmax_row_scalar(const float* p, int64_t from, int64_t V, int64_t best,
 extern "C" {
 // out[r] = torch.argmax(x[r, :V]) for each of the rows (row stride xs floats): the first index of the maximum,
 // or of the first NaN. The greedy sampler's argmax over a decode batch's logits, ~2 ms in torch at 64 x 49152.
-void kv_argmax_f32(const float* x, int64_t xs, int64_t rows, int64_t V, int64_t* out) {
+void kvserve_argmax_f32(const float* x, int64_t xs, int64_t rows, int64_t V, int64_t* out) {
   #pragma omp parallel for schedule(static) if (rows * V >= 262144)
   for (int64_t r = 0; r < rows; ++r) {
     const float* p = x + r * xs;

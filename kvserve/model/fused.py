@@ -12,7 +12,8 @@ import weakref
 
 import torch
 
-from kvserve.attention import cpu_kernels, kv_layout
+from kvserve import kernels
+from kvserve.attention import kv_layout
 from kvserve.attention.backends import CpuPagedAttention
 
 _LAYER_PTRS = 8   # per layer: input norm, qkv, o, post norm, gate|up, down, K pool, V pool (layers.cpp's L_*)
@@ -51,7 +52,7 @@ class FusedLayers:
         hidden = torch.empty_like(residual)
         scratch = residual.new_empty(t * self.scratch_per_token)
         slots, tables, table_stride, seq_lens, query_start, num_seqs = meta.kernel_args
-        self.lib.kv_llama_layers_bf16(
+        self.lib.kvserve_llama_layers_bf16(
             hidden.data_ptr(), residual.data_ptr(), self.ptrs.data_ptr(), self.num_layers, cos.data_ptr(),
             sin.data_ptr(), slots, tables, table_stride, seq_lens, query_start, num_seqs, t, self.hidden_size,
             self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.block_size, self.tiled,
@@ -77,8 +78,8 @@ def is_same_binding(key: tuple, layers) -> bool:
 
 def build_fused_layers(layers) -> FusedLayers | None:
     """The fused stack for these LlamaDecoderLayers, or None where one of its kernels does not apply."""
-    lib = cpu_kernels.load()
-    if not layers or lib is None or not (lib.kv_has_packed_matmul() and lib.silu_mul_fast):
+    lib = kernels.load()
+    if not layers or lib is None or not (lib.kvserve_has_packed_matmul() and lib.silu_mul_fast):
         return None
     ptrs, tiled = [], set()
     for layer in layers:
@@ -91,7 +92,7 @@ def build_fused_layers(layers) -> FusedLayers | None:
                 or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms)
                 or not isinstance(attn.attn.backend, CpuPagedAttention) or cache.dtype != torch.bfloat16
                 or not cache.is_cpu
-                or cache.numel() == 0 or attn.head_dim > cpu_kernels.MAX_HEAD_DIM
+                or cache.numel() == 0 or attn.head_dim > kernels.MAX_HEAD_DIM
                 or norms[0].weight.shape[0] > 8192):
             return None
         tiled.add(kv_layout.is_tiled(cache))

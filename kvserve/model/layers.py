@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.attention import cpu_kernels
+from kvserve import kernels
 from kvserve.errors import ModelLoadError
 from kvserve.module import InferenceModule
 
@@ -46,8 +46,8 @@ class PackedWeight:
 
 
 def _kernel_lib():
-    lib = cpu_kernels.load()
-    return lib if lib is not None and lib.kv_has_packed_matmul() else None
+    lib = kernels.load()
+    return lib if lib is not None and lib.kvserve_has_packed_matmul() else None
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -78,11 +78,11 @@ def prepack_weights(weights: list[torch.Tensor], onednn: bool = False) -> list[P
     lib = _kernel_lib()
     if onednn or lib is None or any(w.shape[1] % 2 for w in weights):
         return [PackedWeight(w.shape[0], onednn=_onednn_pack(w)) for w in weights]
-    sizes = [cpu_kernels.packed_numel(*w.shape) for w in weights]
-    buf = cpu_kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16)
+    sizes = [kernels.packed_numel(*w.shape) for w in weights]
+    buf = kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16)
     packs = []
     for w, part in zip(weights, buf.split(sizes)):
-        cpu_kernels.pack_weight(lib, w, part)
+        kernels.pack_weight(lib, w, part)
         packs.append(PackedWeight(w.shape[0], kernel=part, kernel_ptr=part.data_ptr(), lib=lib))
     return packs
 
@@ -95,7 +95,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
             return packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias).view(*x.shape[:-1], -1)
         n = packed.out_features   # the call inlined: decode steps make 121 of these per token
         y = x.new_empty(x.shape[0], n)
-        packed.lib.kv_packed_matmul_bf16(x.data_ptr(), x.stride(0), packed.kernel_ptr, y.data_ptr(), n, x.shape[0],
+        packed.lib.kvserve_packed_matmul_bf16(x.data_ptr(), x.stride(0), packed.kernel_ptr, y.data_ptr(), n, x.shape[0],
                                          n, x.shape[1])
     else:
         y = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, None, "none", [], "")
@@ -175,7 +175,7 @@ def _fast_lib(x: torch.Tensor):
     """The C++ kernel library when x is a bf16 CPU tensor with contiguous rows, else None (use torch ops)."""
     if x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2 or x.stride(1) != 1:
         return None
-    return cpu_kernels.load()
+    return kernels.load()
 
 
 class RMSNorm(InferenceModule):
@@ -194,7 +194,7 @@ class RMSNorm(InferenceModule):
         lib = _fast_lib(x) if x.shape[-1] <= 8192 and weight.dtype == x.dtype else None
         if lib is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
             out = torch.empty_like(x)
-            lib.kv_rmsnorm_bf16(x.data_ptr(), None if residual is None else residual.data_ptr(),
+            lib.kvserve_rmsnorm_bf16(x.data_ptr(), None if residual is None else residual.data_ptr(),
                                 weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.eps)
             return out if residual is None else (out, residual)
         if residual is not None:
@@ -214,7 +214,7 @@ class SiluAndMul(InferenceModule):
         lib = _fast_lib(x)
         if lib is not None and lib.silu_mul_fast and x.shape[-1] % 2 == 0:   # one pass, rounding like torch's two
             out = x.new_empty(x.shape[0], x.shape[1] // 2)
-            lib.kv_silu_mul_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1] // 2)
+            lib.kvserve_silu_mul_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1] // 2)
             return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -288,7 +288,7 @@ def rotate_heads_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: to
     lib = _fast_lib(x)
     if lib is None or head_dim > 512 or cos.dtype != x.dtype or not (cos.is_contiguous() and sin.is_contiguous()):
         return False
-    lib.kv_rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], num_heads, head_dim)
+    lib.kvserve_rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], num_heads, head_dim)
     return True
 
 

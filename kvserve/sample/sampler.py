@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention import cpu_kernels
+from kvserve import kernels
 from kvserve.sample.logits_processors import apply_logits_processors
 from kvserve.sample.logprobs import LogprobsTensors, gather_logprobs
 from kvserve.sample.metadata import SamplingMetadata
@@ -50,11 +50,11 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for x [B, V] (first maximum; NaN counts as the maximum): the C++ kernel on float32 CPU
     rows, 0.21 against 1.38 ms in torch for a 64-row decode batch over SmolLM2's 49,152 tokens."""
-    lib = cpu_kernels.load() if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 else None
+    lib = kernels.load() if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 else None
     if lib is None:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.long)
-    lib.kv_argmax_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    lib.kvserve_argmax_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out
 
 

@@ -24,7 +24,7 @@ from kvserve.attention import kv_layout
 
 logger = logging.getLogger("kvserve")
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parent / "csrc"
 _FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "layers.cpp")
 
 
@@ -87,27 +87,27 @@ def _build(cxx: str, source: str | None = None, extra_flags: tuple[str, ...] = (
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "kv_paged_attention_f32": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f],
-        "kv_paged_attention_bf16": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64],
-        "kv_write_kv": [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, p, p],
-        "kv_rmsnorm_bf16": [p, p, p, p, i64, i64, f],
-        "kv_rope_bf16": [p, i64, p, p, i64, i64, i64],
-        "kv_silu_mul_bf16": [p, i64, p, i64, i64],
-        "kv_gemv_pack": [p, i64, i64, p],
-        "kv_argmax_f32": [p, i64, i64, i64, p],
-        "kv_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
-        "kv_llama_layers_bf16": [p, p, p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64,
+        "kvserve_paged_attention_f32": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f],
+        "kvserve_paged_attention_bf16": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64],
+        "kvserve_write_kv": [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, p, p],
+        "kvserve_rmsnorm_bf16": [p, p, p, p, i64, i64, f],
+        "kvserve_rope_bf16": [p, i64, p, p, i64, i64, i64],
+        "kvserve_silu_mul_bf16": [p, i64, p, i64, i64],
+        "kvserve_gemv_pack": [p, i64, i64, p],
+        "kvserve_argmax_f32": [p, i64, i64, i64, p],
+        "kvserve_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
+        "kvserve_llama_layers_bf16": [p, p, p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64,
                                  f, f, p, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = None
-    lib.kv_simd.restype = ctypes.c_int
-    lib.kv_bf16_tiles.restype = ctypes.c_int
-    lib.kv_has_packed_matmul.restype = ctypes.c_int
-    lib.kv_silu_mul_fast.restype = ctypes.c_int
-    lib.silu_mul_fast = bool(lib.kv_silu_mul_fast())
+    lib.kvserve_simd.restype = ctypes.c_int
+    lib.kvserve_bf16_tiles.restype = ctypes.c_int
+    lib.kvserve_has_packed_matmul.restype = ctypes.c_int
+    lib.kvserve_silu_mul_fast.restype = ctypes.c_int
+    lib.silu_mul_fast = bool(lib.kvserve_silu_mul_fast())
     return lib
 
 
@@ -148,24 +148,24 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_
     args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables, table_stride,
             seq_lens, query_start, num_seqs, num_heads, hkv, d, bs, scale)
     if q.dtype == torch.bfloat16:
-        lib.kv_paged_attention_bf16(*args, kv_layout.is_tiled(k_cache))
+        lib.kvserve_paged_attention_bf16(*args, kv_layout.is_tiled(k_cache))
     else:
-        lib.kv_paged_attention_f32(*args)
+        lib.kvserve_paged_attention_f32(*args)
 
 
 def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              kernel_args: tuple) -> None:
     """k_cache/v_cache rows [slot_mapping[t]] = k/v [t] (k, v: [T, Hkv*D], rows may be strided; either layout)."""
     bs, hkv, d = kv_layout.geometry(k_cache)
-    lib.kv_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kernel_args[0], k.shape[0], hkv, d,
+    lib.kvserve_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kernel_args[0], k.shape[0], hkv, d,
                     k.element_size(), bs, kv_layout.is_tiled(k_cache), k_cache.data_ptr(), v_cache.data_ptr())
 
 
 def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """Repack a bf16 weight [N, K] (K even) into `out` (packed_numel(N, K) bf16) for kv_packed_matmul_bf16."""
+    """Repack a bf16 weight [N, K] (K even) into `out` (packed_numel(N, K) bf16) for kvserve_packed_matmul_bf16."""
     n, k = weight.shape
     w = weight.contiguous()
-    lib.kv_gemv_pack(w.data_ptr(), n, k, out.data_ptr())
+    lib.kvserve_gemv_pack(w.data_ptr(), n, k, out.data_ptr())
 
 
 def packed_numel(n: int, k: int) -> int:

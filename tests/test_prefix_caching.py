@@ -126,14 +126,44 @@ def test_aborting_the_first_sample_before_its_prompt_runs_requeues_the_siblings(
     assert list(s.waiting) == [sib]
 
 
-@settings(max_examples=120, deadline=None)
+def test_a_victim_preempted_after_its_copy_on_write_in_the_same_step_leaves_no_copy_behind():
+    """Priority preemption can pick a request already scheduled in the step: its copy-on-write copy must go with it,
+    or the freed copy block is handed to the next copy too (two copies into one block, either may win)."""
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    s = Scheduler(kv, 8, 8, 64, "priority")
+    low = [req(f"{i}_low", list(range(1, 11)), priority=5, arrival_time=0.0) for i in range(2)]
+    high = [req(f"{i}_high", list(range(20, 26)), priority=0, arrival_time=1.0) for i in range(2)]
+    s.add_request(low[0], low[1:])
+    s.update_from_output(s.schedule(), {})                     # 8 of low's 10 prompt tokens
+    s.add_request(high[0], high[1:])
+    out = s.schedule()                                           # the rest of low's prompt, all of high's
+    s.update_from_output(out, {"0_low": 7, "0_high": 7})         # both fork: the samples share partial blocks
+    assert [r.request_id for r in s.running] == ["0_low", "0_high", "1_low", "1_high"] and kv.num_free_blocks == 1
+    out = s.schedule()   # 0_low copies its shared block into the last free one; 0_high's copy preempts 0_low
+    assert "0_low" in [r.request_id for r in out.preempted]
+    check_block_copies(kv, out)
+    [(src, dst)] = out.block_copies
+    assert src == kv.get_block_ids("1_high")[-1] and dst == kv.get_block_ids("0_high")[-1]
+
+
+def check_block_copies(kv, out):
+    """A step's copy-on-write copies each go into a distinct block that a request scheduled in the step holds."""
+    dsts = [dst for _, dst in out.block_copies]
+    assert len(dsts) == len(set(dsts)), f"two copies into one block in a step: {out.block_copies}"
+    held = {b.block_id for r, _ in out.scheduled for b in kv.req_to_blocks.get(r.request_id, ())}
+    assert set(dsts) <= held, f"a copy into a block no scheduled request holds: {out.block_copies}"
+
+
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(0, 3), st.integers(1, 20),
                           st.integers(1, 4)), max_size=50),
-       st.integers(8, 40))
-def test_random_shared_prefix_workloads_never_leak_or_free_a_block_in_use(ops, budget):
+       st.integers(8, 40), st.sampled_from(["fcfs", "priority"]), st.sampled_from([0.0, 2.0]))
+def test_random_shared_prefix_workloads_never_leak_or_free_a_block_in_use(ops, budget, policy, aging):
+    """n > 1 samples of shared prefixes under both policies: with priorities, victims may already be scheduled in
+    the step that preempts them (their copy-on-write copies must go with them)."""
     num_blocks, bs = 16, 4
     kv = KVCacheManager(num_blocks, bs)
-    s = Scheduler(kv, 6, budget, 64)
+    s = Scheduler(kv, 6, budget, 64, policy, priority_aging_s=aging)
     prefixes = [list(range(10, 22)), list(range(30, 37)), [1, 2, 3, 4, 5, 6, 7, 8], [9]]
     parents = []
     for kind, which, length, n in ops:
@@ -142,11 +172,14 @@ def test_random_shared_prefix_workloads_never_leak_or_free_a_block_in_use(ops, b
             if -(-(len(tokens) + 6) // bs) > num_blocks:
                 continue
             rid = f"p{len(parents)}"
-            kids = [req(f"{i}_{rid}", tokens, max_tokens=6) for i in range(n)]
+            kids = [req(f"{i}_{rid}", tokens, max_tokens=6, priority=(length * 7) % 5, arrival_time=float(len(parents)))
+                    for i in range(n)]
             s.add_request(kids[0], kids[1:])
             parents.append(kids)
         elif kind == "step":
             out = s.schedule()
+            check_block_copies(kv, out)
+            assert out.rejected == []
             s.update_from_output(out, {r.request_id: 50 + which for r, k in out.scheduled
                                        if r.num_computed_tokens + k == r.num_tokens})
         elif parents:
@@ -163,6 +196,7 @@ def test_random_shared_prefix_workloads_never_leak_or_free_a_block_in_use(ops, b
         if not s.has_unfinished_requests():
             break
         out = s.schedule()
+        check_block_copies(kv, out)
         s.update_from_output(out, {r.request_id: 3 for r, k in out.scheduled
                                    if r.num_computed_tokens + k == r.num_tokens})
     assert not s.has_unfinished_requests() and all(k.is_finished for kids in parents for k in kids)

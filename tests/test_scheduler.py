@@ -9,9 +9,10 @@ from kvserve.sampling_params import SamplingParams
 EOS = 0
 
 
-def make_sched(num_blocks=16, block_size=4, max_seqs=8, budget=32, policy="fcfs", caching=False, max_len=1000):
+def make_sched(num_blocks=16, block_size=4, max_seqs=8, budget=32, policy="fcfs", caching=False, max_len=1000,
+               aging=None):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-    return Scheduler(kv, max_seqs, budget, max_len, policy)
+    return Scheduler(kv, max_seqs, budget, max_len, policy, priority_aging_s=aging)
 
 
 def make_req(rid, n_prompt, max_tokens=4, priority=0, t=None, first=1):
@@ -101,6 +102,86 @@ def test_priority_policy_admits_and_preempts_by_priority():
     fake_step(s2)
     out = fake_step(s2)
     assert [r.request_id for r in out.preempted] == ["y"]   # y arrived first but has the lower priority
+
+
+def test_a_waiting_request_preempts_running_ones_of_lower_priority():
+    s = make_sched(max_seqs=1, policy="priority")
+    s.add_request(make_req("low", 3, max_tokens=8, priority=5, t=0.0))
+    fake_step(s)
+    s.add_request(make_req("high", 3, max_tokens=2, priority=0, t=1.0))
+    out = fake_step(s)
+    assert [r.request_id for r in out.preempted] == ["low"] and scheduled(out) == [("high", 3)]
+    assert [r.request_id for r in s.waiting] == ["low"]
+    s.add_request(make_req("lower", 3, priority=9, t=2.0))   # ranks below the running request: just waits
+    out = fake_step(s)
+    assert out.preempted == [] and scheduled(out) == [("high", 1)]
+    out = fake_step(s)
+    assert scheduled(out) == [("low", 4)]   # recomputes its prompt and its one output token
+
+
+def test_a_waiting_request_preempts_for_blocks_too():
+    s = make_sched(num_blocks=4, block_size=2, max_seqs=4, policy="priority")
+    s.add_request(make_req("low", 5, max_tokens=8, priority=5, t=0.0))
+    s.add_request(make_req("low2", 1, max_tokens=8, priority=5, t=0.1))
+    out = fake_step(s)
+    assert scheduled(out) == [("low2", 1), ("low", 5)] and s.kv.num_free_blocks == 0
+    s.add_request(make_req("high", 2, max_tokens=2, priority=0, t=1.0))
+    out = fake_step(s)   # high needs one block: the later of the two equal-priority requests gives its block up
+    assert [r.request_id for r in out.preempted] == ["low2"] and scheduled(out) == [("low", 1), ("high", 2)]
+
+
+def test_a_request_that_can_never_fit_is_rejected_instead_of_blocking_the_queue():
+    """The engine refuses such requests when they arrive; if one still reaches the queue, it must not stall it."""
+    s = make_sched(num_blocks=4, block_size=4)
+    s.add_request(make_req("huge", 20))       # 20 tokens, the pool holds 16
+    s.add_request(make_req("small", 3))
+    out = fake_step(s)
+    assert [r.request_id for r in out.rejected] == ["huge"] and scheduled(out) == [("small", 3)]
+    assert [r.request_id for r in s.waiting] == []
+    s2 = make_sched(num_blocks=4, block_size=4)
+    s2.add_request(make_req("a", 10, max_tokens=3))
+    fake_step(s2)
+    s2.add_request(make_req("b", 10))          # fits once "a" is done: waits, is not rejected
+    out = fake_step(s2)
+    assert out.rejected == [] and [r.request_id for r in s2.waiting] == ["b"]
+
+
+def test_aging_orders_waiting_requests_by_priority_minus_time_waited():
+    s = make_sched(max_seqs=1, policy="priority", aging=10.0)
+    s.add_request(make_req("running", 2, max_tokens=50, priority=0, t=0.0))
+    fake_step(s)
+    s.add_request(make_req("old_low", 2, priority=3, t=0.0))     # rank 3 + 0/10 = 3
+    s.add_request(make_req("new_high", 2, priority=0, t=25.0))   # rank 0 + 25/10 = 2.5
+    s.add_request(make_req("newer_high", 2, priority=0, t=35.0))  # rank 3.5: waited 30 s less than old_low
+    assert [r.request_id for r in s.waiting] == ["new_high", "old_low", "newer_high"]
+
+
+def run_stream(aging, low_priority, dt, num_steps, low_max_tokens=2):
+    """A low-priority request at t=0, then one priority-0 request per step (t = step * dt) that runs one step:
+    the stream alone keeps the single sequence slot busy. Returns the step the low request finished in, or None."""
+    s = make_sched(num_blocks=64, max_seqs=1, policy="priority", aging=aging)
+    low = make_req("low", 3, max_tokens=low_max_tokens, priority=low_priority, t=0.0)
+    s.add_request(low)
+    for step in range(num_steps):
+        s.add_request(make_req(f"h{step}", 2, max_tokens=1, priority=0, t=(step + 1) * dt))
+        fake_step(s)
+        if low.is_finished:
+            return step
+    return None
+
+
+def test_without_aging_a_steady_stream_of_higher_priority_starves_a_request():
+    assert run_stream(aging=0, low_priority=1, dt=1.0, num_steps=200) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 10), st.floats(0.5, 30.0), st.floats(0.1, 5.0), st.integers(1, 4))
+def test_with_aging_every_request_finishes_while_higher_priority_ones_keep_coming(low_priority, aging, dt,
+                                                                                  low_max_tokens):
+    # past low_priority * aging seconds every new arrival ranks below it; the ones before are served one a step
+    bound = int(low_priority * aging / dt) + low_max_tokens + 3
+    finished_at = run_stream(aging, low_priority, dt, bound + 50, low_max_tokens)
+    assert finished_at is not None and finished_at <= bound
 
 
 def test_finish_on_eos_and_on_max_tokens_frees_blocks():

@@ -100,6 +100,11 @@ class KVCacheManager:
         """Release the request's blocks; the tail goes on the free list first, so it is evicted first."""
         blocks = self.req_to_blocks.pop(req.request_id, [])
         self.num_cached_blocks.pop(req.request_id, None)
+        if self.pending_copies:
+            # a copy into a block freed in the same step (a preempted or aborted request's copy-on-write) must
+            # not run: the block may be handed out again before the forward, even as another copy's destination
+            freed = {b.block_id for b in blocks}
+            self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in freed]
         self.pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

@@ -22,7 +22,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6   # rejected: can never fit
 
     @property
     def is_finished(self) -> bool:
@@ -34,7 +33,7 @@ class RequestStatus(enum.IntEnum):
 
 
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_IGNORED: "length"}
+                   RequestStatus.FINISHED_ABORTED: "abort"}
 
 
 class Request:
@@ -86,11 +85,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def sort_key(self) -> tuple:
-        """Scheduling order: lower priority value first, then earlier arrival."""
-        return (self.priority, self.arrival_time)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -5,6 +5,13 @@ the token budget (max_num_batched_tokens) and max_num_seqs allow. A prompt longe
 of the budget is split into chunks across steps (chunked prefill), so decodes never stall behind it.
 When the pool has no block for a running request, the lowest-priority running request is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue.
+
+Under the priority policy a waiting request also preempts running ones that rank below it, and waiting ages a
+request: every `priority_aging_s` seconds since its arrival count as one priority level, so a steady stream of
+higher-priority requests cannot starve a lower one (see Scheduler.rank).
+
+A waiting request that cannot be allocated while nothing else holds a block can never run: it is taken off the
+queue and reported in SchedulerOutput.rejected, so it never blocks the queue head.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)   # can never fit the KV pool; the engine fails them
     block_copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write, before the forward
     num_batched_tokens: int = 0
 
@@ -44,12 +52,14 @@ class Scheduler:
     """Decides every step which requests run and how many tokens each computes."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True):
+                 max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
+                 priority_aging_s: float | None = None):
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
+        self.priority_aging_s = priority_aging_s
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -98,6 +108,16 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def rank(self, req: Request) -> tuple[float, float]:
+        """Order under the priority policy, lowest first.
+
+        With aging, a request's effective priority after waiting w seconds is priority - w / priority_aging_s.
+        Between two requests the common clock cancels out, so priority + arrival_time / priority_aging_s orders
+        them the same at every moment: the key never changes and the queue stays sorted."""
+        if self.priority_aging_s:
+            return req.priority + req.arrival_time / self.priority_aging_s, req.arrival_time
+        return req.priority, req.arrival_time
+
     # ----- one step -----
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -131,15 +151,29 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:
+                freed = self._preempt_lower(req, out)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit_tokens
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
-                break
+                freed = self._preempt_lower(req, out)
+                if freed is not None:
+                    budget += freed
+                elif not self.running:   # every block is free and still too few: it can never run
+                    self.waiting.popleft()
+                    out.rejected.append(req)
+                else:
+                    break
+                continue
             self.waiting.popleft()
             if req.num_cached_tokens < 0:   # counted once, at first scheduling
                 req.num_cached_tokens = num_hit_tokens
@@ -155,8 +189,20 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
-            return max(self.running, key=lambda r: r.sort_key)
+            return max(self.running, key=self.rank)
         return self.running[-1]
+
+    def _preempt_lower(self, req: Request, out: SchedulerOutput) -> int | None:
+        """Priority policy: preempt the lowest-ranked running request if it ranks below the waiting `req`.
+
+        Returns the tokens it gives back to the step's budget, or None when there is no such request. Ranks are
+        static and the victim ranks strictly below `req`, so two requests never preempt each other in turn."""
+        if self.policy != "priority" or not self.running:
+            return None
+        victim = self._pick_victim()
+        if self.rank(victim) <= self.rank(req):
+            return None
+        return self._preempt(victim, out)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
         """Preempt by recompute: free the blocks, forget computed tokens, requeue at the front.
@@ -180,9 +226,9 @@ class Scheduler:
         return 0
 
     def _insert_by_priority(self, req: Request) -> None:
-        key = req.sort_key
+        key = self.rank(req)
         for i, other in enumerate(self.waiting):
-            if key < other.sort_key:
+            if key < self.rank(other):
                 self.waiting.insert(i, req)
                 return
         self.waiting.append(req)

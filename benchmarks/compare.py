@@ -13,9 +13,10 @@ Workloads (the performance issue's):
   Concurrency sweep: `vllm bench serve --max-concurrency C` with 2C requests for C in 4, 16 (with the single
   stream at 1 and S1 at 64: the throughput-vs-concurrency plot).
 Peers, each in its own process: HF transformers (float32 model.generate over static left-padded batches of 16,
-the GGUF's weights), vLLM's CPU build (its own venv, see /work/shared/peers/README.md; skipped with a message
-when missing). Every engine gets the same token ids. Results: benchmarks/results/compare.json, plots in docs/,
-tables between the markers of docs/benchmarks.md (the rest of that file is kept as written).
+the GGUF's weights), vLLM's CPU build (its own venv under $PEERS, default ~/peers, installed by `make peers`:
+see benchmarks/peers/README.md; skipped with a message when missing). Every engine gets the same token ids.
+Results: benchmarks/results/compare.json, plots in docs/, tables between the markers of docs/benchmarks.md (the
+rest of that file is kept as written).
 """
 from __future__ import annotations
 
@@ -38,10 +39,12 @@ from compare_report import log, plot, report, write_doc
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
-PEERS = Path(os.environ.get("PEERS", Path.home() / "peers"))
+PEERS = Path(os.environ.get("PEERS", Path.home() / "peers"))   # the Makefile's default too
+PEERS_SCRIPTS = ROOT / "benchmarks" / "peers"
 VLLM_PY = PEERS / "venv-vllm" / "bin" / "python"
 VLLM_BIN = PEERS / "venv-vllm" / "bin" / "vllm"
 HF_DIR = PEERS / "smollm2-135m-instruct"
+# the same settings as benchmarks/peers/vllm-env.sh
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
             "VLLM_USE_AOT_COMPILE": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 PY = sys.executable
@@ -154,20 +157,16 @@ def vllm_available() -> bool:
     if VLLM_PY.exists() and VLLM_BIN.exists():
         return True
     log(f"vLLM is not installed at {VLLM_PY.parent.parent}: skipping it "
-        "(install: bash /work/shared/peers/install-vllm-cpu.sh)")
+        "(install: make peers)")
     return False
 
 
 def ensure_hf_model() -> bool:
-    """The bf16 HF copy of the bundled GGUF that vLLM needs (made once with the peers' script)."""
+    """The bf16 HF copy of the bundled GGUF that vLLM needs (made once, as `make peers` does)."""
     if (HF_DIR / "config.json").exists():
         return True
-    from kvserve.model.loader import DEFAULT_GGUF, default_model_path
-    script = Path("/work/shared/peers/make-hf-model.py")
-    if not script.exists():
-        log(f"{script} is missing: cannot make the HF copy of the model for vLLM")
-        return False
-    proc = subprocess.run([str(VLLM_PY), str(script), os.path.dirname(default_model_path()), DEFAULT_GGUF,
+    from kvserve.model.loader import default_model_path
+    proc = subprocess.run([str(VLLM_PY), str(PEERS_SCRIPTS / "make-hf-model.py"), str(default_model_path()),
                            str(HF_DIR)], capture_output=True, text=True)
     if proc.returncode != 0:
         log(f"make-hf-model.py failed:\n{proc.stderr[-2000:]}")

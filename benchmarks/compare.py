@@ -15,8 +15,8 @@ Workloads (the performance issue's):
 Peers, each in its own process: HF transformers (float32 model.generate over static left-padded batches of 16,
 the GGUF's weights), vLLM's CPU build (its own venv under $PEERS, default ~/peers, installed by `make peers`:
 see benchmarks/peers/README.md; skipped with a message when missing). Every engine gets the same token ids.
-Results: benchmarks/results/compare.json, plots in docs/, tables between the markers of docs/benchmarks.md (the
-rest of that file is kept as written).
+Results: benchmarks/results/compare.json; compare_report.py turns them into docs/benchmarks.md and the plots in
+docs/ (the optimization log at the end of that file is kept as written).
 """
 from __future__ import annotations
 
@@ -335,6 +335,9 @@ def main() -> None:
     results = json.loads(previous.read_text()) if args.only and previous.exists() else {}
     results.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "versions": versions(),
                     "load_before": load_avg()})
+    # with --only, the other part comes from an earlier run: each part keeps the command and date that made it
+    made = {"command": " ".join(["python benchmarks/compare.py", *sys.argv[1:]]), "date": results["date"]}
+    provenance = results.setdefault("provenance", {})
     if args.only in (None, "offline"):
         results["num_prompts"] = args.num_prompts
     with tempfile.TemporaryDirectory(prefix="kvserve-compare-") as t:
@@ -347,12 +350,12 @@ def main() -> None:
                 off["vllm"] = vllm_offline(args, work_path, tmp)
             if not args.skip_hf:
                 off["transformers"] = hf_offline(args, work_path, tmp)
-            results["offline"] = off
+            results["offline"], provenance["offline"] = off, made
         if args.only in (None, "serve"):
             if not has_vllm:
                 log("the serving comparison needs `vllm bench serve` as its client: skipped")
             else:
-                results["serve"] = serve_all(args, tmp)
+                results["serve"], provenance["serve"] = serve_all(args, tmp), made
     results["load_after"] = load_avg()
     (RESULTS / "compare.json").write_text(json.dumps(results, indent=2))
     log(f"wrote {RESULTS / 'compare.json'}")

@@ -1,13 +1,24 @@
-"""Tables and plots of benchmarks/compare.py's results: the generated section of docs/benchmarks.md and the
-docs/bench_*.png figures (W1 bars, S1 bars, throughput and TPOT against concurrency, latency percentiles)."""
+"""docs/benchmarks.md and its docs/bench_*.png plots from benchmarks/compare.py's results. Everything above the
+optimization log is generated; the log (from LOG_HEADING to the end of the file) is written by hand and kept.
+
+  python benchmarks/compare_report.py [--no-plots]   # rewrite the report from benchmarks/results/compare.json
+                                                     # without measuring (make bench measures, then does this)
+"""
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import re
 import time
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
-BEGIN, END = "<!-- compare.py:begin -->", "<!-- compare.py:end -->"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+RESULTS = ROOT / "benchmarks" / "results"
+LOG_HEADING = "## Optimization log"
+NEW_LOG = (f"{LOG_HEADING}\n\nWritten by hand and kept when the report above is regenerated: one dated entry per "
+           "change, what it did and its before/after figure, measured side by side.\n")
+PLOTS = ("bench_offline.png", "bench_serving.png", "bench_concurrency.png", "bench_percentiles.png")
 COLORS = {"transformers": "#999999", "vllm": "#6c8ebf", "kvserve": "#d6792c"}
 
 
@@ -32,7 +43,9 @@ def plot(results: dict) -> list[str]:
         bars = ax.barh(names, vals, color=[COLORS[n] for n in names])
         ax.bar_label(bars, fmt="%.0f")
         ax.set_xlabel("output tokens/s (higher is better)")
-        ax.set_title(f"W1 offline: {results['num_prompts']} requests, SmolLM2-135M, {os.cpu_count()} CPU cores")
+        cores = re.search(r"(\d+) cores", results["machine"])   # the measuring machine's, not this one's
+        ax.set_title(f"W1 offline: {results['num_prompts']} requests, SmolLM2-135M"
+                     + (f", {cores[1]} CPU cores" if cores else ""))
         fig.tight_layout()
         fig.savefig(DOCS / "bench_offline.png", dpi=110)
         plt.close(fig)
@@ -114,70 +127,214 @@ def ratio(a, b) -> str:
     return "—" if not a or not b else f"{a / b:.2f}×"
 
 
+INTRO = """\
+kvserve against vLLM's CPU build and Hugging Face transformers on the CPU, with the bundled
+SmolLM2-135M-Instruct (bf16; transformers in float32). `make peers` installs the peers
+(benchmarks/peers/README.md); `make bench` (benchmarks/compare.py) measures them one after another and
+rewrites this file and the plots. Every engine gets the same token ids.
+"""
+
+WORKLOADS = """\
+## Workloads
+
+- **W1 offline**: N random-token prompts of 64–512 tokens, 32–256 output tokens each, greedy, `ignore_eos`,
+  seed 0, all submitted at once (vLLM's and kvserve's `LLM.generate`; transformers' `model.generate` over
+  static left-padded batches of 16).
+- **S1 serving burst**: `vllm bench serve`, random 256 in / 128 out, 64 requests at once; `--s1-runs` runs per
+  engine (3 by default) with new prompts (no prefix-cache hits), the run with the median output throughput
+  reported.
+- **Single stream**: the same client with `--max-concurrency 1`, 8 requests.
+- **Concurrency sweep**: `--max-concurrency C` with 2C requests for C = 4 and 16 (1 is the single stream,
+  64 is S1).
+- **Start-up**: seconds from launching the server until it has answered its first request.
+"""
+
+READING = """\
+## Reading the figures
+
+The machine is small and shared: with two OpenMP threads on two cores, any other process that takes a core
+stalls every parallel region, so absolute figures move between runs minutes apart, and the peers' with them.
+Read each figure with the load average above; compare engines by the ratios, which are taken side by side in
+one run. The same holds for the scripts below: each measures its configurations interleaved in one process.
+"""
+
+COMMANDS = """\
+## Commands
+
+| command | what |
+|---|---|
+| `make bench` (= `python benchmarks/compare.py`) | everything above, for kvserve and every installed peer; rewrites this file and `docs/bench_*.png` |
+| `python benchmarks/compare.py --only offline --skip-hf` | W1 only, kvserve and vLLM (`--only serve`: the serving part; the other part of the report is kept) |
+| `python benchmarks/compare_report.py` | this file and the plots again from `benchmarks/results/compare.json`, without measuring |
+| `python benchmarks/ablation.py --num-prompts 8 --num-threads 1` | each optimization switched on in turn, side by side in one process (W1-style throughput; `--single-stream`: one request's TPOT) |
+| `python benchmarks/attention_kernel.py [--num-threads N] [--layers 30]` | the bf16 attention kernel over the tiled KV layout against the AVX-512 kernel over the standard layout and the torch backend, on W1-shaped decode and prefill steps, K/V from DRAM (30 layers' pools) or caches (`--layers 1`) |
+| `python benchmarks/matmul.py [--num-threads N] [--rows ...]` | the C++ bf16 matmuls (GEMV, register-tiled GEMM) against oneDNN's packed path for steps of M rows, layer weights and LM head |
+| `python benchmarks/bf16_accuracy.py` | bf16 against float32 with each kernel switched in or out (teacher-forced top-1 agreement and logprob error) |
+| `python benchmarks/prefix_caching.py --json benchmarks/results/prefix_caching.json` | prefix caching on against off |
+| `kvserve bench throughput --num-prompts 64 --input-len 64:512 --output-len 32:256 --dtype bfloat16` | W1 for kvserve alone (`--output-json`) |
+| `kvserve bench latency --input-len 256 --output-len 128 --num-iters 8` | TTFT / TPOT percentiles of one request at a time |
+| `kvserve bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 [--max-concurrency C] [--request-rate R]` | the built-in serving client for any OpenAI-compatible server: `vllm bench serve`'s random workload (256 in / 128 out, token-id prompts, streaming, greedy, `ignore_eos`) and metric names. The same `--seed` sends the same prompts, so a second run hits the server's prefix cache: change the seed between runs (compare.py does) |
+"""
+
+
+def runs(results: dict) -> str:
+    """Which command measured the report's parts, and when (with --only, the parts come from different runs)."""
+    made = results.get("provenance") or {"all": {"command": "python benchmarks/compare.py", "date": results["date"]}}
+
+    def say(m: dict) -> str:
+        cmd = "`make bench`" if m["command"] == "python benchmarks/compare.py" else f"`{m['command']}`"
+        return f"{cmd} on {m['date']}"
+    if len({(m["command"], m["date"]) for m in made.values()}) == 1:
+        return "Measured by " + say(next(iter(made.values()))) + "."
+    return "Measured by " + "; ".join(f"{say(m)} ({part})" for part, m in made.items()) + "."
+
+
+def header(results: dict) -> list[str]:
+    return ["# Benchmarks", "",
+            "<!-- Generated by benchmarks/compare_report.py from benchmarks/results/compare.json: change the "
+            f"generator, not this text. Only the section from \"{LOG_HEADING}\" on is written by hand. -->", "",
+            INTRO, f"- Machine: {results['machine']}; load average before / after: {results['load_before']} / "
+            f"{results['load_after']}.",
+            "- Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + ".",
+            f"- {runs(results)}", ""]
+
+
+def summary(results: dict) -> list[str]:
+    off, serve = results.get("offline") or {}, results.get("serve") or {}
+    kv_s, vl_s = serve.get("kvserve") or {}, serve.get("vllm") or {}
+    rows = [("W1 output tok/s (higher is better)", lambda e: (off.get(e) or {}).get("output_tokens_per_s"), ".1f"),
+            ("S1 output tok/s (higher is better)", lambda e: _s1(serve, e, "output_throughput"), ".1f"),
+            ("S1 mean TTFT ms (lower is better)", lambda e: _s1(serve, e, "mean_ttft_ms"), ".0f"),
+            ("single-stream mean TPOT ms (lower is better)", lambda e: _ss(serve, e, "mean_tpot_ms"), ".1f"),
+            ("single-stream mean TTFT ms (lower is better)", lambda e: _ss(serve, e, "mean_ttft_ms"), ".0f"),
+            ("start-up s (lower is better)", lambda e: (serve.get(e) or {}).get("startup_s"), ".1f")]
+    if not (off.get("vllm") or (kv_s and vl_s)):
+        return []
+    lines = ["## Summary: kvserve against vLLM", "", "| figure | kvserve | vLLM | kvserve / vLLM |",
+             "|---|---:|---:|---:|"]
+    for label, get, spec in rows:
+        kv, vl = get("kvserve"), get("vllm")
+        if kv is not None or vl is not None:
+            lines.append(f"| {label} | {fmt(kv, spec)} | {fmt(vl, spec)} | {ratio(kv, vl)} |")
+    return lines + [""]
+
+
+def _s1(serve: dict, engine: str, key: str):
+    return ((serve.get(engine) or {}).get("s1") or {}).get(key)
+
+
+def _ss(serve: dict, engine: str, key: str):
+    return ((serve.get(engine) or {}).get("single_stream") or {}).get(key)
+
+
+def offline_table(results: dict) -> list[str]:
+    off = results.get("offline") or {}
+    if not off:
+        return []
+    kv = (off.get("kvserve") or {}).get("output_tokens_per_s")
+    lines = [f"## W1 offline ({results['num_prompts']} requests, 64–512 in, 32–256 out, greedy, ignore_eos)", "",
+             "| engine | dtype | output tok/s | total tok/s | req/s | kvserve is |", "|---|---|---:|---:|---:|---:|"]
+    for name in ("kvserve", "vllm", "transformers"):
+        r = off.get(name)
+        if r:
+            lines.append(f"| {name} | {r.get('dtype', '')} | {fmt(r['output_tokens_per_s'])} | "
+                         f"{fmt(r['total_tokens_per_s'])} | {fmt(r['requests_per_s'], '.2f')} | "
+                         f"{'—' if name == 'kvserve' else ratio(kv, r['output_tokens_per_s'])} |")
+        else:
+            lines.append(f"| {name} | | not run | | | |")
+    lines.append("")
+    if off.get("transformers"):
+        lines += ["transformers runs static batches of 16 until each batch's longest request is done; only the "
+                  "requested tokens are counted.", ""]
+    return lines
+
+
+def serving_tables(results: dict) -> list[str]:
+    serve = results.get("serve") or {}
+    if not serve:
+        return []
+    lines = ["## Serving (`vllm bench serve` client, random 256 in / 128 out, ignore_eos)", "",
+             "| engine | start-up s | S1 output tok/s | S1 mean TTFT ms | S1 mean TPOT ms | 1-stream TTFT ms | "
+             "1-stream TPOT ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in ("kvserve", "vllm"):
+        r = serve.get(name)
+        if not r:
+            lines.append(f"| {name} | not run | | | | | |")
+            continue
+        s1, ss = r.get("s1") or {}, r.get("single_stream") or {}
+        lines.append(f"| {name} | {fmt(r['startup_s'])} | {fmt(s1.get('output_throughput'))} | "
+                     f"{fmt(s1.get('mean_ttft_ms'), '.0f')} | {fmt(s1.get('mean_tpot_ms'))} | "
+                     f"{fmt(ss.get('mean_ttft_ms'), '.0f')} | {fmt(ss.get('mean_tpot_ms'))} |")
+    lines.append("")
+    runs = {n: serve[n].get("s1_runs") for n in ("kvserve", "vllm") if serve.get(n) and serve[n].get("s1_runs")}
+    if runs:
+        lines += ["S1 is the run with the median output throughput of each engine's runs; output tok/s / mean TTFT s "
+                  "of every run: " + "; ".join(
+                      f"{n} " + ", ".join(f"{fmt(r['output_throughput'])} / {r['mean_ttft_ms'] / 1e3:.2f}" for r in rs)
+                      for n, rs in runs.items()) + ".", ""]
+    return lines + sweep_table(serve)
+
+
+def sweep_table(serve: dict) -> list[str]:
+    if not any(r.get("sweep") for r in serve.values() if r):
+        return []
+    lines = ["Output tok/s (median TPOT ms) against concurrency (`--max-concurrency C`, 2C requests; 64 = S1):", "",
+             "| engine | 1 | 4 | 16 | 64 |", "|---|---:|---:|---:|---:|"]
+    for name in ("kvserve", "vllm"):
+        if serve.get(name):
+            by_c = dict(concurrency_points(serve[name]))
+            cells = [f"{fmt(by_c[c]['output_throughput'])} ({fmt(by_c[c]['median_tpot_ms'])})" if c in by_c else "–"
+                     for c in (1, 4, 16, 64)]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def prefix_caching_table(path: Path = RESULTS / "prefix_caching.json") -> list[str]:
+    """The last `benchmarks/prefix_caching.py --json` results, when there are some."""
+    if not path.exists():
+        return []
+    r = json.loads(path.read_text())
+    t, m, tp = r["ttft"], r["memory"], r["throughput"]
+    when = f", {r['date']}" if r.get("date") else ""
+    return [f"## Prefix caching (`benchmarks/prefix_caching.py`, {r['dtype'].removeprefix('torch.')}{when})", "",
+            "Side by side in one process (results in `benchmarks/results/prefix_caching.json`):", "",
+            "| what | cached / shared | not | ratio |", "|---|---:|---:|---:|",
+            f"| TTFT, {r['system_len']}-token system prompt + question (median of 5; miss = fresh `cache_salt`) | "
+            f"{t['ttft_cached_s'] * 1e3:.0f} ms | {t['ttft_uncached_s'] * 1e3:,.0f} ms | "
+            f"**{t['speedup']:.0f}×** faster |",
+            f"| peak KV blocks for `n = {m['n']}` samples of that prompt, 32 tokens each | {m['blocks_shared']} | "
+            f"{m['blocks_unshared']} ({m['n']} separate requests, caching off) | **{m['ratio']:.0f}×** fewer |",
+            f"| throughput, requests sharing the system prompt, 32 tokens each | {tp['tok_s_on']:.0f} tok/s | "
+            f"{tp['tok_s_off']:.0f} tok/s | **{tp['ratio']:.1f}×** |", "",
+            "With sharing, the samples hold one copy of the prompt's blocks plus their own tail and output blocks.", ""]
+
+
 def report(results: dict, plots: list[str]) -> str:
-    lines = [f"_Generated by `make bench` (benchmarks/compare.py) on {results['date']}; machine: {results['machine']}; "
-             f"load average before/after: {results['load_before']} / {results['load_after']}._", "",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()), ""]
-    off = results.get("offline", {})
-    if off:
-        kv = (off.get("kvserve") or {}).get("output_tokens_per_s")
-        lines += [f"### W1 offline ({results['num_prompts']} requests, 64–512 in, 32–256 out, greedy, ignore_eos)", "",
-                  "| engine | dtype | output tok/s | total tok/s | req/s | kvserve is |", "|---|---|---:|---:|---:|---:|"]
-        for name in ("kvserve", "vllm", "transformers"):
-            r = off.get(name)
-            if r:
-                lines.append(f"| {name} | {r.get('dtype', '')} | {fmt(r['output_tokens_per_s'])} | "
-                             f"{fmt(r['total_tokens_per_s'])} | {fmt(r['requests_per_s'], '.2f')} | "
-                             f"{'—' if name == 'kvserve' else ratio(kv, r['output_tokens_per_s'])} |")
-            else:
-                lines.append(f"| {name} | | not run | | | |")
-        lines.append("")
-        if off.get("transformers"):
-            lines += ["transformers runs static batches of 16 until each batch's longest request is done; only the "
-                      "requested tokens are counted.", ""]
-    serve = results.get("serve", {})
-    if serve:
-        lines += ["### Serving (`vllm bench serve` client, random 256 in / 128 out, ignore_eos)", "",
-                  "| engine | start-up s | S1 output tok/s | S1 mean TTFT ms | S1 mean TPOT ms | 1-stream TTFT ms | "
-                  "1-stream TPOT ms |", "|---|---:|---:|---:|---:|---:|---:|"]
-        for name in ("kvserve", "vllm"):
-            r = serve.get(name)
-            if not r:
-                lines.append(f"| {name} | not run | | | | | |")
-                continue
-            s1, ss = r.get("s1") or {}, r.get("single_stream") or {}
-            lines.append(f"| {name} | {fmt(r['startup_s'])} | {fmt(s1.get('output_throughput'))} | "
-                         f"{fmt(s1.get('mean_ttft_ms'), '.0f')} | {fmt(s1.get('mean_tpot_ms'))} | "
-                         f"{fmt(ss.get('mean_ttft_ms'), '.0f')} | {fmt(ss.get('mean_tpot_ms'))} |")
-        lines.append("")
-        runs = {n: serve[n].get("s1_runs") for n in ("kvserve", "vllm") if serve.get(n) and serve[n].get("s1_runs")}
-        if runs:
-            lines.append("S1 is the run with the median output throughput of each engine's runs (new prompts each), "
-                         "output tok/s / mean TTFT s per run: " + "; ".join(
-                             f"{n} " + ", ".join(f"{fmt(r['output_throughput'])} / {r['mean_ttft_ms'] / 1e3:.2f}"
-                                                  for r in rs) for n, rs in runs.items()) + ".")
-            lines.append("")
-        sweep_rows = [(n, concurrency_points(serve[n])) for n in ("kvserve", "vllm") if serve.get(n)]
-        if any(r.get("sweep") for r in serve.values() if r):
-            lines += ["Output tok/s (median TPOT ms) against concurrency (`--max-concurrency C`, 2C requests; 64 = S1):", "",
-                      "| engine | 1 | 4 | 16 | 64 |", "|---|---:|---:|---:|---:|"]
-            for name, pts in sweep_rows:
-                by_c = dict(pts)
-                cells = [f"{fmt(by_c[c]['output_throughput'])} ({fmt(by_c[c]['median_tpot_ms'])})" if c in by_c else "–"
-                         for c in (1, 4, 16, 64)]
-                lines.append(f"| {name} | " + " | ".join(cells) + " |")
-            lines.append("")
-    lines += [f"![{p}]({p})" for p in plots]
-    return "\n".join(lines) + "\n"
+    """The generated part of docs/benchmarks.md: everything above the optimization log."""
+    lines = header(results) + summary(results) + [WORKLOADS] + offline_table(results) + serving_tables(results)
+    lines += [f"![{p}]({p})" for p in plots] + ([""] if plots else [])
+    lines += prefix_caching_table() + [READING, COMMANDS]
+    return "\n".join(lines)
 
 
-def write_doc(section: str) -> None:
-    path = DOCS / "benchmarks.md"
-    text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text:
-        text += f"\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1] if END in rest else ""
-    path.write_text(f"{head}{BEGIN}\n{section}{END}{tail}")
+def write_doc(generated: str, path: Path = DOCS / "benchmarks.md") -> None:
+    """Write the generated report, followed by the file's optimization log as it was (a new one if it had none)."""
+    old = path.read_text() if path.exists() else ""
+    at = old.find("\n" + LOG_HEADING + "\n")
+    kept = old[at + 1:] if at >= 0 else NEW_LOG
+    path.write_text(generated.rstrip("\n") + "\n\n" + kept)
 
 
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=RESULTS / "compare.json")
+    p.add_argument("--no-plots", action="store_true", help="link the plots already in docs/ instead of redrawing")
+    args = p.parse_args()
+    results = json.loads(args.results.read_text())
+    plots = ([n for n in PLOTS if (DOCS / n).exists()] if args.no_plots else plot(results))
+    write_doc(report(results, plots))
+    log(f"wrote {DOCS / 'benchmarks.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -86,7 +86,7 @@ def main():
     on = LLM(dtype=args.dtype, enable_prefix_caching=True, max_model_len=2048)
     off = LLM(dtype=args.dtype, enable_prefix_caching=False, max_model_len=2048)
     sys_ids = system_prompt(on.get_tokenizer(), args.system_len)
-    res = {"system_len": len(sys_ids), "dtype": str(on.llm_engine.dtype)}
+    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "system_len": len(sys_ids), "dtype": str(on.llm_engine.dtype)}
     res["ttft"] = bench_ttft(on, sys_ids)
     print(f"TTFT, {len(sys_ids)}-token system prompt: cached {res['ttft']['ttft_cached_s'] * 1e3:.0f} ms, "
           f"uncached {res['ttft']['ttft_uncached_s'] * 1e3:.0f} ms -> {res['ttft']['speedup']:.1f}x")
@@ -94,7 +94,8 @@ def main():
     print(f"KV blocks for n=8 samples: shared {res['memory']['blocks_shared']}, "
           f"unshared {res['memory']['blocks_unshared']} -> {res['memory']['ratio']:.1f}x less")
     tput_on, tput_off = bench_throughput(on, sys_ids, args.requests), bench_throughput(off, sys_ids, args.requests)
-    res["throughput"] = {"tok_s_on": tput_on, "tok_s_off": tput_off, "ratio": tput_on / tput_off}
+    res["throughput"] = {"requests": args.requests, "tok_s_on": tput_on, "tok_s_off": tput_off,
+                         "ratio": tput_on / tput_off}
     print(f"{args.requests} requests sharing the system prompt: {tput_on:.0f} tok/s cached vs {tput_off:.0f} "
           f"tok/s uncached -> {tput_on / tput_off:.1f}x")
     if args.json:

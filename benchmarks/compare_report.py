@@ -319,10 +319,13 @@ def report(results: dict, plots: list[str]) -> str:
 
 
 def write_doc(generated: str, path: Path = DOCS / "benchmarks.md") -> None:
-    """Write the generated report, followed by the file's optimization log as it was (a new one if it had none)."""
+    """Write the generated report, followed by the file's optimization log as it was (a new one for a new file)."""
     old = path.read_text() if path.exists() else ""
-    at = old.find("\n" + LOG_HEADING + "\n")
-    kept = old[at + 1:] if at >= 0 else NEW_LOG
+    at = re.search(f"^{re.escape(LOG_HEADING)}$", old, re.MULTILINE)
+    if old.strip() and not at:   # never drop hand-written text
+        raise SystemExit(f"{path} has no line '{LOG_HEADING}' to keep the log under: add it (or delete the file), "
+                         "then run python benchmarks/compare_report.py")
+    kept = old[at.start():] if at else NEW_LOG
     path.write_text(generated.rstrip("\n") + "\n\n" + kept)
 
 

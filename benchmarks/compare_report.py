@@ -1,5 +1,6 @@
 """docs/benchmarks.md and its docs/bench_*.png plots from benchmarks/compare.py's results. Everything above the
-optimization log is generated; the log (from LOG_HEADING to the end of the file) is written by hand and kept.
+line "## Optimization log" is generated; the log, from that line to the end of the file, is written by hand and
+kept as it is.
 
   python benchmarks/compare_report.py [--no-plots]   # rewrite the report from benchmarks/results/compare.json
                                                      # without measuring (make bench measures, then does this)

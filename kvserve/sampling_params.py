@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from kvserve.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
+_MIN_SEED, _MAX_SEED = -2**63, 2**64 - 1   # what torch.Generator.manual_seed takes
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class RequestOutputKind(enum.Enum):
@@ -45,12 +48,16 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self):
+        self._verify_numbers()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias") from None
         if self.top_k == -1:
             self.top_k = 0
         if self.temperature is not None and 0 < self.temperature < 1e-5:
@@ -65,6 +72,23 @@ class SamplingParams:
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
 
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of the index-th of n samples: seed + index, wrapped to stay in 64 bits."""
+        if self.seed is None:
+            return None
+        seed = self.seed + index
+        return seed - 2**64 if seed > _MAX_SEED else seed
+
+    def _verify_numbers(self) -> None:
+        """The float fields are finite numbers (no NaN or infinity, which every range check below lets through)."""
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise InvalidRequestError(f"{name} must be a finite number, got {v!r}", name)
+        if self.logit_bias and any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                   for v in self.logit_bias.values()):
+            raise InvalidRequestError("logit_bias values must be finite numbers", "logit_bias")
+
     def _verify(self) -> None:
         def bad(msg: str, param: str):
             raise InvalidRequestError(msg, param)
@@ -74,7 +98,7 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}", "n")
-        if self.temperature is None or self.temperature < 0:
+        if self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
         if not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
@@ -94,8 +118,8 @@ class SamplingParams:
             bad(f"min_tokens must be >= 0, got {self.min_tokens!r}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
-        if self.seed is not None and not is_int(self.seed):
-            bad(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.seed is not None and (not is_int(self.seed) or not _MIN_SEED <= self.seed <= _MAX_SEED):
+            bad(f"seed must be an integer in [{_MIN_SEED}, {_MAX_SEED}] (64 bits), got {self.seed!r}", "seed")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= _MAX_LOGPROBS):

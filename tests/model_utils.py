@@ -147,3 +147,19 @@ def _add_gguf_tensor(w, name: str, a, qtype: str, raw_overrides: dict) -> None:
     else:
         q = getattr(gguf.GGMLQuantizationType, qtype)
         w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+
+
+class FailingForward:
+    """The engine's real model runner, whose forward raises once in a step that runs a marked prompt."""
+
+    def __init__(self, runner, marker: list[int]):
+        self.runner, self.marker, self.failed = runner, marker, False
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def execute_model(self, sched):
+        if not self.failed and any(r.prompt_token_ids == self.marker for r, _ in sched.scheduled):
+            self.failed = True
+            raise RuntimeError("injected: the forward pass failed")
+        return self.runner.execute_model(sched)

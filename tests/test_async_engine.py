@@ -12,6 +12,7 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from model_utils import FailingForward
 
 
 class FaultyEngine:
@@ -100,6 +101,44 @@ def test_internal_failure_is_a_500_for_that_request_only(real_engine):
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == results[1].json()["choices"][0]["text"]
         assert (await http.get("/health")).status_code == 200
     run_in_process(real_engine, scenario)
+
+
+def test_a_failing_forward_fails_its_requests_and_the_queue_goes_on():
+    """One sequence at a time: the failing step's request gets a 500, the one waiting behind it its answer."""
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_seqs=1))
+    marker = engine.tokenizer.encode("crash in the forward")
+    engine.runner = FailingForward(engine.runner, marker)
+
+    async def scenario(http, faulty, async_engine):
+        faulty.gate.clear()
+        doomed = asyncio.create_task(http.post("/v1/completions", json={"prompt": "crash in the forward"}))
+        await asyncio.sleep(0.3)
+        body = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+        waiting = asyncio.create_task(http.post("/v1/completions", json=body))
+        await asyncio.sleep(0.3)
+        faulty.gate.set()
+        r = await doomed
+        assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+        ok = await waiting
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        assert engine.runner.failed
+    run_in_process(engine, scenario)
+
+
+def test_a_prompt_larger_than_the_kv_pool_is_400_at_once_and_stalls_nothing():
+    """The issue's case: a pool far below max_model_len, a long chat message and no max_tokens."""
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=2048, num_kv_blocks=22, block_size=16))
+
+    async def scenario(http, faulty, async_engine):
+        long_chat = {"messages": [{"role": "user", "content": "word " * 400}]}
+        r = await asyncio.wait_for(http.post("/v1/chat/completions", json=long_chat), timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+        assert "whole KV cache has 22 blocks (352 tokens)" in err["message"] and "--kv-cache-memory" in err["message"]
+        ok = await asyncio.wait_for(http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}), timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 4
+    run_in_process(engine, scenario)
 
 
 def test_n_choices_that_finish_at_different_steps(real_engine):

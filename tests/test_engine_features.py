@@ -26,6 +26,16 @@ def test_same_seed_same_tokens_whatever_else_is_in_the_batch(llm):
     assert batch[3].outputs[0].token_ids != alone
 
 
+def test_engine_seed_makes_unseeded_sampling_reproducible():
+    """EngineConfig.seed (serve --seed) seeds the requests that have no seed of their own, as in vLLM."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for seed in (3, 3, 4):
+        engine = LLM(dtype="float32", max_model_len=128, num_kv_blocks=32, seed=seed)
+        runs.append([o.outputs[0].token_ids for o in gen(engine, [PROMPT, "Hello", "Once upon a time"], params)])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
 def test_n_samples_are_indexed_and_differ_under_sampling(llm):
     out = gen(llm, PROMPT, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10))[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]

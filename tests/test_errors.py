@@ -1,8 +1,12 @@
 """Every bad input gets a typed error that says what is wrong, and nothing else is disturbed."""
+import logging
+
 import pytest
 
 from kvserve import (LLM, ContextLengthExceededError, EngineConfig, InvalidRequestError, ModelLoadError,
                      SamplingParams)
+from kvserve.errors import RequestFailedError
+from model_utils import FailingForward
 
 
 @pytest.mark.parametrize("kwargs, param, words", [
@@ -17,6 +21,14 @@ from kvserve import (LLM, ContextLengthExceededError, EngineConfig, InvalidReque
     ({"stop": [""]}, "stop", "non-empty"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens", "<= max_tokens"),
     ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
+    ({"temperature": float("nan")}, "temperature", "finite"),
+    ({"temperature": float("inf")}, "temperature", "finite"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty", "finite"),
+    ({"top_p": "0.5"}, "top_p", "finite number"),
+    ({"logit_bias": {3: float("nan")}}, "logit_bias", "finite"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias", "token ids"),
+    ({"seed": 2**64}, "seed", "64 bits"),
+    ({"seed": -2**63 - 1}, "seed", "64 bits"),
 ])
 def test_bad_sampling_params(kwargs, param, words):
     with pytest.raises(InvalidRequestError) as e:
@@ -27,7 +39,7 @@ def test_bad_sampling_params(kwargs, param, words):
 def test_bad_engine_config():
     with pytest.raises(InvalidRequestError, match="block_size"):
         EngineConfig(block_size=0)
-    with pytest.raises(InvalidRequestError, match="memory size"):
+    with pytest.raises(InvalidRequestError, match="cannot parse the size .lots. .kv_cache_memory."):
         EngineConfig(kv_cache_memory="lots")
 
 
@@ -68,10 +80,74 @@ def test_prompt_plus_max_tokens_over_the_context(llm):
         llm.generate({"prompt_token_ids": [1] * 10}, SamplingParams(max_tokens=60), use_tqdm=False)
 
 
-def test_request_larger_than_the_whole_kv_pool():
-    small = LLM(dtype="float32", max_model_len=512, num_kv_blocks=4, block_size=16)
+@pytest.fixture(scope="module")
+def small_pool():
+    """A KV pool of 64 tokens under a context of 512: requests are bounded by the pool, not the context."""
+    return LLM(dtype="float32", max_model_len=512, num_kv_blocks=4, block_size=16)
+
+
+def test_request_larger_than_the_whole_kv_pool(small_pool):
     with pytest.raises(ContextLengthExceededError, match="whole KV cache"):
-        small.generate({"prompt_token_ids": [1] * 40}, SamplingParams(max_tokens=40), use_tqdm=False)
+        small_pool.generate({"prompt_token_ids": [1] * 40}, SamplingParams(max_tokens=40), use_tqdm=False)
+
+
+def test_a_prompt_the_pool_cannot_hold_is_refused_whatever_max_tokens(small_pool):
+    """Without max_tokens it used to be queued with a negative budget, and blocked every later request."""
+    for max_tokens in (None, 1):
+        with pytest.raises(ContextLengthExceededError) as e:
+            small_pool.generate({"prompt_token_ids": [1] * 100}, SamplingParams(max_tokens=max_tokens),
+                                use_tqdm=False)
+        assert e.value.param == "prompt"
+        assert all(w in str(e.value) for w in ("100 prompt", "7 KV blocks", "has 4 blocks", "kv_cache_memory"))
+    assert not small_pool.llm_engine.has_unfinished_requests()
+    out = small_pool.generate({"prompt_token_ids": [1] * 63}, SamplingParams(max_tokens=None, temperature=0,
+                                                                              ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1   # the default max_tokens is what the pool leaves, never below 1
+
+
+def test_start_up_says_when_the_pool_is_smaller_than_the_context(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        LLM(dtype="float32", max_model_len=512, num_kv_blocks=4, block_size=16)
+    [line] = [r.getMessage() for r in caplog.records if "fewer than max_model_len" in r.getMessage()]
+    assert "holds 64 tokens" in line and "largest request that fits has 64 tokens" in line
+
+
+def test_n_beyond_max_num_seqs_is_refused():
+    llm = LLM(dtype="float32", max_model_len=64, num_kv_blocks=16, max_num_seqs=4)
+    with pytest.raises(InvalidRequestError, match="max_num_seqs=4") as e:
+        llm.generate("hi", SamplingParams(n=5, max_tokens=2), use_tqdm=False)
+    assert e.value.param == "n" and len(llm.generate("hi", SamplingParams(n=4, max_tokens=2),
+                                                     use_tqdm=False)[0].outputs) == 4
+
+
+def test_a_failing_step_fails_only_its_requests():
+    """The running requests of the failing step end with RequestFailedError; waiting ones stay queued and finish
+    with the tokens they get without the fault; every block comes back."""
+    llm = LLM(dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_seqs=2)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             use_tqdm=False)]
+    engine.runner = FailingForward(engine.runner, prompts[0])
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    assert engine.step() == []                 # r0 and r1 ran in it (max_num_seqs=2); r2 and r3 were waiting
+    failed = engine.take_failed_requests()
+    assert sorted(failed) == ["r0", "r1"] and all(isinstance(e, RequestFailedError) for e in failed.values())
+    assert "injected" in str(failed["r0"])
+    assert [r.request_id for r in engine.scheduler.waiting] == ["r2", "r3"]
+    assert engine.kv.num_free_blocks == engine.num_kv_blocks
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert done == {"r2": expected[2], "r3": expected[3]} and engine.take_failed_requests() == {}
+    engine.runner.failed = False               # offline: the call raises a typed error naming the prompt
+    with pytest.raises(RequestFailedError, match="prompt 0: .*injected"):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.num_kv_blocks
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == expected
 
 
 def test_logit_bias_token_outside_vocab(llm):

@@ -397,3 +397,23 @@ def test_argmax_kernel_matches_torch_argmax(vocab):
         x[6, 3] = 100.0
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert argmax_rows(torch.empty(0, vocab)).shape == (0,)
+
+
+def test_seeded_rows_draw_on_their_generators_device_and_copy():
+    """Request generators live on the CPU; on another device (CUDA in serving, the meta device here) a seeded row
+    must not hand its CPU generator to an op on that device, which raises and would fail the whole step."""
+    from kvserve.sample.sampler import exponential_noise
+    gens = {1: torch.Generator().manual_seed(7)}
+    q = exponential_noise(torch.empty(3, 50, device="meta"), gens)
+    assert q.device.type == "meta" and q.shape == (3, 50)
+    cpu = exponential_noise(torch.ones(3, 50), {1: torch.Generator().manual_seed(7)})
+    assert torch.equal(cpu[1], torch.empty(50).exponential_(generator=torch.Generator().manual_seed(7)))
+
+
+def test_unseeded_rows_draw_from_the_given_generator():
+    meta = SamplingMetadata.build([row(temperature=1.0) for _ in range(4)], 50, "cpu",
+                                  torch.Generator().manual_seed(5))
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(6))
+    first = Sampler()(logits, meta).sampled_token_ids
+    meta.generator.manual_seed(5)
+    assert torch.equal(Sampler()(logits, meta).sampled_token_ids, first)

@@ -24,7 +24,7 @@ import torch
 
 from kvserve.core.scheduler import SchedulerStats
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.errors import EngineDeadError, InvalidRequestError, KVServeError
+from kvserve.errors import EngineDeadError, InvalidRequestError, KVServeError, RequestFailedError
 from kvserve.metrics import EngineMetrics, StatLogger
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
@@ -40,10 +40,6 @@ class EngineOverloadedError(KVServeError):
 
 class EngineStoppedError(KVServeError):
     """The engine is shutting down: it takes no new requests, and aborts those it cannot finish."""
-
-
-class RequestFailedError(KVServeError):
-    """An engine step failed while this request was running in it."""
 
 
 class RequestStream:
@@ -284,13 +280,19 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # which request broke the step is unknown and their state cannot be trusted: every request in flight
-            # gets a 500, and the engine goes on serving new ones
+            # the engine fails a broken forward pass's requests itself (take_failed_requests); an error here came
+            # from its bookkeeping, so no request's state can be trusted: all in flight get a 500, and the engine
+            # goes on serving new ones
             logger.exception("engine step failed; aborting the %d request(s) in flight", len(self._engine_ids))
             ids = list(self._engine_ids)
             self._abort_on_engine(ids)
             self._loop.call_soon_threadsafe(self._fail, ids, RequestFailedError(f"the engine step failed: {e!r}"))
             return
+        failed = self.engine.take_failed_requests()
+        if failed:
+            self._engine_ids.difference_update(failed)
+            for rid, error in failed.items():
+                self._loop.call_soon_threadsafe(self._fail, [rid], error)
         now = time.monotonic()
         for out in outputs:
             if out.finished:

@@ -15,7 +15,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor, ParentState
 from kvserve.engine.prompts import PromptType, process_prompt
-from kvserve.errors import ContextLengthExceededError, InvalidRequestError
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError, RequestFailedError
 from kvserve.model import load_model, load_tokenizer, resolve_device
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -51,15 +51,25 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.max_num_batched_tokens = self._max_num_batched_tokens()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                                   config.scheduling_policy, config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, self.kv, self.vocab_size, self.device)
+                                   config.scheduling_policy, config.enable_chunked_prefill, config.priority_aging_s)
+        self.runner = ModelRunner(self.model, self.kv, self.vocab_size, self.device, config.seed)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._failed: dict[str, KVServeError] = {}   # parent request id -> why it failed, until taken
         logger.info("kvserve: loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens = %d tokens",
                     config.model or "SmolLM2-135M-Instruct (bundled)", str(self.dtype).removeprefix("torch."),
                     self.device,
-                    time.perf_counter() - t0, self.num_kv_blocks, config.block_size,
-                    self.num_kv_blocks * config.block_size)
+                    time.perf_counter() - t0, self.num_kv_blocks, config.block_size, self.num_kv_pool_tokens)
+        if self.num_kv_pool_tokens < self.max_model_len:
+            logger.warning("kvserve: the KV cache holds %d tokens, fewer than max_model_len %d: the largest request "
+                           "that fits has %d tokens (prompt + output); larger ones are refused. Raise "
+                           "kv_cache_memory (--kv-cache-memory) or lower max_model_len (--max-model-len)",
+                           self.num_kv_pool_tokens, self.max_model_len, self.num_kv_pool_tokens)
+
+    @property
+    def num_kv_pool_tokens(self) -> int:
+        """Tokens the whole KV cache holds: no single sequence can be longer."""
+        return self.num_kv_blocks * self.block_size
 
     # ----- set-up -----
     def _max_num_batched_tokens(self) -> int:
@@ -127,6 +137,9 @@ class LLMEngine:
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")   # vLLM's place for it in offline prompts
         params.verify_for_model(self.vocab_size)
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} is more samples than the engine runs at once "
+                                      f"(max_num_seqs={self.config.max_num_seqs})", "n")
         max_tokens = self._check_fits(len(token_ids), params)
         if priority != 0 and self.config.scheduling_policy != "priority":
             priority = 0   # only the priority policy orders by it, as in vLLM
@@ -134,7 +147,7 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.n > 1:
-                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+                child_params = params.clone(n=1, seed=params.sample_seed(i))
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(rid, token_ids, child_params, self.eos_token_ids, arrival_time, priority,
                                     max_tokens, cache_salt))
@@ -143,25 +156,30 @@ class LLMEngine:
         return request_id
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> int:
+        """The request's max_tokens; raises ContextLengthExceededError when it can never fit, whatever max_tokens."""
         if num_prompt >= self.max_model_len:
             raise ContextLengthExceededError(
                 f"the prompt has {num_prompt} tokens, but this model's maximum context length is "
                 f"{self.max_model_len} tokens, which must also leave room for at least one output token", "prompt")
-        if params.max_tokens is None:   # as much as the context and the whole KV pool allow
-            return min(self.max_model_len, self.num_kv_blocks * self.block_size) - num_prompt
+        if num_prompt >= self.num_kv_pool_tokens:
+            raise ContextLengthExceededError(self._pool_message(num_prompt, 1) + "; shorten the prompt", "prompt")
+        if params.max_tokens is None:   # as much as the context and the whole KV pool allow: at least 1
+            return min(self.max_model_len, self.num_kv_pool_tokens) - num_prompt
         max_tokens = params.max_tokens
         if num_prompt + max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request has "
                 f"{num_prompt} prompt tokens and asks for max_tokens={max_tokens}; reduce the prompt or max_tokens",
                 "max_tokens")
-        need = cdiv(num_prompt + max_tokens, self.block_size)
-        if need > self.num_kv_blocks:
-            raise ContextLengthExceededError(
-                f"the request needs up to {need} KV blocks ({num_prompt} prompt + {max_tokens} output tokens) but "
-                f"the whole KV cache has {self.num_kv_blocks}; raise kv_cache_memory or lower max_tokens",
-                "max_tokens")
+        if num_prompt + max_tokens > self.num_kv_pool_tokens:
+            raise ContextLengthExceededError(self._pool_message(num_prompt, max_tokens) + "; lower max_tokens",
+                                             "max_tokens")
         return max_tokens
+
+    def _pool_message(self, num_prompt: int, num_output: int) -> str:
+        return (f"the request needs {cdiv(num_prompt + num_output, self.block_size)} KV blocks for {num_prompt} "
+                f"prompt + {num_output} output tokens, but the whole KV cache has {self.num_kv_blocks} blocks "
+                f"({self.num_kv_pool_tokens} tokens); raise kv_cache_memory (--kv-cache-memory)")
 
     def abort_request(self, request_ids) -> list[RequestOutput]:
         """Abort requests by id; frees their KV blocks at once and returns their final outputs."""
@@ -176,20 +194,46 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.processor.has_unfinished()
 
+    def take_failed_requests(self) -> dict[str, KVServeError]:
+        """Requests the engine gave up on since the last call (request id -> error); each is already aborted."""
+        failed, self._failed = self._failed, {}
+        return failed
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.processor.parents)
 
     # ----- one iteration -----
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, detokenize; returns the outputs that changed."""
+        """Schedule, run the model once, sample, detokenize; returns the outputs that changed.
+
+        Requests that fail (a forward pass that raised; one that can never fit the KV cache) are aborted and
+        reported by take_failed_requests(); the others go on."""
         sched = self.scheduler.schedule()
+        for req in sched.rejected:
+            self._fail(req, ContextLengthExceededError(self._pool_message(req.num_tokens, 1), "prompt"))
         if sched.is_empty:
             return []
-        sampled = self.runner.execute_model(sched)
+        try:
+            sampled = self.runner.execute_model(sched)
+        except Exception as e:
+            # only the requests in this step are suspect; waiting ones stay queued
+            logger.exception("kvserve: a model step failed; failing its %d request(s)", len(sched.scheduled))
+            error = RequestFailedError(f"the engine step running this request failed: {type(e).__name__}: {e}")
+            for req, _ in sched.scheduled:
+                self._fail(req, error)
+            return []
         updates = self.scheduler.update_from_output(sched, sampled)
         outputs, stopped = self.processor.process(updates)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def _fail(self, req: Request, error: KVServeError) -> None:
+        """Abort the user request `req` belongs to (every sample of it) and remember why."""
+        parent = self.processor.child_to_parent.get(req.request_id)
+        if parent is None:
+            return   # an earlier sample of the same request already failed it
+        self._failed[parent.request_id] = error
+        self.abort_request(parent.request_id)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -20,6 +20,7 @@ def process_prompt(prompt: PromptType, tokenizer, vocab_size: int) -> tuple[str 
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("the prompt is empty; give at least one token of text", "prompt")
+        check_text(prompt, "prompt")
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, (list, tuple)):
         return None, check_token_ids(prompt, vocab_size)
@@ -35,3 +36,12 @@ def check_token_ids(token_ids, vocab_size: int) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise InvalidRequestError(f"prompt token id {t!r} is not an integer in [0, {vocab_size})", "prompt")
     return ids
+
+
+def check_text(text: str, param: str) -> None:
+    """Raise InvalidRequestError if `text` is not Unicode text (a lone UTF-16 surrogate, as JSON's "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{param} has a lone UTF-16 surrogate at character {e.start}: not valid Unicode "
+                                  "text", param) from None

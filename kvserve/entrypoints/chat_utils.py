@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.engine.prompts import check_text
 from kvserve.errors import InvalidRequestError
 
 Conversation = list[dict[str, Any]]
@@ -56,6 +57,7 @@ def _text_content(content: Any, index: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
+        check_text(content, f"messages[{index}].content")
         return content
     if isinstance(content, list):
         texts = []
@@ -63,6 +65,7 @@ def _text_content(content: Any, index: int) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise InvalidRequestError(f"messages[{index}].content: only text parts "
                                           "({'type': 'text', 'text': ...}) are supported", "messages")
+            check_text(part["text"], f"messages[{index}].content")
             texts.append(part["text"])
         return "\n".join(texts)
     raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts", "messages")

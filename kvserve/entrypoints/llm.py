@@ -89,7 +89,9 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
         start, num_in, num_out = time.perf_counter(), 0, 0
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            outputs = engine.step()
+            self._raise_failed(engine.take_failed_requests(), ids, done)
+            for out in outputs:
                 if not out.finished:
                     continue
                 done[out.request_id] = out
@@ -102,6 +104,17 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+    def _raise_failed(self, failed: dict, ids: list[str], done: dict) -> None:
+        """A request of this call failed: withdraw the call's other requests, raise its typed error."""
+        if not failed:
+            return
+        self.llm_engine.abort_request([i for i in ids if i not in done and i not in failed])
+        i, error = next((i, failed[rid]) for i, rid in enumerate(ids) if rid in failed)
+        if isinstance(error, InvalidRequestError):
+            raise type(error)(f"prompt {i}: {error.message}", error.param) from error
+        raise type(error)(f"prompt {i}: {error}") from error
 
 
 def _as_list(prompts) -> list:

@@ -1,7 +1,7 @@
 """ModelConfig: the shape of a decoder-only checkpoint, read from HF config.json or GGUF metadata."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +38,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: torch.dtype | None = None   # the checkpoint's dtype; None for quantized GGUF
-    extra: dict = field(default_factory=dict)
 
     @property
     def eos_token_ids(self) -> list[int]:

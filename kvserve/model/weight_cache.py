@@ -22,9 +22,9 @@ from kvserve.model.model_config import ModelConfig
 logger = logging.getLogger("kvserve")
 
 MAX_CACHED_GGUF_BYTES = 2 << 30   # bigger files would hold all dequantized weights in memory to write them
-# part of every cache key: bump it whenever gguf_loader's conversion (names, dequantization, q/k un-permute)
-# changes, or caches written by the old code would keep being served
-FORMAT_VERSION = 1
+# part of every cache key: bump it whenever ModelConfig's fields or gguf_loader's conversion (names, dequantization,
+# q/k un-permute) change, or caches written by the old code would keep being served
+FORMAT_VERSION = 2
 _CONFIG_KEY = "kvserve_model_config"
 
 
@@ -61,7 +61,7 @@ def write(path: Path, cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tenso
     """Save atomically (temp file + rename); a read-only home only costs the next start its ~3 s."""
     from safetensors.torch import save_file
     fields = dataclasses.asdict(cfg)
-    if fields.get("torch_dtype") is not None or fields.get("extra"):
+    if fields.get("torch_dtype") is not None:
         return   # only plain GGUF configs round-trip through JSON
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # Per request, seeded from params.seed, kept across steps; must live on the logits' device.
+    # Per request, seeded from params.seed, kept across steps (on the CPU; the sampler copies its draws).
     generator: torch.Generator | None = None
     eos_token_ids: set[int] = field(default_factory=set)
 
@@ -55,14 +55,15 @@ class SamplingMetadata:
     top_p: torch.Tensor | None          # [B] float, 1.0 = off
     min_p: torch.Tensor | None          # [B] float, 0.0 = off
     generators: dict[int, torch.Generator]  # row index -> generator, random rows only
+    generator: torch.Generator | None       # for random rows without a seed; None: torch's default
     logit_bias: SparseLogits | None
     min_tokens_mask: SparseLogits | None    # tokens forced to -inf this step
     penalties: PenaltyTensors | None
     max_num_logprobs: int | None        # K; None: no row asked for logprobs
 
     @classmethod
-    def build(cls, rows: list[SamplingRow], vocab_size: int,
-              device: torch.device | str) -> "SamplingMetadata":
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str,
+              generator: torch.Generator | None = None) -> "SamplingMetadata":
         """Gather the rows' settings into batched tensors on `device`."""
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
@@ -80,6 +81,7 @@ class SamplingMetadata:
             min_p=_float_or_none(rows, lambda p: p.min_p, 0.0, device),
             generators={i: r.generator for i, r in enumerate(rows)
                         if r.generator is not None and not r.params.is_greedy},
+            generator=generator,
             logit_bias=_logit_bias(rows, vocab_size, device),
             min_tokens_mask=_min_tokens_mask(rows, vocab_size, device),
             penalties=_penalties(rows, vocab_size, device),

@@ -66,16 +66,23 @@ def sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         logits = apply_min_p(logits, meta.min_p)
     logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = logits.softmax(dim=-1)
-    return argmax_rows(probs.div_(exponential_noise(probs, meta.generators)))
+    return argmax_rows(probs.div_(exponential_noise(probs, meta.generators, meta.generator)))
 
 
-def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """q ~ Exponential(1) per token; seeded rows draw from their own generator, so argmax(p / q) ~ p."""
+def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """q ~ Exponential(1) per token, so argmax(p / q) ~ p. Seeded rows draw from their own generator; the others
+    from `generator` (the engine's, seeded by EngineConfig.seed; None: torch's default)."""
     q = torch.empty_like(probs)
     if len(generators) < q.shape[0]:
-        q.exponential_()
-    # A seeded row draws exactly V values per step from its generator, whatever else is in the batch.
-    for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
+        q.exponential_(generator=generator)
+    # A seeded row draws exactly V values per step from its generator, whatever else is in the batch. Request
+    # generators live on the CPU: a row on another device (CUDA) draws there and is copied, as a generator
+    # cannot fill another device's tensor.
+    for row, gen in generators.items():
+        if gen.device == q.device:
+            q[row].exponential_(generator=gen)
+        else:
+            q[row].copy_(torch.empty(q.shape[1], dtype=q.dtype, device=gen.device).exponential_(generator=gen))
     # q == 0 would make 0/0 = NaN on a masked token, which argmax would pick.
     return q.clamp_min_(torch.finfo(q.dtype).tiny)

@@ -30,12 +30,15 @@ class StepInputs:
 class ModelRunner:
     """Runs the model for scheduled requests and samples one token for each that reached its end."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, vocab_size: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, vocab_size: int, device: torch.device,
+                 seed: int = 0):
         self.model = model
         self.kv = kv
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
+        # requests without a seed of their own draw from this one: the same seed and requests, the same outputs
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.released_weight_bytes = 0
         if device.type == "cpu" and hasattr(model, "prepack"):
             model.prepack()   # bf16 weights packed for the C++ matmul kernels (or oneDNN): kvserve/csrc/gemv.cpp
@@ -103,7 +106,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.as_tensor(inp.sample_rows, device=hidden.device)])
         rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.eos_token_ids)
                 for r in inp.sample_reqs]
-        out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+        out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device, self.generator))
         tokens = out.sampled_token_ids.tolist()
         if out.logprobs is not None:
             self._record_logprobs(inp.sample_reqs, out.logprobs)

@@ -6,8 +6,9 @@ import logging
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from kvserve.engine.async_engine import EngineOverloadedError, EngineStoppedError, RequestFailedError
-from kvserve.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError, KVServeError
+from kvserve.engine.async_engine import EngineOverloadedError, EngineStoppedError
+from kvserve.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError, KVServeError, \
+    RequestFailedError
 
 logger = logging.getLogger("kvserve.server")
 
@@ -44,6 +45,11 @@ class NotFoundError(APIError):
 
 class ConflictError(APIError):
     status_code = 409
+    type = "invalid_request_error"
+
+
+class PayloadTooLargeError(APIError):
+    status_code = 413
     type = "invalid_request_error"
 
 

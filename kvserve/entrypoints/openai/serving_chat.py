@@ -30,7 +30,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.request_id(raw_request, "chatcmpl", req.request_id)
         prompt = self.render(req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, self.default_max_tokens(requested, len(prompt.token_ids)), k)
+        params = self.sampling_params(req, requested, k)
         streams = await self.add_prompts(request_id, [prompt], [params], req)
         view = _ChatView(self.tokenizer, req, model, request_id, k)
         if req.stream:

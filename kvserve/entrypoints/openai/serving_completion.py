@@ -24,7 +24,7 @@ class OpenAIServingCompletion(OpenAIServing):
         _check_supported(req)
         request_id = self.request_id(raw_request, "cmpl", req.request_id)
         prompts = self._prompts(req)
-        params = [self.sampling_params(req, self.default_max_tokens(req.max_tokens, len(p.token_ids)), req.logprobs,
+        params = [self.sampling_params(req, req.max_tokens, req.logprobs,
                                        req.logprobs if req.echo and req.logprobs is not None else None)
                   for p in prompts]
         streams = await self.add_prompts(request_id, prompts, params, req)

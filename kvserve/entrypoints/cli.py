@@ -1,12 +1,11 @@
-"""The `kvserve` command line: serve, generate, chat, and bench (registered by kvserve/entrypoints/bench.py).
+"""The `kvserve` command line: serve, generate, chat, and bench (kvserve/entrypoints/bench.py).
 
-Subcommands live in SUBCOMMANDS as name -> Subcommand(help, add_arguments, run); another module adds one with
-register(). Heavy imports (torch, the model) happen inside run functions so `kvserve --help` stays fast.
+Subcommands live in SUBCOMMANDS as name -> Subcommand(help, add_arguments, run); register() adds one. Heavy
+imports (torch, the model) happen inside run functions so `kvserve --help` stays fast.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Callable
@@ -55,19 +54,25 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: 1 GiB on CPU)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="CUDA memory fraction when --kv-cache-memory is not given")
-    g.add_argument("--seed", type=int, default=None, help="random seed")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seeds the sampling of requests that give no seed of their own (default 0)")
     g.add_argument("--chat-template", default=None, help="chat template file or inline Jinja")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV cache of shared prompt prefixes (default: on)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts across steps (default: on)")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None,
+                   help="fcfs, or priority: lower 'priority' values first; a waiting request preempts lower ones")
+    g.add_argument("--priority-aging-s", type=float, default=None,
+                   help="priority policy: seconds of waiting worth one priority level, so nothing starves "
+                        "(default 10; 0 = strict priority)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
 
 
 _ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "block_size", "kv_cache_memory", "gpu_memory_utilization", "seed", "chat_template",
-                 "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy", "num_threads")
+                 "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy", "priority_aging_s",
+                 "num_threads")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -111,7 +116,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: bundled model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version")
+    p.add_argument("--max-request-body-size", default=None,
+                   help="larger request bodies get 413, e.g. 8MiB (default: 4 MiB + 32 bytes per max_model_len token)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API accepts (default: MODEL, or SmolLM2-135M-Instruct)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
@@ -124,6 +132,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from kvserve.config import parse_size
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.entrypoints.openai.api_server import ServerSettings, run_server
@@ -136,7 +145,13 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     names = args.served_model_name or [config.model or DEFAULT_SERVED_MODEL_NAME]
     engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting_requests, EngineMetrics(names[0]))
-    settings = ServerSettings(served_model_names=names, model_path=config.model, api_key=args.api_key)
+    body_limit = None
+    if args.max_request_body_size is not None:
+        body_limit = parse_size(args.max_request_body_size, "max_request_body_size")
+        if body_limit < 1:
+            raise KVServeError("--max-request-body-size must be positive")
+    settings = ServerSettings(served_model_names=names, model_path=config.model, api_key=args.api_key,
+                              max_request_body_bytes=body_limit)
     return run_server(engine, settings, args.host, args.port, args.shutdown_timeout)
 
 
@@ -232,38 +247,23 @@ class ChatRepl:
         return "".join(parts)
 
 
-# ----- bench (a stub until kvserve/entrypoints/bench.py registers itself) -----
-def _add_bench_stub_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+# ----- bench (kvserve/entrypoints/bench.py builds its own parser with subcommands) -----
+def _add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    from kvserve.entrypoints.bench import add_bench_arguments
+    return add_bench_arguments(subparsers)
 
 
-def _run_bench_stub(args: argparse.Namespace) -> int:
-    print("kvserve bench: not available in this build", file=sys.stderr)
-    return 2
+def _run_bench(args: argparse.Namespace):
+    from kvserve.entrypoints.bench import run_bench
+    return run_bench(args)
 
 
 register("serve", "serve a model over an OpenAI-compatible HTTP API", add_serve_arguments, run_serve)
 register("generate", "complete one prompt and print the completion", add_generate_arguments, run_generate)
 register("chat", "chat with a model in the terminal (streams tokens; /exit or EOF quits)", add_chat_arguments,
          run_chat)
-register("bench", "benchmarks", _add_bench_stub_arguments, _run_bench_stub)
-
-
-def _load_plugins() -> None:
-    """Register `bench` from kvserve/entrypoints/bench.py when present.
-
-    It defines add_arguments(parser) and run(args), or add_bench_arguments(subparsers) and run_bench(args)."""
-    try:
-        bench = importlib.import_module("kvserve.entrypoints.bench")
-    except ModuleNotFoundError as e:
-        if e.name != "kvserve.entrypoints.bench":
-            raise
-        return
-    help = getattr(bench, "HELP", "benchmarks")
-    if hasattr(bench, "add_arguments") and hasattr(bench, "run"):
-        register("bench", help, bench.add_arguments, bench.run)
-    elif hasattr(bench, "add_bench_arguments") and hasattr(bench, "run_bench"):
-        SUBCOMMANDS["bench"] = Subcommand(help, None, bench.run_bench, add_parser=bench.add_bench_arguments)
+SUBCOMMANDS["bench"] = Subcommand("offline throughput and latency benchmarks, and a serving client", None,
+                                  _run_bench, add_parser=_add_bench_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,7 +281,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `kvserve` and `python -m kvserve`."""
-    _load_plugins()
     args = build_parser().parse_args(argv)
     if args.command != "serve":
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

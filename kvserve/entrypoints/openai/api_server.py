@@ -20,7 +20,7 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.entrypoints.chat_utils import render_chat
 from kvserve.entrypoints.openai.errors import APIError, BadRequestError, ConflictError, InternalServerError, \
     NotFoundError, error_response, to_api_error
-from kvserve.entrypoints.openai.middleware import AccessLogMiddleware, ApiKeyMiddleware
+from kvserve.entrypoints.openai.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
     DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -40,6 +40,12 @@ class ServerSettings:
     served_model_names: list[str]
     model_path: str | None = None
     api_key: str | None = None
+    max_request_body_bytes: int | None = None   # None: default_max_request_body_bytes(max_model_len)
+
+
+def default_max_request_body_bytes(max_model_len: int) -> int:
+    """4 MiB plus 32 bytes per context token: a full context as token ids or escaped text, with room to spare."""
+    return (4 << 20) + 32 * max_model_len
 
 
 def api_route(handler: Handler) -> Handler:
@@ -84,9 +90,13 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     _add_error_handlers(app)
     _add_openai_routes(app, engine, settings)
     _add_server_routes(app, engine, settings)
+    # each add_middleware wraps the ones before it: the access log sees every answer, the key is checked before a
+    # body is read, and the size limit before the body is parsed
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes
+                       or default_max_request_body_bytes(engine.engine.max_model_len))
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(AccessLogMiddleware)   # added last: outermost, so it sees 401s too
+    app.add_middleware(AccessLogMiddleware)
     return app
 
 

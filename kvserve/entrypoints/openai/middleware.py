@@ -1,24 +1,28 @@
-"""ASGI middleware: API-key check on /v1 routes, and one access-log line per request with its request id."""
+"""ASGI middleware: the API-key check, the request body size limit, and one access-log line per request."""
 from __future__ import annotations
 
 import hmac
 import logging
 import time
 
-from kvserve.entrypoints.openai.errors import AuthenticationError, error_response
+from kvserve.entrypoints.openai.errors import AuthenticationError, BadRequestError, PayloadTooLargeError, \
+    error_response
 
 access_logger = logging.getLogger("kvserve.access")
 
+# routes that stay open with --api-key (as in vLLM): probes and monitoring; everything else needs the key
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
 
 class ApiKeyMiddleware:
-    """Requires 'Authorization: Bearer <key>' on /v1/* (as vLLM does; /health, /metrics... stay open)."""
+    """Requires 'Authorization: Bearer <key>' on every route but OPEN_PATHS (admin routes included)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         auth = dict(scope["headers"]).get(b"authorization")
         if auth is None:
@@ -29,6 +33,45 @@ class ApiKeyMiddleware:
         else:
             return await self.app(scope, receive, send)
         await error_response(err)(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Answers 413 to a request body over `max_bytes`, before the body is read whole or parsed.
+
+    A declared Content-Length is checked at once; a chunked body is read up to the limit here, then handed on."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await error_response(BadRequestError("Content-Length is not a number", None,
+                                                            "invalid_header"))(scope, receive, send)
+            if int(length) > self.max_bytes:
+                return await error_response(self._too_large())(scope, receive, send)
+            return await self.app(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await error_response(self._too_large())(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> PayloadTooLargeError:
+        return PayloadTooLargeError(f"the request body is larger than this server's limit of {self.max_bytes} bytes "
+                                    "(--max-request-body-size)", None, "request_too_large")
 
 
 class AccessLogMiddleware:

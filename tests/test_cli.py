@@ -11,8 +11,9 @@ import time
 
 import httpx
 import pytest
+import torch
 
-from kvserve import SamplingParams
+from kvserve import SamplingParams, kernels
 from server_utils import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -91,6 +92,9 @@ def test_sigterm_lets_short_requests_finish_and_tells_long_ones_why_not():
     assert json.loads(long["events"][-2])["error"]["code"] == "server_shutting_down"
     lines = server.output().splitlines()
     assert any(line.startswith(f"kvserve: ready at http://127.0.0.1:{port}") for line in lines)
+    expected = kernels.summary(torch.bfloat16 if "(bfloat16," in server.output() else torch.float32,
+                               torch.device("cpu"))
+    assert f"kernels: {expected}" in lines   # the ready message says which kernel paths run
     records = [json.loads(line) for line in lines if line.startswith("{")]
     access = [r for r in records if r["logger"] == "kvserve.access" and r["path"] == "/v1/completions"]
     assert len(access) == 2 and all(r["request_id"].startswith("cmpl-") and r["status"] == 200 for r in access)

@@ -1,9 +1,9 @@
 """Greedy output of the engine is token-identical to transformers in float32, logprobs within 1e-3,
-one request at a time, all in one batch, with chunked prefill and under preemption."""
+one request at a time, all in one batch, with chunked prefill and under preemption, on every kernel path."""
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, kernels
 
 MAX_TOKENS = 20
 TOP = 3
@@ -101,3 +101,15 @@ def test_preemption_with_a_tiny_kv_pool(prompts, reference):
     assert llm.llm_engine.scheduler.num_preemptions > 0
     check_against_reference(outs, reference)
     assert llm.llm_engine.kv.num_free_blocks == 12
+
+
+@pytest.mark.parametrize("variant, words", [("portable", "portable: no AVX-512"), ("none", "no C++ kernels")])
+def test_fallback_kernel_paths_equal_transformers(variant, words, prompts, reference):
+    """The portable C++ build (what a CPU without AVX-512 runs) and plain torch (no compiler, or a failed build)
+    compute the same model: a batch with chunked prefill and preemption, on whatever CPU runs the tests."""
+    with kernels.variant(variant):
+        llm = make_llm(num_kv_blocks=12, block_size=8, max_model_len=96, max_num_batched_tokens=13)
+        assert words in llm.llm_engine.kernel_summary
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    check_against_reference(outs, reference)

@@ -26,7 +26,7 @@ template <typename T> inline void store(T* p, int64_t i, float v);
 template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
 template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
 
-#if defined(__AVX512F__) && !defined(KV_GENERIC)
+#if defined(__AVX512F__) && !defined(KVSERVE_PORTABLE)
 #include <immintrin.h>
 #define KV_HAVE_AVX512 1
 

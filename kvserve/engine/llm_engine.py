@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from kvserve.attention import bind_kv_cache, kv_cache_bytes_per_block
+from kvserve import kernels
 from kvserve.config import EngineConfig
-from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.core.kv_cache_manager import cdiv
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor, ParentState
@@ -22,8 +22,6 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("kvserve")
-
-_DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 class LLMEngine:
@@ -45,14 +43,13 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.num_kv_blocks = self._num_kv_blocks()
         self.block_size = config.block_size
-        bind_kv_cache(self.model, self.num_kv_blocks, config.block_size, self.dtype, self.device)
-        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.max_num_batched_tokens = self._max_num_batched_tokens()
+        self.runner = ModelRunner(self.model, self.vocab_size, self.device, config.seed)
+        self.kv = self.runner.init_kv_cache(config, self.dtype, self.max_model_len, self.max_num_batched_tokens)
+        self.num_kv_blocks = self.kv.pool.num_blocks
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                    config.scheduling_policy, config.enable_chunked_prefill, config.priority_aging_s)
-        self.runner = ModelRunner(self.model, self.kv, self.vocab_size, self.device, config.seed)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._failed: dict[str, KVServeError] = {}   # parent request id -> why it failed, until taken
@@ -60,6 +57,8 @@ class LLMEngine:
                     config.model or "SmolLM2-135M-Instruct (bundled)", str(self.dtype).removeprefix("torch."),
                     self.device,
                     time.perf_counter() - t0, self.num_kv_blocks, config.block_size, self.num_kv_pool_tokens)
+        self.kernel_summary = kernels.summary(self.dtype, self.device)
+        logger.info("kvserve: kernels: %s", self.kernel_summary)
         if self.num_kv_pool_tokens < self.max_model_len:
             logger.warning("kvserve: the KV cache holds %d tokens, fewer than max_model_len %d: the largest request "
                            "that fits has %d tokens (prompt + output); larger ones are refused. Raise "
@@ -73,8 +72,7 @@ class LLMEngine:
 
     # ----- set-up -----
     def _max_num_batched_tokens(self) -> int:
-        """The step token budget. On CPU 1024 measured best (benchmarks/compare.py, docs/benchmarks.md): S1 mean
-        TTFT 5.9 s against 6.8 s at 2048, W1 and S1 throughput at least as high; on CUDA bigger steps pay.
+        """The step token budget: 1024 on CPU, which measured best (docs/benchmarks.md); on CUDA bigger steps pay.
         Without chunked prefill, a whole prompt must fit one step."""
         n = self.config.max_num_batched_tokens
         if n is None:
@@ -91,39 +89,6 @@ class LLMEngine:
             raise InvalidRequestError(f"max_model_len {self.config.max_model_len} exceeds the model's context "
                                       f"length {limit}", "max_model_len")
         return self.config.max_model_len
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(self.model, self.config.block_size, self.dtype)
-        budget = self.config.kv_cache_memory
-        if budget is None and self.device.type == "cuda":
-            budget = self._profile_cuda_budget()
-        if budget is None:
-            budget = _DEFAULT_CPU_KV_BYTES
-        num = budget // per_block
-        if num < 1:
-            raise InvalidRequestError(f"kv_cache_memory {budget} bytes is less than one KV block ({per_block} bytes)",
-                                      "kv_cache_memory")
-        # no point holding more blocks than max_num_seqs full-length sequences can use
-        return int(min(num, cdiv(self.max_model_len, self.config.block_size) * self.config.max_num_seqs))
-
-    def _profile_cuda_budget(self) -> int:
-        """Run one forward over a full token budget, then give the KV cache what utilization leaves."""
-        from kvserve.attention import single_sequence_metadata
-        n = min(self._max_num_batched_tokens(), self.max_model_len)
-        bind_kv_cache(self.model, cdiv(n, self.config.block_size), self.config.block_size, self.dtype, self.device)
-        with torch.inference_mode():
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            hidden = self.model(ids, torch.arange(n, device=self.device),
-                                single_sequence_metadata(n, self.config.block_size, self.device))
-            self.model.compute_logits(hidden[-self.config.max_num_seqs:])
-        torch.cuda.synchronize(self.device)
-        bind_kv_cache(self.model, 0, self.config.block_size, self.dtype, self.device)   # drop the profiling cache
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        return int(total * self.config.gpu_memory_utilization - (total - free) - peak_activations)
 
     # ----- requests -----
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,

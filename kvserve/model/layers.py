@@ -1,6 +1,7 @@
 """Building blocks shared by the model families: norms, rotary embedding, fused linears, activations."""
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -57,6 +58,12 @@ def can_prepack(weight: torch.Tensor) -> bool:
         return False
     if _kernel_lib() is not None and weight.shape[1] % 2 == 0:
         return True
+    return onednn_bf16_available()
+
+
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether this torch and CPU pack bf16 linears for oneDNN (it needs AVX-512 or AVX-NE-CONVERT)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -88,8 +95,8 @@ def prepack_weights(weights: list[torch.Tensor], onednn: bool = False) -> list[P
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T with a prepacked weight. The C++ kernels: 1.2-2.2x oneDNN at 1-16 rows, 1.1-1.2x at 32-256,
-    even at prefill sizes (benchmarks/matmul.py); oneDNN's path is bit-identical to F.linear in bf16."""
+    """x @ W^T with a prepacked weight: the C++ kernels, faster than oneDNN at every size (benchmarks/matmul.py);
+    oneDNN's path (where they do not build) is bit-identical to F.linear in bf16."""
     if packed.kernel is not None:
         if x.dim() != 2 or x.stride(1) != 1:
             return packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias).view(*x.shape[:-1], -1)

@@ -1,4 +1,5 @@
-"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and samples the next tokens."""
+"""ModelRunner: the device side of the engine. It sizes and binds the KV cache, turns a SchedulerOutput into one
+flattened forward pass and samples the next tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,10 +7,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.attention import attention_layers, build_attention_metadata
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.attention import (attention_layers, bind_kv_cache, build_attention_metadata, kv_cache_bytes_per_block,
+                               single_sequence_metadata)
+from kvserve.config import EngineConfig
+from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
+from kvserve.errors import InvalidRequestError
 from kvserve.model.layers import release_unpacked_weights
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
@@ -27,13 +31,15 @@ class StepInputs:
     prompt_lp: list[tuple[Request, int, int, int]]   # (req, first position, its row, count) for prompt logprobs
 
 
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
 class ModelRunner:
     """Runs the model for scheduled requests and samples one token for each that reached its end."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, vocab_size: int, device: torch.device,
-                 seed: int = 0):
+    def __init__(self, model: torch.nn.Module, vocab_size: int, device: torch.device, seed: int = 0):
         self.model = model
-        self.kv = kv
+        self.kv: KVCacheManager | None = None   # set by init_kv_cache()
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
@@ -46,6 +52,49 @@ class ModelRunner:
             self.released_weight_bytes = release_unpacked_weights(model)
         self.small_step_threads: int | None = None   # set by reserve_frontend_core(), with _all_threads
 
+    # ----- the KV cache: the runner owns all device memory -----
+    def init_kv_cache(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
+                      max_num_batched_tokens: int) -> KVCacheManager:
+        """Size the KV cache (on CUDA after profiling a full step), bind the model's pools, return their manager."""
+        num_blocks = self._num_kv_blocks(config, dtype, max_model_len, max_num_batched_tokens)
+        bind_kv_cache(self.model, num_blocks, config.block_size, dtype, self.device)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        return self.kv
+
+    def _num_kv_blocks(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
+                       max_num_batched_tokens: int) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        per_block = kv_cache_bytes_per_block(self.model, config.block_size, dtype)
+        budget = config.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            budget = self._profile_cuda_budget(config, dtype, min(max_num_batched_tokens, max_model_len))
+        if budget is None:
+            budget = DEFAULT_CPU_KV_BYTES
+        num = budget // per_block
+        if num < 1:
+            raise InvalidRequestError(f"kv_cache_memory {budget} bytes is less than one KV block ({per_block} bytes)",
+                                      "kv_cache_memory")
+        # no point holding more blocks than max_num_seqs full-length sequences can use
+        return int(min(num, cdiv(max_model_len, config.block_size) * config.max_num_seqs))
+
+    def _profile_cuda_budget(self, config: EngineConfig, dtype: torch.dtype, num_tokens: int) -> int:
+        """Run one forward over a full token budget, then give the KV cache what utilization leaves."""
+        bs = config.block_size
+        bind_kv_cache(self.model, cdiv(num_tokens, bs), bs, dtype, self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, torch.arange(num_tokens, device=self.device),
+                                single_sequence_metadata(num_tokens, bs, self.device))
+            self.model.compute_logits(hidden[-config.max_num_seqs:])
+        torch.cuda.synchronize(self.device)
+        bind_kv_cache(self.model, 0, bs, dtype, self.device)   # drop the profiling cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        return int(total * config.gpu_memory_utilization - (total - free) - peak_activations)
+
+    # ----- steps -----
     SMALL_STEP_TOKENS = 4
 
     def reserve_frontend_core(self) -> None:
@@ -53,7 +102,7 @@ class ModelRunner:
 
         Such steps are bound by memory bandwidth, which one core fewer nearly saturates; the core it frees
         serves the HTTP frontend, which otherwise preempts a compute thread while the others wait for it
-        (single-stream TPOT through the server: 21.1 ms on 2 threads against 15.3 ms, docs/benchmarks.md)."""
+        (docs/benchmarks.md measures single-stream TPOT through the server both ways)."""
         self._all_threads = torch.get_num_threads()
         if self.device.type == "cpu" and self._all_threads > 1:
             self.small_step_threads = self._all_threads - 1

@@ -7,9 +7,9 @@ from torch import nn
 class InferenceModule(nn.Module):
     """An nn.Module whose call is its forward, without nn.Module.__call__'s hook machinery.
 
-    That machinery costs ~2.4 µs a call on the benchmark CPU: 330 calls and 0.8 ms of a 13 ms single-stream
-    decode token (13.28 -> 12.53 ms, docs/benchmarks.md). kvserve registers no hooks on its models; hooks
-    registered on these modules are ignored. Tested in tests/test_module.py."""
+    A single-stream decode step makes ~330 module calls, so that machinery is a visible share of it
+    (docs/benchmarks.md). kvserve registers no hooks on its models; hooks registered on these modules are
+    ignored. Tested in tests/test_module.py."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -17,7 +17,7 @@ class InferenceModule(nn.Module):
             cls.__call__ = cls.forward
 
     # Submodules are also kept as plain instance attributes, so `self.child` is a dict lookup and not a call of
-    # nn.Module.__getattr__ (~330 per decode step; with __call__ above, 13.3 -> 11.5 ms per single-stream token).
+    # nn.Module.__getattr__ (~330 per decode step).
     # _modules stays the registry (state_dict, modules(), to()); these two methods keep the copies in step.
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)

@@ -2,7 +2,7 @@
 
 The call runs the kernels the per-layer modules call, in their order, on the same shapes, so its output is
 bit-identical to theirs; it saves their Python: ~10 calls per layer that each allocate a tensor and convert
-ctypes arguments (1.5-2 ms of an 11-12 ms single-stream decode step on SmolLM2's 30 layers, docs/benchmarks.md).
+ctypes arguments (docs/benchmarks.md measures it).
 It applies where every piece has its C++ kernel: packed bf16 weights, the C++ attention backend on bf16 pools,
 no biases, no q/k norm; anywhere else the model runs its modules.
 """

@@ -53,8 +53,10 @@ _SOURCE = _read_source()
 MAX_HEAD_DIM = 256
 MAX_ROWS = 64   # query rows of one work item: q heads per kv head must fit
 BUILD_TIMEOUT_S = 300
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC",
-          "-std=c++17"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17"]
+# linked apart from the compile and without -ffast-math: gcc would link crtfastmath.o, whose constructor sets
+# flush-to-zero for the whole process (torch included) the moment the library loads
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 # native: everything this CPU supports; portable: the plain C++ paths every x86/ARM CPU runs (what a CPU without
 # AVX-512 gets anyway); none: no C++ at all (no compiler), every op in torch
 VARIANTS = {"native": (), "portable": ("-DKVSERVE_PORTABLE",), "none": None}
@@ -84,7 +86,8 @@ def _build(cxx: str, source: str | None = None, extra_flags: tuple[str, ...] = (
     source = _SOURCE if source is None else source
     flags = _FLAGS + list(extra_flags)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    key = hashlib.sha256("|".join([source, " ".join(flags), version, _cpu_id()]).encode()).hexdigest()[:20]
+    ident = "|".join([source, " ".join(flags + _LINK_FLAGS), version, _cpu_id()])
+    key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     name = f"kvserve_kernels_{key}.so"
     path = cache_dir() / name
     if path.exists():
@@ -102,17 +105,22 @@ def _build(cxx: str, source: str | None = None, extra_flags: tuple[str, ...] = (
     with tempfile.TemporaryDirectory(dir=build_dir, prefix=".build-") as tmp:
         src = Path(tmp) / "kernels.cpp"
         src.write_text(source)
-        out = Path(tmp) / "kernels.so"
-        try:
-            proc = subprocess.run([cxx, *flags, str(src), "-o", str(out)], capture_output=True, text=True,
-                                  timeout=BUILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{cxx} did not finish within {BUILD_TIMEOUT_S} s") from None
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-4000:]}")
+        obj, out = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
+        deadline = start + BUILD_TIMEOUT_S
+        _run_compiler([cxx, *flags, "-c", str(src), "-o", str(obj)], deadline)
+        _run_compiler([cxx, *_LINK_FLAGS, str(obj), "-o", str(out)], deadline)
         os.replace(out, path)   # atomic: a concurrent builder's copy is just as good
     logger.warning("kvserve: compiled the C++ CPU kernels in %.1f s", time.monotonic() - start)
     return path
+
+
+def _run_compiler(cmd: list[str], deadline: float) -> None:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{cmd[0]} did not finish within {BUILD_TIMEOUT_S} s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed:\n{proc.stderr[-4000:]}")
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -218,15 +226,16 @@ def summary(dtype: torch.dtype, device: torch.device) -> str:
     st = status()
     dt = str(dtype).removeprefix("torch.")
     if not st.built:
-        return (f"no C++ kernels ({st.reason}): attention and {dt} matmuls in plain torch, the slowest path "
-                "(docs/architecture.md, Kernel paths)")
+        return f"no C++ kernels ({st.reason}): attention and {dt} matmuls in plain torch{_SEE}"
     if dtype == torch.bfloat16 and st.bf16:
         return "C++ AVX-512 BF16: paged attention on tiled KV, packed bf16 matmuls, fused layer stack"
     attention = "C++ paged attention (AVX-512)" if st.avx512 else "C++ paged attention (portable: no AVX-512)"
     if st.bf16:
-        return f"{attention}; {dt} matmuls in torch (--dtype bfloat16 runs the faster bf16 kernels)"
-    return (f"{attention}; {dt} matmuls in torch (no AVX-512 BF16 on this CPU: the bf16 kernels, tiled KV and "
-            "fused layer stack are off; docs/architecture.md, Kernel paths)")
+        return f"{attention}; {dt} matmuls in torch (--dtype bfloat16 runs the bf16 kernels)"
+    return f"{attention}; {dt} matmuls in torch (no AVX-512 BF16: no bf16 kernels or fused layer stack){_SEE}"
+
+
+_SEE = "; see docs/architecture.md, Kernel paths"
 
 
 def main() -> int:

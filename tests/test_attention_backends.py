@@ -214,6 +214,15 @@ def test_tiled_long_contexts_and_large_batches():
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=1e-2)
 
 
+@needs_kernels
+def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
+    """Linked with -ffast-math, the library would set flush-to-zero for every thread's float math, torch's too."""
+    for name in ("native", "portable"):
+        assert kernels.load_variant(name) is not None
+    tiny = torch.tensor([1e-40])   # subnormal in float32
+    assert tiny.mul(1.0).item() > 0 and 2.2250738585072014e-308 / 2 > 0
+
+
 def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_libs", {})
     monkeypatch.setattr(kernels, "_compiler", lambda: None)
@@ -241,7 +250,7 @@ def test_an_unwritable_cache_still_builds_the_kernels(monkeypatch, tmp_path, cap
 
 def test_a_build_that_hangs_is_cut_off(monkeypatch, tmp_path):
     script = tmp_path / "slow-cxx"
-    script.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo slow 1.0; exit 0; }\nsleep 30\n")
+    script.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo slow 1.0; exit 0; }\nexec sleep 30\n")
     script.chmod(0o755)
     monkeypatch.setattr(kernels, "_libs", {})
     monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path / "cache")

@@ -90,6 +90,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     _add_error_handlers(app)
     _add_openai_routes(app, engine, settings)
     _add_server_routes(app, engine, settings)
+    _add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
     # each add_middleware wraps the ones before it: the access log sees every answer, the key is checked before a
     # body is read, and the size limit before the body is parsed
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes
@@ -110,6 +111,26 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(err)
 
 
+def _json_body(model_cls) -> dict:
+    """openapi_extra declaring the route's JSON body: handlers parse it themselves (parse_body), so FastAPI
+    would not know it; /docs and clients of /openapi.json (schemathesis, SDK generators) need it."""
+    ref = {"$ref": f"#/components/schemas/{model_cls.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _add_body_schemas(app: FastAPI, models) -> None:
+    """Put the request models (and the models inside them) into the OpenAPI schema's components."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schemas = FastAPI.openapi(app).setdefault("components", {}).setdefault("schemas", {})
+            for model_cls in models:
+                schema = model_cls.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model_cls.__name__] = schema
+        return app.openapi_schema
+    app.openapi = openapi
+
+
 def _add_openai_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSettings) -> None:
     completions = OpenAIServingCompletion(engine, settings.served_model_names)
     chat = OpenAIServingChat(engine, settings.served_model_names)
@@ -120,12 +141,12 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSet
             return await create(req, raw_request)
         return await _until_disconnect(raw_request, create(req, raw_request))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     @api_route
     async def create_completion(raw_request: Request):
         return await respond(raw_request, CompletionRequest, completions.create)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     @api_route
     async def create_chat_completion(raw_request: Request):
         return await respond(raw_request, ChatCompletionRequest, chat.create)
@@ -136,7 +157,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSet
                  for name in settings.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     @api_route
     async def tokenize(raw_request: Request):
         req = await parse_body(raw_request, TokenizeRequest)
@@ -145,7 +166,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSet
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=completions.max_model_len,
                                              tokens=ids).model_dump())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
     @api_route
     async def detokenize(raw_request: Request):
         req = await parse_body(raw_request, DetokenizeRequest)

@@ -127,7 +127,7 @@ class LLMEngine:
                 f"the prompt has {num_prompt} tokens, but this model's maximum context length is "
                 f"{self.max_model_len} tokens, which must also leave room for at least one output token", "prompt")
         if num_prompt >= self.num_kv_pool_tokens:
-            raise ContextLengthExceededError(self._pool_message(num_prompt, 1) + "; shorten the prompt", "prompt")
+            raise ContextLengthExceededError(self._pool_message(num_prompt, 1, "shorten the prompt"), "prompt")
         if params.max_tokens is None:   # as much as the context and the whole KV pool allow: at least 1
             return min(self.max_model_len, self.num_kv_pool_tokens) - num_prompt
         max_tokens = params.max_tokens
@@ -137,14 +137,14 @@ class LLMEngine:
                 f"{num_prompt} prompt tokens and asks for max_tokens={max_tokens}; reduce the prompt or max_tokens",
                 "max_tokens")
         if num_prompt + max_tokens > self.num_kv_pool_tokens:
-            raise ContextLengthExceededError(self._pool_message(num_prompt, max_tokens) + "; lower max_tokens",
+            raise ContextLengthExceededError(self._pool_message(num_prompt, max_tokens, "lower max_tokens"),
                                              "max_tokens")
         return max_tokens
 
-    def _pool_message(self, num_prompt: int, num_output: int) -> str:
+    def _pool_message(self, num_prompt: int, num_output: int, remedy: str) -> str:
         return (f"the request needs {cdiv(num_prompt + num_output, self.block_size)} KV blocks for {num_prompt} "
                 f"prompt + {num_output} output tokens, but the whole KV cache has {self.num_kv_blocks} blocks "
-                f"({self.num_kv_pool_tokens} tokens); raise kv_cache_memory (--kv-cache-memory)")
+                f"({self.num_kv_pool_tokens} tokens); {remedy} or raise kv_cache_memory (--kv-cache-memory)")
 
     def abort_request(self, request_ids) -> list[RequestOutput]:
         """Abort requests by id; frees their KV blocks at once and returns their final outputs."""
@@ -175,7 +175,8 @@ class LLMEngine:
         reported by take_failed_requests(); the others go on."""
         sched = self.scheduler.schedule()
         for req in sched.rejected:
-            self._fail(req, ContextLengthExceededError(self._pool_message(req.num_tokens, 1), "prompt"))
+            self._fail(req, ContextLengthExceededError(self._pool_message(req.num_tokens, 1, "shorten the prompt"),
+                                                       "prompt"))
         if sched.is_empty:
             return []
         try:

@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -93,16 +94,19 @@ def _build(cxx: str, source: str | None = None, extra_flags: tuple[str, ...] = (
     if path.exists():
         return path
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build_dir = path.parent
-    except OSError as e:   # a read-only home: build anyway, just not for the next start
-        build_dir = Path(tempfile.mkdtemp(prefix="kvserve-kernels-"))
-        path = build_dir / name
+        return _compile(cxx, source, flags, path)
+    except OSError as e:   # a read-only cache (home, or only its kernels folder): build anyway, not for next time
+        tmp = Path(tempfile.mkdtemp(prefix="kvserve-kernels-"))
         logger.warning("kvserve: the kernel cache %s is not writable (%s); building into %s, not cached",
-                       cache_dir(), e, build_dir)
-    logger.warning("kvserve: compiling the C++ CPU kernels for this CPU (once; cached in %s)...", build_dir)
-    start = time.monotonic()
-    with tempfile.TemporaryDirectory(dir=build_dir, prefix=".build-") as tmp:
+                       cache_dir(), e, tmp)
+        return _compile(cxx, source, flags, tmp / name)
+
+
+def _compile(cxx: str, source: str, flags: list[str], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
+        logger.warning("kvserve: compiling the C++ CPU kernels for this CPU (once; cached in %s)...", path.parent)
+        start = time.monotonic()
         src = Path(tmp) / "kernels.cpp"
         src.write_text(source)
         obj, out = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
@@ -115,12 +119,17 @@ def _build(cxx: str, source: str | None = None, extra_flags: tuple[str, ...] = (
 
 
 def _run_compiler(cmd: list[str], deadline: float) -> None:
+    """Run one compiler command; past the deadline its whole process group goes (the driver's cc1plus too)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(deadline - time.monotonic(), 1))
+        _, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         raise RuntimeError(f"{cmd[0]} did not finish within {BUILD_TIMEOUT_S} s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"{cmd[0]} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{cmd[0]} failed:\n{stderr[-4000:]}")
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -236,6 +245,11 @@ def summary(dtype: torch.dtype, device: torch.device) -> str:
 
 
 _SEE = "; see docs/architecture.md, Kernel paths"
+
+
+def is_degraded(device: torch.device) -> bool:
+    """True on a CPU that cannot run the fast path: no C++ kernels, or no AVX-512 BF16."""
+    return device.type == "cpu" and not status().fast_bf16
 
 
 def main() -> int:

@@ -4,6 +4,9 @@ builder equals a plain per-sequence loop; oneDNN-packed linears equal F.linear."
 from __future__ import annotations
 
 import dataclasses
+import tempfile
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -240,23 +243,49 @@ def test_failed_build_falls_back_to_torch_and_says_why(monkeypatch, tmp_path):
     assert not kernels.status().built and "the build failed" in kernels.status().reason
 
 
-def test_an_unwritable_cache_still_builds_the_kernels(monkeypatch, tmp_path, caplog):
-    blocker = tmp_path / "file"
-    blocker.write_text("a file where the cache directory should go")
+@pytest.mark.parametrize("blocked", ["parent", "folder"])
+def test_an_unwritable_cache_still_builds_the_kernels(monkeypatch, tmp_path, caplog, blocked):
+    """A cache whose folder cannot be made, or exists and cannot be written (a read-only file system, simulated by
+    making every write in it fail), builds into a temporary directory instead."""
+    cache = tmp_path / "kernels"
+    if blocked == "parent":
+        (tmp_path / "file").write_text("a file where the cache directory should go")
+        cache = tmp_path / "file" / "kernels"
+    else:
+        cache.mkdir()
+        real_mkdtemp = tempfile.mkdtemp
+
+        def mkdtemp(suffix=None, prefix=None, dir=None):   # TemporaryDirectory's: the first write into the cache
+            if dir is not None and Path(dir) == cache:
+                raise PermissionError(13, "Read-only file system", str(cache))
+            return real_mkdtemp(suffix, prefix, dir)
+        monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
     monkeypatch.setattr(kernels, "_libs", {})
-    monkeypatch.setattr(kernels, "cache_dir", lambda: blocker / "kernels")
+    monkeypatch.setattr(kernels, "cache_dir", lambda: cache)
     assert kernels.load() is not None and "not writable" in caplog.text
 
 
-def test_a_build_that_hangs_is_cut_off(monkeypatch, tmp_path):
+def test_a_build_that_hangs_is_cut_off_with_everything_it_started(monkeypatch, tmp_path):
+    """The compiler driver runs cc1plus as a child: the timeout must end both, not only the driver."""
     script = tmp_path / "slow-cxx"
-    script.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo slow 1.0; exit 0; }\nexec sleep 30\n")
+    child = tmp_path / "child.pid"
+    script.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && {{ echo slow 1.0; exit 0; }}\n"
+                      f"sleep 30 & echo $! > {child}\nwait\n")
     script.chmod(0o755)
     monkeypatch.setattr(kernels, "_libs", {})
     monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path / "cache")
     monkeypatch.setattr(kernels, "_compiler", lambda: str(script))
     monkeypatch.setattr(kernels, "BUILD_TIMEOUT_S", 1)
+    start = time.monotonic()
     assert kernels.load() is None and "did not finish within 1 s" in kernels.status().reason
+    assert time.monotonic() - start < 10
+    pid = int(child.read_text())
+    for _ in range(50):   # the killed child is reaped by init shortly after
+        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the compiler's child process outlived the timeout")
 
 
 def loop_metadata(query_lens, seq_lens, tables, block_size):

@@ -19,7 +19,7 @@ static_assert(GEMV_MAX_ROWS >= 1 && GEMV_MAX_ROWS <= 8, "kvserve_packed_matmul_b
 
 // outputs [16 nb, 16 nb + 16) of the M rows; K2 = K / 2 pairs. P partial sums per row keep at least ~6
 // independent vdpbf16ps chains in flight. No software prefetch: the hardware streamer does better on these
-// sequential reads (29.7 against 24-27 GB/s).
+// sequential reads (docs/benchmarks.md).
 template <int M, int P>
 inline void gemv_block(const int32_t* const* xd, const int32_t* w, int64_t K2, __m512* out) {
   __m512 acc[M][P];
@@ -61,8 +61,8 @@ void gemv_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, in
 
 // Small GEMM for steps of a few dozen rows (decode batches): register tiles of MR rows x NB 16-column blocks,
 // MR * NB accumulators, so each weight vector loaded feeds MR vdpbf16ps and each broadcast of x feeds NB (the
-// GEMV above needs one broadcast per vdpbf16ps). 400-440 GFLOP/s on SmolLM2's shapes from 32 rows on 2 cores,
-// against oneDNN's 240-380 (benchmarks/skinny_matmul.py). Same packed W; fp32 sums rounded once to bf16.
+// GEMV above needs one broadcast per vdpbf16ps); faster than oneDNN on these shapes (benchmarks/matmul.py).
+// Same packed W; fp32 sums rounded once to bf16.
 template <int MR, int NB, bool PF>
 void gemm_tile(const uint16_t* x, int64_t xs, const int32_t* w, int64_t K2, uint16_t* y, int64_t ys, int64_t left,
                const char* pf, int64_t pf_lines) {
@@ -94,8 +94,8 @@ void gemm_tile(const uint16_t* x, int64_t xs, const int32_t* w, int64_t K2, uint
 
 constexpr int GEMM_MR = 6, GEMM_NB = 4;
 // Up to this many row tiles per group (48 rows) the next group's slice is prefetched: the first tile of a group
-// would otherwise wait on DRAM for most of its time (12 rows: 251 -> 303 GFLOP/s, 24: 324 -> 360, 48: 351 ->
-// 385 over SmolLM2's 30 layers). With more tiles that wait is amortized and the prefetches cost 1-2%.
+// would otherwise wait on DRAM for most of its time. With more tiles that wait is amortized and the prefetches
+// cost more than they save (docs/benchmarks.md).
 constexpr int64_t GEMM_PREFETCH_TILES = 8;
 using GemmFn = void (*)(const uint16_t*, int64_t, const int32_t*, int64_t, uint16_t*, int64_t, int64_t, const char*,
                        int64_t);
@@ -162,7 +162,7 @@ void kvserve_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* w
   // thread runs it, so the result does not depend on the schedule.
   const int64_t tail = std::min<int64_t>(groups, 2 * omp_get_max_threads()), head = groups - tail;
   const int64_t units = head + tail * R;
-  // a tile of 1-2 rows runs far below the peak (13 rows as 6 + 6 + 1: 150 GFLOP/s on one core; as 6 + 4 + 3: 168)
+  // a tile of 1-2 rows runs far below the peak: 13 rows run as 6 + 4 + 3, not 6 + 6 + 1
   const bool short_last = R >= 2 && (M % GEMM_MR == 1 || M % GEMM_MR == 2);
   std::atomic<int64_t> counter{0};
   auto unit_range = [&](int64_t u, int64_t& g, int64_t& t0, int64_t& t1) {

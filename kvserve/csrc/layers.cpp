@@ -66,8 +66,7 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
 // kernel: each thread runs the whole stack on its own sequences, alone (the kernels' parallel loops inside run
 // on one thread). No barrier per kernel, and while one thread's attention waits on memory the other's matmuls
 // compute. The matmuls of ~12+ rows per thread stay compute-bound; below, each thread streaming all the weights
-// costs more than it saves (S1-shaped decode steps, 2 cores: 64 sequences 67.5-68.4 -> 60.2-61.3 ms, 32: 37.4
-// -> 32.8, 24: 28.4 -> 26.6, 16: 21.8 -> 21.5, 12: 17.2 -> 21.0).
+// costs more than it saves (measured by batch size on 2 cores, docs/benchmarks.md).
 constexpr int64_t SPLIT_MIN_SEQS = 24;
 
 void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64_t* layer_ptrs,

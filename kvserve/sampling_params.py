@@ -51,8 +51,14 @@ class SamplingParams:
         self._verify_numbers()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (list, tuple)):
+                raise InvalidRequestError(f"{name} must be a list, got {getattr(self, name)!r}", name)
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}",
+                                      "logit_bias")
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -85,8 +91,9 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise InvalidRequestError(f"{name} must be a finite number, got {v!r}", name)
-        if self.logit_bias and any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                                   for v in self.logit_bias.values()):
+        if isinstance(self.logit_bias, dict) and any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                for v in self.logit_bias.values()):
             raise InvalidRequestError("logit_bias values must be finite numbers", "logit_bias")
 
     def _verify(self) -> None:

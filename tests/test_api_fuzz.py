@@ -30,7 +30,8 @@ LENGTH_FIELDS = {"max_tokens", "max_completion_tokens", "min_tokens"}
 # every field gets each of these: the edges of 64-bit integers and floats, a lone surrogate, long and empty text,
 # empty and nested containers
 EDGE_VALUES = [0, -1, 1, 2**31, 2**63, 2**64, 2**80, -2**63 - 1, -2**80, 1e308, -1e308, 5e-324, 0.5, -0.5, True,
-               False, None, "", "\ud800", "x" * 3000, [], {}, [[]], [None], {"": {"": []}}, [1] * 300]
+               False, None, "", "\ud800", "x" * 3000, [], {}, [[]], [None], {"": {"": []}}, [1] * 300,
+               {"\udc00": 1}, [{"\ud800": "x"}]]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
@@ -41,7 +42,9 @@ json_values = st.recursive(
 
 @pytest.fixture(scope="module")
 def post():
-    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_seqs=4))
+    # the priority policy, so that `priority` reaches the scheduler (fcfs ignores it)
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_seqs=4,
+                                    scheduling_policy="priority"))
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, ServerSettings(served_model_names=["m"]))
     loop = asyncio.new_event_loop()

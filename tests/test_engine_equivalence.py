@@ -104,12 +104,14 @@ def test_preemption_with_a_tiny_kv_pool(prompts, reference):
 
 
 @pytest.mark.parametrize("variant, words", [("portable", "portable: no AVX-512"), ("none", "no C++ kernels")])
-def test_fallback_kernel_paths_equal_transformers(variant, words, prompts, reference):
+def test_fallback_kernel_paths_equal_transformers(variant, words, prompts, reference, caplog):
     """The portable C++ build (what a CPU without AVX-512 runs) and plain torch (no compiler, or a failed build)
-    compute the same model: a batch with chunked prefill and preemption, on whatever CPU runs the tests."""
-    with kernels.variant(variant):
+    compute the same model: a batch with chunked prefill and preemption, on whatever CPU runs the tests. The
+    engine warns which path it runs."""
+    with kernels.variant(variant), caplog.at_level("WARNING", logger="kvserve"):
         llm = make_llm(num_kv_blocks=12, block_size=8, max_model_len=96, max_num_batched_tokens=13)
         assert words in llm.llm_engine.kernel_summary
+        assert any(r.levelname == "WARNING" and words in r.getMessage() for r in caplog.records)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     check_against_reference(outs, reference)

@@ -27,6 +27,9 @@ from model_utils import FailingForward
     ({"top_p": "0.5"}, "top_p", "finite number"),
     ({"logit_bias": {3: float("nan")}}, "logit_bias", "finite"),
     ({"logit_bias": {"x": 1.0}}, "logit_bias", "token ids"),
+    ({"logit_bias": [1]}, "logit_bias", "token ids"),
+    ({"stop": 5}, "stop", "must be a list"),
+    ({"stop_token_ids": 3}, "stop_token_ids", "must be a list"),
     ({"seed": 2**64}, "seed", "64 bits"),
     ({"seed": -2**63 - 1}, "seed", "64 bits"),
 ])
@@ -179,3 +182,43 @@ def test_a_bad_request_does_not_disturb_a_running_one(llm):
     while engine.has_unfinished_requests():
         final = engine.step() or final
     assert final[0].request_id == "good" and final[0].outputs[0].token_ids == expected
+
+
+def test_a_step_whose_output_processing_fails_leaks_nothing_and_spares_the_queue():
+    """The hardest case: the step's requests finished (their parents already dropped by the output processor) before
+    it raised. They still end with RequestFailedError, their blocks come back, and waiting requests run."""
+    llm = LLM(dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_seqs=2)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             use_tqdm=False)]
+    real_process = engine.processor.process
+
+    def process(updates):
+        result = real_process(updates)
+        if any(r.prompt_token_ids == prompts[0] for r, _ in updates):
+            raise RuntimeError("injected: the detokenizer failed")
+        return result
+    engine.processor.process = process
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    assert engine.step() == []
+    failed = engine.take_failed_requests()
+    assert sorted(failed) == ["r0", "r1"] and "injected" in str(failed["r1"])
+    assert engine.kv.num_free_blocks == engine.num_kv_blocks and not engine.scheduler.running
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert done == {"r2": expected[2], "r3": expected[3]}
+    assert engine.kv.num_free_blocks == engine.num_kv_blocks and not engine.scheduler.requests
+
+
+def test_priority_must_be_a_64_bit_integer_and_a_bad_one_leaves_nothing_behind():
+    llm = LLM(dtype="float32", max_model_len=64, num_kv_blocks=16, scheduling_policy="priority")
+    for bad in (10**400, 2**63, 1.5, True):
+        with pytest.raises(InvalidRequestError, match="priority") as e:
+            llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False, priority=[bad])
+        assert e.value.param == "priority"
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False, priority=[-2**63])) == 1

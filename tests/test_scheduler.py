@@ -136,14 +136,35 @@ def test_a_request_that_can_never_fit_is_rejected_instead_of_blocking_the_queue(
     s.add_request(make_req("huge", 20))       # 20 tokens, the pool holds 16
     s.add_request(make_req("small", 3))
     out = fake_step(s)
-    assert [r.request_id for r in out.rejected] == ["huge"] and scheduled(out) == [("small", 3)]
-    assert [r.request_id for r in s.waiting] == []
+    assert [(r.request_id, why) for r, why in out.rejected] == [
+        ("huge", "its 20 tokens need 5 KV blocks, but the whole KV cache has 4")]
+    assert scheduled(out) == [("small", 3)] and not s.waiting
     s2 = make_sched(num_blocks=4, block_size=4)
     s2.add_request(make_req("a", 10, max_tokens=3))
     fake_step(s2)
     s2.add_request(make_req("b", 10))          # fits once "a" is done: waits, is not rejected
     out = fake_step(s2)
     assert out.rejected == [] and [r.request_id for r in s2.waiting] == ["b"]
+
+
+def test_a_too_large_prompt_is_rejected_even_when_its_first_chunks_fit():
+    """Chunked into a small budget, its first chunks fit the pool; it would preempt itself and start over forever."""
+    s = make_sched(num_blocks=4, block_size=4, budget=8)
+    s.add_request(make_req("huge", 20))
+    s.add_request(make_req("small", 3))
+    out = fake_step(s)
+    assert [r.request_id for r, _ in out.rejected] == ["huge"] and scheduled(out) == [("small", 3)]
+
+
+def test_without_chunked_prefill_a_prompt_over_the_step_budget_is_rejected():
+    kv = KVCacheManager(64, 4, enable_caching=False)
+    s = Scheduler(kv, 8, 8, 1000, "fcfs", enable_chunked_prefill=False)
+    s.add_request(make_req("long", 12))
+    s.add_request(make_req("short", 5))
+    out = fake_step(s)
+    assert [(r.request_id, why) for r, why in out.rejected] == [
+        ("long", "its 12 tokens exceed max_num_batched_tokens=8 and chunked prefill is off")]
+    assert scheduled(out) == [("short", 5)]
 
 
 def test_aging_orders_waiting_requests_by_priority_minus_time_waited():
@@ -158,20 +179,28 @@ def test_aging_orders_waiting_requests_by_priority_minus_time_waited():
 
 def run_stream(aging, low_priority, dt, num_steps, low_max_tokens=2):
     """A low-priority request at t=0, then one priority-0 request per step (t = step * dt) that runs one step:
-    the stream alone keeps the single sequence slot busy. Returns the step the low request finished in, or None."""
+    the stream alone keeps the single sequence slot busy. Returns the step the low request finished in (None if it
+    did not within num_steps) and every request added; the queue is drained before returning."""
     s = make_sched(num_blocks=64, max_seqs=1, policy="priority", aging=aging)
     low = make_req("low", 3, max_tokens=low_max_tokens, priority=low_priority, t=0.0)
     s.add_request(low)
+    added, finished_at = [low], None
     for step in range(num_steps):
-        s.add_request(make_req(f"h{step}", 2, max_tokens=1, priority=0, t=(step + 1) * dt))
+        added.append(make_req(f"h{step}", 2, max_tokens=1, priority=0, t=(step + 1) * dt))
+        s.add_request(added[-1])
         fake_step(s)
-        if low.is_finished:
-            return step
-    return None
+        if low.is_finished and finished_at is None:
+            finished_at = step
+    for _ in range(4 * num_steps):
+        if not s.has_unfinished_requests():
+            break
+        fake_step(s)
+    assert all(r.is_finished for r in added) and s.kv.num_free_blocks == 64
+    return finished_at, added
 
 
 def test_without_aging_a_steady_stream_of_higher_priority_starves_a_request():
-    assert run_stream(aging=0, low_priority=1, dt=1.0, num_steps=200) is None
+    assert run_stream(aging=0, low_priority=1, dt=1.0, num_steps=200)[0] is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -180,8 +209,9 @@ def test_with_aging_every_request_finishes_while_higher_priority_ones_keep_comin
                                                                                   low_max_tokens):
     # past low_priority * aging seconds every new arrival ranks below it; the ones before are served one a step
     bound = int(low_priority * aging / dt) + low_max_tokens + 3
-    finished_at = run_stream(aging, low_priority, dt, bound + 50, low_max_tokens)
+    finished_at, added = run_stream(aging, low_priority, dt, bound + 50, low_max_tokens)
     assert finished_at is not None and finished_at <= bound
+    assert all(r.output_token_ids for r in added)   # each one generated its tokens
 
 
 def test_finish_on_eos_and_on_max_tokens_frees_blocks():

@@ -41,7 +41,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int] | None = None, arrival_time: float | None = None, priority: int = 0,
-                 max_tokens: int | None = None, cache_salt: str | None = None, lora_name: str | None = None):
+                 max_tokens: int | None = None, cache_salt: str | None = None, lora_name: str | None = None,
+                 device: torch.device | str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -58,7 +59,9 @@ class Request:
         self.num_cached_tokens = -1          # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        # on the device that samples, so that drawing its noise needs no copy (and no sync) each step
+        self.generator = (torch.Generator(device=device or "cpu").manual_seed(params.seed)
+                          if params.seed is not None else None)
         self.block_hashes: list = []         # chained hashes of the full blocks, filled by the KV cache manager
         # logprobs collected by the model runner
         self.logprobs: list = []

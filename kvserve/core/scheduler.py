@@ -10,8 +10,9 @@ Under the priority policy a waiting request also preempts running ones that rank
 request: every `priority_aging_s` seconds since its arrival count as one priority level, so a steady stream of
 higher-priority requests cannot starve a lower one (see Scheduler.rank).
 
-A waiting request that cannot be allocated while nothing else holds a block can never run: it is taken off the
-queue and reported in SchedulerOutput.rejected, so it never blocks the queue head.
+A waiting request that can never run (more tokens than the whole pool holds, or, without chunked prefill, than
+a step's budget) is taken off the queue and reported in SchedulerOutput.rejected: it never blocks the queue head.
+The engine refuses such requests when they arrive; this holds whatever reaches the queue.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    rejected: list[Request] = field(default_factory=list)   # can never fit the KV pool; the engine fails them
+    rejected: list[tuple[Request, str]] = field(default_factory=list)   # (request, why it can never run)
     block_copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write, before the forward
     num_batched_tokens: int = 0
 
@@ -153,6 +154,11 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            why = self._why_it_can_never_run(req)
+            if why is not None:
+                self.waiting.popleft()
+                out.rejected.append((req, why))
+                continue
             if len(self.running) >= self.max_num_seqs:
                 freed = self._preempt_lower(req, out)
                 if freed is None:
@@ -166,13 +172,9 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 freed = self._preempt_lower(req, out)
-                if freed is not None:
-                    budget += freed
-                elif not self.running:   # every block is free and still too few: it can never run
-                    self.waiting.popleft()
-                    out.rejected.append(req)
-                else:
+                if freed is None:
                     break
+                budget += freed
                 continue
             self.waiting.popleft()
             if req.num_cached_tokens < 0:   # counted once, at first scheduling
@@ -186,6 +188,17 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+
+    def _why_it_can_never_run(self, req: Request) -> str | None:
+        """Why `req` could not run even alone on an empty pool; None when it can."""
+        num_blocks = -(-req.num_tokens // self.kv.block_size)
+        if num_blocks > self.kv.pool.num_blocks:
+            return (f"its {req.num_tokens} tokens need {num_blocks} KV blocks, but the whole KV cache has "
+                    f"{self.kv.pool.num_blocks}")
+        if not self.enable_chunked_prefill and req.num_tokens > self.max_num_batched_tokens:
+            return (f"its {req.num_tokens} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens} and "
+                    "chunked prefill is off")
+        return None
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":

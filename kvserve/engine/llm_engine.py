@@ -58,7 +58,9 @@ class LLMEngine:
                     self.device,
                     time.perf_counter() - t0, self.num_kv_blocks, config.block_size, self.num_kv_pool_tokens)
         self.kernel_summary = kernels.summary(self.dtype, self.device)
-        logger.info("kvserve: kernels: %s", self.kernel_summary)
+        # a path the machine rules out (no compiler, no AVX-512 BF16) is a warning: users otherwise never know
+        log = logger.warning if kernels.is_degraded(self.device) else logger.info
+        log("kvserve: kernels: %s", self.kernel_summary)
         if self.num_kv_pool_tokens < self.max_model_len:
             logger.warning("kvserve: the KV cache holds %d tokens, fewer than max_model_len %d: the largest request "
                            "that fits has %d tokens (prompt + output); larger ones are refused. Raise "
@@ -79,6 +81,10 @@ class LLMEngine:
             n = 1024 if self.device.type == "cpu" else 8192
             if not self.config.enable_chunked_prefill:
                 n = max(n, self.max_model_len)
+        elif not self.config.enable_chunked_prefill and n < self.max_model_len:
+            raise InvalidRequestError(f"without chunked prefill, max_num_batched_tokens ({n}) must be at least "
+                                      f"max_model_len ({self.max_model_len}): a whole prompt runs in one step",
+                                      "max_num_batched_tokens")
         return n
 
     def _max_model_len(self) -> int:
@@ -106,6 +112,8 @@ class LLMEngine:
             raise InvalidRequestError(f"n={params.n} is more samples than the engine runs at once "
                                       f"(max_num_seqs={self.config.max_num_seqs})", "n")
         max_tokens = self._check_fits(len(token_ids), params)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**63 <= priority < 2**63:
+            raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}", "priority")
         if priority != 0 and self.config.scheduling_policy != "priority":
             priority = 0   # only the priority policy orders by it, as in vLLM
         children = []
@@ -115,9 +123,13 @@ class LLMEngine:
                 child_params = params.clone(n=1, seed=params.sample_seed(i))
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(rid, token_ids, child_params, self.eos_token_ids, arrival_time, priority,
-                                    max_tokens, cache_salt))
+                                    max_tokens, cache_salt, device=self.device))
         self.processor.add(ParentState(request_id, text, token_ids, params), children)
-        self.scheduler.add_request(children[0], siblings=children[1:])
+        try:
+            self.scheduler.add_request(children[0], siblings=children[1:])
+        except BaseException:
+            self.processor.abort(request_id)   # all or nothing: no half-added request may stay behind
+            raise
         return request_id
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> int:
@@ -171,27 +183,34 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, detokenize; returns the outputs that changed.
 
-        Requests that fail (a forward pass that raised; one that can never fit the KV cache) are aborted and
-        reported by take_failed_requests(); the others go on."""
+        Requests that fail (their step's forward pass or output processing raised; one that can never fit the KV
+        cache) are aborted and reported by take_failed_requests(); the others go on."""
         sched = self.scheduler.schedule()
-        for req in sched.rejected:
-            self._fail(req, ContextLengthExceededError(self._pool_message(req.num_tokens, 1, "shorten the prompt"),
-                                                       "prompt"))
+        for req, why in sched.rejected:
+            self._fail(req, ContextLengthExceededError(f"the request can never be scheduled: {why}", "prompt"))
         if sched.is_empty:
             return []
+        # taken first: output processing drops a finished request's parent, even in a step that then fails
+        parent_ids = [self.processor.child_to_parent[req.request_id].request_id for req, _ in sched.scheduled]
         try:
             sampled = self.runner.execute_model(sched)
+            updates = self.scheduler.update_from_output(sched, sampled)
+            outputs, stopped = self.processor.process(updates)
         except Exception as e:
-            # only the requests in this step are suspect; waiting ones stay queued
-            logger.exception("kvserve: a model step failed; failing its %d request(s)", len(sched.scheduled))
-            error = RequestFailedError(f"the engine step running this request failed: {type(e).__name__}: {e}")
-            for req, _ in sched.scheduled:
-                self._fail(req, error)
+            self._fail_step(sched, parent_ids, e)
             return []
-        updates = self.scheduler.update_from_output(sched, sampled)
-        outputs, stopped = self.processor.process(updates)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def _fail_step(self, sched, parent_ids: list[str], e: Exception) -> None:
+        """Fail every request of a step that raised: only they are suspect; waiting ones stay queued."""
+        logger.exception("kvserve: a step failed; failing its %d request(s)", len(set(parent_ids)))
+        error = RequestFailedError(f"the engine step running this request failed: {type(e).__name__}: {e}")
+        for parent_id in dict.fromkeys(parent_ids):
+            self._failed[parent_id] = error
+            self.abort_request(parent_id)
+        # a sample whose parent was already dropped still holds its blocks in the scheduler
+        self.scheduler.finish_requests([req.request_id for req, _ in sched.scheduled], RequestStatus.FINISHED_ABORTED)
 
     def _fail(self, req: Request, error: KVServeError) -> None:
         """Abort the user request `req` belongs to (every sample of it) and remember why."""

@@ -88,30 +88,33 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
         start, num_in, num_out = time.perf_counter(), 0, 0
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-            self._raise_failed(engine.take_failed_requests(), ids, done)
-            for out in outputs:
-                if not out.finished:
-                    continue
-                done[out.request_id] = out
-                if bar is not None:
-                    num_in += len(out.prompt_token_ids)
-                    num_out += sum(len(o.token_ids) for o in out.outputs)
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(f"input: {num_in / elapsed:.0f} tok/s, output: {num_out / elapsed:.0f} tok/s")
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while engine.has_unfinished_requests():
+                outputs = engine.step()
+                self._raise_failed(engine.take_failed_requests(), ids, done)
+                for out in outputs:
+                    if not out.finished:
+                        continue
+                    done[out.request_id] = out
+                    if bar is not None:
+                        num_in += len(out.prompt_token_ids)
+                        num_out += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"input: {num_in / elapsed:.0f} tok/s, "
+                                            f"output: {num_out / elapsed:.0f} tok/s")
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
-
 
     def _raise_failed(self, failed: dict, ids: list[str], done: dict) -> None:
         """A request of this call failed: withdraw the call's other requests, raise its typed error."""
-        if not failed:
+        mine = [(i, failed[rid]) for i, rid in enumerate(ids) if rid in failed]
+        if not mine:
             return
-        self.llm_engine.abort_request([i for i in ids if i not in done and i not in failed])
-        i, error = next((i, failed[rid]) for i, rid in enumerate(ids) if rid in failed)
+        self.llm_engine.abort_request([rid for rid in ids if rid not in done and rid not in failed])
+        i, error = mine[0]
         if isinstance(error, InvalidRequestError):
             raise type(error)(f"prompt {i}: {error.message}", error.param) from error
         raise type(error)(f"prompt {i}: {error}") from error

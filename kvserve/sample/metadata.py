@@ -17,7 +17,8 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # Per request, seeded from params.seed, kept across steps (on the CPU; the sampler copies its draws).
+    # Per request, seeded from params.seed, kept across steps; on another device than the logits', the sampler
+    # draws there and copies.
     generator: torch.Generator | None = None
     eos_token_ids: set[int] = field(default_factory=set)
 

@@ -76,8 +76,8 @@ def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator
     q = torch.empty_like(probs)
     if len(generators) < q.shape[0]:
         q.exponential_(generator=generator)
-    # A seeded row draws exactly V values per step from its generator, whatever else is in the batch. Request
-    # generators live on the CPU: a row on another device (CUDA) draws there and is copied, as a generator
+    # A seeded row draws exactly V values per step from its generator, whatever else is in the batch. The engine
+    # makes them on the logits' device; one made elsewhere draws on its own device and is copied, as a generator
     # cannot fill another device's tensor.
     for row, gen in generators.items():
         if gen.device == q.device:

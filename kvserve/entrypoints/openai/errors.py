@@ -71,7 +71,13 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 def error_body(err: APIError) -> dict:
-    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    return {"error": {"message": _encodable(err.message), "type": err.type, "param": _encodable(err.param),
+                      "code": err.code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    """Text as UTF-8 can carry it: a message quoting a lone surrogate from the request must not fail the answer."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def from_engine_error(err: InvalidRequestError) -> BadRequestError:

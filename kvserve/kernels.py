@@ -94,40 +94,49 @@ def _build(cxx: str, source: str | None = None, extra_flags: tuple[str, ...] = (
     if path.exists():
         return path
     try:
-        return _compile(cxx, source, flags, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_dir = tempfile.mkdtemp(dir=path.parent, prefix=".build-")
     except OSError as e:   # a read-only cache (home, or only its kernels folder): build anyway, not for next time
-        tmp = Path(tempfile.mkdtemp(prefix="kvserve-kernels-"))
+        path = Path(tempfile.mkdtemp(prefix="kvserve-kernels-")) / name
+        build_dir = tempfile.mkdtemp(dir=path.parent, prefix=".build-")
         logger.warning("kvserve: the kernel cache %s is not writable (%s); building into %s, not cached",
-                       cache_dir(), e, tmp)
-        return _compile(cxx, source, flags, tmp / name)
+                       cache_dir(), e, path.parent)
+    try:
+        return _compile(cxx, source, flags, path, Path(build_dir))
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
 
 
-def _compile(cxx: str, source: str, flags: list[str], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
-        logger.warning("kvserve: compiling the C++ CPU kernels for this CPU (once; cached in %s)...", path.parent)
-        start = time.monotonic()
-        src = Path(tmp) / "kernels.cpp"
-        src.write_text(source)
-        obj, out = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
-        deadline = start + BUILD_TIMEOUT_S
-        _run_compiler([cxx, *flags, "-c", str(src), "-o", str(obj)], deadline)
-        _run_compiler([cxx, *_LINK_FLAGS, str(obj), "-o", str(out)], deadline)
-        os.replace(out, path)   # atomic: a concurrent builder's copy is just as good
+def _compile(cxx: str, source: str, flags: list[str], path: Path, tmp: Path) -> Path:
+    """Compile and link in `tmp` (beside `path`), then move the library into place."""
+    logger.warning("kvserve: compiling the C++ CPU kernels for this CPU (once; cached in %s)...", path.parent)
+    start = time.monotonic()
+    src, obj, out = tmp / "kernels.cpp", tmp / "kernels.o", tmp / "kernels.so"
+    src.write_text(source)
+    deadline = start + BUILD_TIMEOUT_S
+    _run_compiler([cxx, *flags, "-c", str(src), "-o", str(obj)], deadline)
+    _run_compiler([cxx, *_LINK_FLAGS, str(obj), "-o", str(out)], deadline)
+    os.replace(out, path)   # atomic: a concurrent builder's copy is just as good
     logger.warning("kvserve: compiled the C++ CPU kernels in %.1f s", time.monotonic() - start)
     return path
 
 
 def _run_compiler(cmd: list[str], deadline: float) -> None:
     """Run one compiler command; past the deadline its whole process group goes (the driver's cc1plus too)."""
+    # its own process group, so that a timeout ends it whole; the same for Ctrl-C, which no longer reaches it
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         _, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise RuntimeError(f"{cmd[0]} did not finish within {BUILD_TIMEOUT_S} s") from None
+    except BaseException as e:
+        os.killpg(proc.pid, signal.SIGKILL)   # the group outlives a driver that already exited: safe
+        try:
+            proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise RuntimeError(f"{cmd[0]} did not finish within {BUILD_TIMEOUT_S} s") from None
+        raise
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[0]} failed:\n{stderr[-4000:]}")
 

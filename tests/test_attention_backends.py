@@ -255,7 +255,7 @@ def test_an_unwritable_cache_still_builds_the_kernels(monkeypatch, tmp_path, cap
         cache.mkdir()
         real_mkdtemp = tempfile.mkdtemp
 
-        def mkdtemp(suffix=None, prefix=None, dir=None):   # TemporaryDirectory's: the first write into the cache
+        def mkdtemp(suffix=None, prefix=None, dir=None):   # the build folder: the first write into the cache
             if dir is not None and Path(dir) == cache:
                 raise PermissionError(13, "Read-only file system", str(cache))
             return real_mkdtemp(suffix, prefix, dir)

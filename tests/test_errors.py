@@ -222,3 +222,66 @@ def test_priority_must_be_a_64_bit_integer_and_a_bad_one_leaves_nothing_behind()
         assert e.value.param == "priority"
     assert not llm.llm_engine.has_unfinished_requests()
     assert len(llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False, priority=[-2**63])) == 1
+
+
+class DecodeFails:
+    """The engine's tokenizer, whose decode raises on one token id (a slow-tokenizer wrapper: no fast backend)."""
+
+    is_fast = False
+
+    def __init__(self, tokenizer, bad_id: int):
+        self.tokenizer, self.bad_id = tokenizer, bad_id
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def decode(self, ids, **kwargs):
+        if self.bad_id in ids:
+            raise RuntimeError("injected: the tokenizer cannot decode this token")
+        kwargs.pop("spaces_between_special_tokens", None)
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_a_token_the_detokenizer_cannot_decode_fails_its_request_only():
+    """The failure must not strike again while the request is aborted (that would leave it half-removed and every
+    later call spinning): the request fails, the one beside it finishes, and the engine stays usable."""
+    llm = LLM(dtype="float32", max_model_len=128, num_kv_blocks=32)
+    engine = llm.llm_engine
+    engine.processor.tokenizer = DecodeFails(engine.tokenizer, 1000)
+    forced = SamplingParams(temperature=0, max_tokens=4, logit_bias={1000: 100.0})
+    fine = SamplingParams(temperature=0, max_tokens=4)
+    engine.add_request("bad", "Hello", forced)
+    engine.add_request("good", "Hello", fine)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert list(done) == ["good"] and "injected" in str(engine.take_failed_requests()["bad"])
+    assert engine.kv.num_free_blocks == engine.num_kv_blocks
+    with pytest.raises(RequestFailedError, match="prompt 1: .*injected"):
+        llm.generate(["Hi", "Hello"], [fine, forced], use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert len(llm.generate("Hi", fine, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_a_call_interrupted_by_an_error_leaves_no_request_behind():
+    llm = LLM(dtype="float32", max_model_len=128, num_kv_blocks=32)
+    engine = llm.llm_engine
+    real_schedule = engine.scheduler.schedule
+    calls = []
+
+    def schedule():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt   # as Ctrl-C would, between two steps
+        return real_schedule()
+    engine.scheduler.schedule = schedule
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Hi", "Hello"], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.num_kv_blocks
+
+
+def test_without_chunked_prefill_the_budget_must_hold_a_whole_context():
+    """With max_model_len left to the model, only the engine knows it: it refuses to start rather than leave longer
+    prompts waiting forever."""
+    with pytest.raises(InvalidRequestError, match="max_num_batched_tokens .64. must be at least max_model_len .8192."):
+        LLM(dtype="float32", enable_chunked_prefill=False, max_num_batched_tokens=64)

@@ -361,6 +361,7 @@ RAW_BAD_BODIES = [
     ('{"prompt": "x", "stop": ' + "[" * 5000 + "]" * 5000 + "}", None, "nested too deeply"),
     ('{"prompt": "x", "user": ' + "[" * 100 + "]" * 100 + "}", "user", "nested too deeply"),
     ('{"prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias", "token ids"),
+    ('{"prompt": "x", "logit_bias": {"\\udc00": 1}}', "logit_bias", "a key of logit_bias has a lone UTF-16 surrogate"),
 ]
 
 

@@ -128,7 +128,7 @@ class LLMEngine:
         try:
             self.scheduler.add_request(children[0], siblings=children[1:])
         except BaseException:
-            self.processor.abort(request_id)   # all or nothing: no half-added request may stay behind
+            self._discard(request_id)   # all or nothing: no half-added request may stay behind
             raise
         return request_id
 
@@ -191,15 +191,20 @@ class LLMEngine:
         if sched.is_empty:
             return []
         # taken first: output processing drops a finished request's parent, even in a step that then fails
-        parent_ids = [self.processor.child_to_parent[req.request_id].request_id for req, _ in sched.scheduled]
+        parent_ids = [p.request_id for req, _ in sched.scheduled
+                      if (p := self.processor.child_to_parent.get(req.request_id)) is not None]
         try:
             sampled = self.runner.execute_model(sched)
             updates = self.scheduler.update_from_output(sched, sampled)
-            outputs, stopped = self.processor.process(updates)
+            outputs, stopped, failed = self.processor.process(updates)
         except Exception as e:
             self._fail_step(sched, parent_ids, e)
             return []
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for parent_id, e in failed.items():
+            logger.error("kvserve: building the output of request %s failed; failing it", parent_id, exc_info=e)
+            self._fail_parent(parent_id, RequestFailedError(f"the output of this request could not be built: "
+                                                            f"{type(e).__name__}: {e}"))
         return outputs
 
     def _fail_step(self, sched, parent_ids: list[str], e: Exception) -> None:
@@ -207,18 +212,24 @@ class LLMEngine:
         logger.exception("kvserve: a step failed; failing its %d request(s)", len(set(parent_ids)))
         error = RequestFailedError(f"the engine step running this request failed: {type(e).__name__}: {e}")
         for parent_id in dict.fromkeys(parent_ids):
-            self._failed[parent_id] = error
-            self.abort_request(parent_id)
+            self._fail_parent(parent_id, error)
         # a sample whose parent was already dropped still holds its blocks in the scheduler
         self.scheduler.finish_requests([req.request_id for req, _ in sched.scheduled], RequestStatus.FINISHED_ABORTED)
 
     def _fail(self, req: Request, error: KVServeError) -> None:
         """Abort the user request `req` belongs to (every sample of it) and remember why."""
         parent = self.processor.child_to_parent.get(req.request_id)
-        if parent is None:
-            return   # an earlier sample of the same request already failed it
-        self._failed[parent.request_id] = error
-        self.abort_request(parent.request_id)
+        if parent is not None:   # else an earlier sample of the same request already failed it
+            self._fail_parent(parent.request_id, error)
+
+    def _fail_parent(self, parent_id: str, error: KVServeError) -> None:
+        self._failed[parent_id] = error
+        self._discard(parent_id)
+
+    def _discard(self, request_id: str) -> None:
+        """Abort a failed request without building its output: its detokenizer may be what failed."""
+        self.scheduler.finish_requests(self.processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
+        self.processor.discard(request_id)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -56,23 +56,41 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return [c.req.request_id for c in parent.children] if parent else []
 
-    def process(self, updates: list[tuple[Request, list[int]]]) -> tuple[list[RequestOutput], list[str]]:
-        """Detokenize updates; returns the outputs to emit and the child ids a stop string finished."""
+    def process(self, updates: list[tuple[Request, list[int]]]
+                ) -> tuple[list[RequestOutput], list[str], dict[str, Exception]]:
+        """Detokenize updates; returns the outputs to emit, the child ids a stop string finished, and the parents
+        whose output could not be built (parent id -> error; the caller fails them, the others are unaffected)."""
         touched: dict[str, ParentState] = {}
-        stopped = []
+        stopped: list[str] = []
+        failed: dict[str, Exception] = {}
         for req, new_tokens in updates:
             parent = self.child_to_parent[req.request_id]
-            child = next(c for c in parent.children if c.req is req)
-            eos_or_stop_token = req.status == RequestStatus.FINISHED_STOPPED
-            stop_str = child.detok.update(new_tokens, eos_or_stop_token)
+            if parent.request_id in failed:
+                continue
+            try:
+                child = next(c for c in parent.children if c.req is req)
+                stop_str = child.detok.update(new_tokens, req.status == RequestStatus.FINISHED_STOPPED)
+            except Exception as e:   # a token this tokenizer cannot decode fails its own request only
+                failed[parent.request_id] = e
+                continue
             if stop_str is not None:
                 if not req.is_finished:
                     stopped.append(req.request_id)
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = stop_str
             touched[parent.request_id] = parent
-        outputs = [o for p in touched.values() if (o := self.make_output(p)) is not None]
-        return outputs, stopped
+        outputs = []
+        for parent in touched.values():
+            if parent.request_id in failed:
+                continue
+            try:
+                out = self.make_output(parent)   # raises before it drops a finished parent
+            except Exception as e:
+                failed[parent.request_id] = e
+                continue
+            if out is not None:
+                outputs.append(out)
+        return outputs, stopped, failed
 
     def make_output(self, parent: ParentState, force: bool = False) -> RequestOutput | None:
         finished = parent.finished
@@ -126,6 +144,16 @@ class OutputProcessor:
             if not c.req.is_finished:
                 c.req.status = RequestStatus.FINISHED_ABORTED
         return self.make_output(parent, force=True)
+
+    def discard(self, request_id: str) -> None:
+        """Forget a parent without building its output (its detokenizer may be what failed)."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return
+        for c in parent.children:
+            if not c.req.is_finished:
+                c.req.status = RequestStatus.FINISHED_ABORTED
+        self._drop(parent)
 
     def _drop(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)

@@ -38,10 +38,11 @@ def check_token_ids(token_ids, vocab_size: int) -> list[int]:
     return ids
 
 
-def check_text(text: str, param: str) -> None:
-    """Raise InvalidRequestError if `text` is not Unicode text (a lone UTF-16 surrogate, as JSON's "\\ud800")."""
+def check_text(text: str, param: str | None, where: str | None = None) -> None:
+    """Raise InvalidRequestError if `text` is not Unicode text (a lone UTF-16 surrogate, as JSON's "\\ud800");
+    the message names `where` it is (default: `param`)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InvalidRequestError(f"{param} has a lone UTF-16 surrogate at character {e.start}: not valid Unicode "
-                                  "text", param) from None
+        raise InvalidRequestError(f"{where or param} has a lone UTF-16 surrogate at character {e.start}: not valid "
+                                  "Unicode text", param) from None

@@ -103,6 +103,9 @@ class LLM:
                         bar.set_postfix_str(f"input: {num_in / elapsed:.0f} tok/s, "
                                             f"output: {num_out / elapsed:.0f} tok/s")
                         bar.update(1)
+        except BaseException:   # Ctrl-C, or a failure: the call's other requests must not run in the next one
+            engine.abort_request([i for i in ids if i not in done])
+            raise
         finally:
             if bar is not None:
                 bar.close()

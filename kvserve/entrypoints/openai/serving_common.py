@@ -164,7 +164,7 @@ def check_json_values(data: dict) -> None:
                                   f"{MAX_JSON_DEPTH} levels)", _field(path), "invalid_value")
         if isinstance(value, dict):
             for key, item in value.items():
-                check_text(key, f"a key of {path}" if path else "a field name")
+                check_text(key, path or None, f"a key of {path}" if path else "a field name")
                 stack.append((item, f"{path}.{key}" if path else key, depth + 1))
         elif isinstance(value, list):
             stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))

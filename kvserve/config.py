@@ -5,6 +5,7 @@ import re
 from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequestError
+from kvserve.sampling_params import MAX_SEED, MIN_SEED
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -59,8 +60,8 @@ class EngineConfig:
             bad(f"max_num_seqs must be >= 1, got {self.max_num_seqs}", "max_num_seqs")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             bad(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}", "max_num_batched_tokens")
-        if not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
-            bad(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
+        if not isinstance(self.seed, int) or not MIN_SEED <= self.seed <= MAX_SEED:
+            bad(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {self.seed!r}", "seed")
         if not (isinstance(self.priority_aging_s, (int, float)) and 0 <= self.priority_aging_s < float("inf")):
             bad(f"priority_aging_s must be a finite number >= 0, got {self.priority_aging_s!r}", "priority_aging_s")
         if self.scheduling_policy not in ("fcfs", "priority"):

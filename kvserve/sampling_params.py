@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from kvserve.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
-_MIN_SEED, _MAX_SEED = -2**63, 2**64 - 1   # what torch.Generator.manual_seed takes
+MIN_SEED, MAX_SEED = -2**63, 2**64 - 1   # what torch.Generator.manual_seed takes
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -83,17 +83,15 @@ class SamplingParams:
         if self.seed is None:
             return None
         seed = self.seed + index
-        return seed - 2**64 if seed > _MAX_SEED else seed
+        return seed - 2**64 if seed > MAX_SEED else seed
 
     def _verify_numbers(self) -> None:
         """The float fields are finite numbers (no NaN or infinity, which every range check below lets through)."""
         for name in _FLOAT_FIELDS:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not is_finite_number(v):
                 raise InvalidRequestError(f"{name} must be a finite number, got {v!r}", name)
-        if isinstance(self.logit_bias, dict) and any(
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                for v in self.logit_bias.values()):
+        if isinstance(self.logit_bias, dict) and not all(map(is_finite_number, self.logit_bias.values())):
             raise InvalidRequestError("logit_bias values must be finite numbers", "logit_bias")
 
     def _verify(self) -> None:
@@ -125,8 +123,8 @@ class SamplingParams:
             bad(f"min_tokens must be >= 0, got {self.min_tokens!r}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
-        if self.seed is not None and (not is_int(self.seed) or not _MIN_SEED <= self.seed <= _MAX_SEED):
-            bad(f"seed must be an integer in [{_MIN_SEED}, {_MAX_SEED}] (64 bits), got {self.seed!r}", "seed")
+        if self.seed is not None and (not is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            bad(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}] (64 bits), got {self.seed!r}", "seed")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= _MAX_LOGPROBS):
@@ -145,6 +143,11 @@ class SamplingParams:
                 if not 0 <= t < vocab_size:
                     raise InvalidRequestError(f"{name} has token id {t} outside the vocabulary [0, {vocab_size})",
                                               name)
+
+
+def is_finite_number(v) -> bool:
+    """An int or float (not a bool) that is neither NaN nor infinite."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 SAMPLING_PARAM_NAMES = tuple(f.name for f in fields(SamplingParams) if f.name != "all_stop_token_ids")

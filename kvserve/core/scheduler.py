@@ -20,7 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
 
 
@@ -191,7 +191,7 @@ class Scheduler:
 
     def _why_it_can_never_run(self, req: Request) -> str | None:
         """Why `req` could not run even alone on an empty pool; None when it can."""
-        num_blocks = -(-req.num_tokens // self.kv.block_size)
+        num_blocks = cdiv(req.num_tokens, self.kv.block_size)
         if num_blocks > self.kv.pool.num_blocks:
             return (f"its {req.num_tokens} tokens need {num_blocks} KV blocks, but the whole KV cache has "
                     f"{self.kv.pool.num_blocks}")

@@ -128,7 +128,7 @@ class LLMEngine:
         try:
             self.scheduler.add_request(children[0], siblings=children[1:])
         except BaseException:
-            self._discard(request_id)   # all or nothing: no half-added request may stay behind
+            self._abort(request_id, build_output=False)   # all or nothing: no half-added request may stay behind
             raise
         return request_id
 
@@ -162,11 +162,14 @@ class LLMEngine:
         """Abort requests by id; frees their KV blocks at once and returns their final outputs."""
         outs = []
         for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
-            self.scheduler.finish_requests(self.processor.child_ids(rid), RequestStatus.FINISHED_ABORTED)
-            out = self.processor.abort(rid)
+            out = self._abort(rid)
             if out is not None:
                 outs.append(out)
         return outs
+
+    def _abort(self, request_id: str, build_output: bool = True) -> RequestOutput | None:
+        self.scheduler.finish_requests(self.processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
+        return self.processor.abort(request_id, build_output)
 
     def has_unfinished_requests(self) -> bool:
         return self.processor.has_unfinished()
@@ -191,8 +194,8 @@ class LLMEngine:
         if sched.is_empty:
             return []
         # taken first: output processing drops a finished request's parent, even in a step that then fails
-        parent_ids = [p.request_id for req, _ in sched.scheduled
-                      if (p := self.processor.child_to_parent.get(req.request_id)) is not None]
+        parent_ids = list(dict.fromkeys(p.request_id for req, _ in sched.scheduled
+                                        if (p := self.processor.child_to_parent.get(req.request_id)) is not None))
         try:
             sampled = self.runner.execute_model(sched)
             updates = self.scheduler.update_from_output(sched, sampled)
@@ -209,9 +212,9 @@ class LLMEngine:
 
     def _fail_step(self, sched, parent_ids: list[str], e: Exception) -> None:
         """Fail every request of a step that raised: only they are suspect; waiting ones stay queued."""
-        logger.exception("kvserve: a step failed; failing its %d request(s)", len(set(parent_ids)))
+        logger.exception("kvserve: a step failed; failing its %d request(s)", len(parent_ids))
         error = RequestFailedError(f"the engine step running this request failed: {type(e).__name__}: {e}")
-        for parent_id in dict.fromkeys(parent_ids):
+        for parent_id in parent_ids:
             self._fail_parent(parent_id, error)
         # a sample whose parent was already dropped still holds its blocks in the scheduler
         self.scheduler.finish_requests([req.request_id for req, _ in sched.scheduled], RequestStatus.FINISHED_ABORTED)
@@ -224,12 +227,7 @@ class LLMEngine:
 
     def _fail_parent(self, parent_id: str, error: KVServeError) -> None:
         self._failed[parent_id] = error
-        self._discard(parent_id)
-
-    def _discard(self, request_id: str) -> None:
-        """Abort a failed request without building its output: its detokenizer may be what failed."""
-        self.scheduler.finish_requests(self.processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
-        self.processor.discard(request_id)
+        self._abort(parent_id, build_output=False)   # its detokenizer may be what failed
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -135,25 +135,19 @@ class OutputProcessor:
         detokenize_logprobs(self.tokenizer, req.prompt_logprobs)
         return req.prompt_logprobs
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Mark a parent's children aborted and return its final output."""
+    def abort(self, request_id: str, build_output: bool = True) -> RequestOutput | None:
+        """Mark a parent's children aborted and return its final output; without `build_output` just forget the
+        parent (a failed request: its detokenizer may be what failed)."""
         parent = self.parents.get(request_id)
         if parent is None:
             return None
         for c in parent.children:
             if not c.req.is_finished:
                 c.req.status = RequestStatus.FINISHED_ABORTED
-        return self.make_output(parent, force=True)
-
-    def discard(self, request_id: str) -> None:
-        """Forget a parent without building its output (its detokenizer may be what failed)."""
-        parent = self.parents.get(request_id)
-        if parent is None:
-            return
-        for c in parent.children:
-            if not c.req.is_finished:
-                c.req.status = RequestStatus.FINISHED_ABORTED
+        if build_output:
+            return self.make_output(parent, force=True)
         self._drop(parent)
+        return None
 
     def _drop(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)

@@ -25,8 +25,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self.request_id(raw_request, "cmpl", req.request_id)
         prompts = self._prompts(req)
         params = [self.sampling_params(req, req.max_tokens, req.logprobs,
-                                       req.logprobs if req.echo and req.logprobs is not None else None)
-                  for p in prompts]
+                                       req.logprobs if req.echo and req.logprobs is not None else None)] * len(prompts)
         streams = await self.add_prompts(request_id, prompts, params, req)
         view = _CompletionView(self, req, model, request_id, prompts)
         if req.stream:

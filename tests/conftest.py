@@ -1,4 +1,5 @@
-"""Shared fixtures: the bundled model's path and a transformers reference on the same weights."""
+"""Shared fixtures: the bundled model's path, a transformers reference on the same weights, and one `kvserve serve`
+process for the HTTP tests."""
 import os
 
 import pytest
@@ -20,3 +21,24 @@ def hf_reference(gguf_path):
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """A `kvserve serve` process (server_utils.SERVER_FLAGS), shared by every HTTP test module."""
+    from server_utils import SERVER_FLAGS, ServerProcess
+    srv = ServerProcess(*SERVER_FLAGS)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+        os.unlink(srv.log.name)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    """The official openai client on that server."""
+    import openai
+    from server_utils import API_KEY
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)

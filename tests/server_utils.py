@@ -1,7 +1,9 @@
 """A real `kvserve serve` subprocess on a free loopback port, for the HTTP and CLI tests."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -10,6 +12,13 @@ import tempfile
 import time
 
 import httpx
+
+# the session server of tests/test_server.py and tests/test_server_errors.py (the fixture is in conftest.py)
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512
+SERVER_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "48MiB", "--max-num-seqs", "32",
+                "--max-model-len", str(MAX_MODEL_LEN), "--max-waiting-requests", "200", "--api-key", API_KEY]
 
 
 def free_port() -> int:
@@ -55,3 +64,30 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def metric(server, name: str, **labels) -> float:
+    """The value of one sample on /metrics (labels: a subset that must match)."""
+    text = httpx.get(f"{server.url}/metrics").text
+    for line in text.splitlines():
+        m = re.match(r"^([\w:]+)\{(.*)\} (\S+)$", line)
+        if m and m.group(1) == name and all(f'{k}="{v}"' in m.group(2) for k, v in labels.items()):
+            return float(m.group(3))
+    raise KeyError(f"{name} {labels} not on /metrics")
+
+
+def wait_idle(server, timeout_s: float = 10.0) -> None:
+    """Until nothing runs or waits and every KV block is free again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+        if all(metric(server, n) == 0 for n in names):
+            return
+        time.sleep(0.1)
+    raise AssertionError(httpx.get(f"{server.url}/metrics").text)
+
+
+def post(server, path: str, body, key: str | None = API_KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=60)

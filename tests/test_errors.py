@@ -123,33 +123,54 @@ def test_n_beyond_max_num_seqs_is_refused():
                                                      use_tqdm=False)[0].outputs) == 4
 
 
+# four prompts on an engine that runs two at a time: a fault in the first step hits r0 and r1, r2 and r3 wait
+STEP_PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11], [12, 13]]
+
+
+def two_at_a_time(max_tokens: int):
+    """The engine, the greedy params, and the tokens STEP_PROMPTS get without a fault."""
+    llm = LLM(dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(step_prompts(), params, use_tqdm=False)]
+    return llm, params, expected
+
+
+def step_prompts() -> list[dict]:
+    return [{"prompt_token_ids": p} for p in STEP_PROMPTS]
+
+
+def add_step_prompts(engine, params) -> None:
+    for i, prompt in enumerate(step_prompts()):
+        engine.add_request(f"r{i}", prompt, params)
+
+
+def run_to_the_end(engine) -> dict[str, list[int]]:
+    """Step until nothing is left; the tokens of every request that finished."""
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return done
+
+
 def test_a_failing_step_fails_only_its_requests():
     """The running requests of the failing step end with RequestFailedError; waiting ones stay queued and finish
     with the tokens they get without the fault; every block comes back."""
-    llm = LLM(dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_seqs=2)
+    llm, params, expected = two_at_a_time(max_tokens=5)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11], [12, 13]]
-    expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                             use_tqdm=False)]
-    engine.runner = FailingForward(engine.runner, prompts[0])
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    engine.runner = FailingForward(engine.runner, STEP_PROMPTS[0])
+    add_step_prompts(engine, params)
     assert engine.step() == []                 # r0 and r1 ran in it (max_num_seqs=2); r2 and r3 were waiting
     failed = engine.take_failed_requests()
     assert sorted(failed) == ["r0", "r1"] and all(isinstance(e, RequestFailedError) for e in failed.values())
     assert "injected" in str(failed["r0"])
     assert [r.request_id for r in engine.scheduler.waiting] == ["r2", "r3"]
     assert engine.kv.num_free_blocks == engine.num_kv_blocks
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
-    assert done == {"r2": expected[2], "r3": expected[3]} and engine.take_failed_requests() == {}
+    assert run_to_the_end(engine) == {"r2": expected[2], "r3": expected[3]} and engine.take_failed_requests() == {}
     engine.runner.failed = False               # offline: the call raises a typed error naming the prompt
     with pytest.raises(RequestFailedError, match="prompt 0: .*injected"):
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.generate(step_prompts(), params, use_tqdm=False)
     assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.num_kv_blocks
-    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    again = llm.generate(step_prompts(), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == expected
 
 
@@ -187,30 +208,22 @@ def test_a_bad_request_does_not_disturb_a_running_one(llm):
 def test_a_step_whose_output_processing_fails_leaks_nothing_and_spares_the_queue():
     """The hardest case: the step's requests finished (their parents already dropped by the output processor) before
     it raised. They still end with RequestFailedError, their blocks come back, and waiting requests run."""
-    llm = LLM(dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_seqs=2)
+    llm, params, expected = two_at_a_time(max_tokens=1)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11], [12, 13]]
-    expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                             use_tqdm=False)]
     real_process = engine.processor.process
 
     def process(updates):
         result = real_process(updates)
-        if any(r.prompt_token_ids == prompts[0] for r, _ in updates):
+        if any(r.prompt_token_ids == STEP_PROMPTS[0] for r, _ in updates):
             raise RuntimeError("injected: the detokenizer failed")
         return result
     engine.processor.process = process
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    add_step_prompts(engine, params)
     assert engine.step() == []
     failed = engine.take_failed_requests()
     assert sorted(failed) == ["r0", "r1"] and "injected" in str(failed["r1"])
     assert engine.kv.num_free_blocks == engine.num_kv_blocks and not engine.scheduler.running
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
-    assert done == {"r2": expected[2], "r3": expected[3]}
+    assert run_to_the_end(engine) == {"r2": expected[2], "r3": expected[3]}
     assert engine.kv.num_free_blocks == engine.num_kv_blocks and not engine.scheduler.requests
 
 
@@ -252,10 +265,7 @@ def test_a_token_the_detokenizer_cannot_decode_fails_its_request_only():
     fine = SamplingParams(temperature=0, max_tokens=4)
     engine.add_request("bad", "Hello", forced)
     engine.add_request("good", "Hello", fine)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert list(done) == ["good"] and "injected" in str(engine.take_failed_requests()["bad"])
+    assert list(run_to_the_end(engine)) == ["good"] and "injected" in str(engine.take_failed_requests()["bad"])
     assert engine.kv.num_free_blocks == engine.num_kv_blocks
     with pytest.raises(RequestFailedError, match="prompt 1: .*injected"):
         llm.generate(["Hi", "Hello"], [fine, forced], use_tqdm=False)

@@ -1,49 +1,26 @@
 """The OpenAI-compatible server, end to end: a real `kvserve serve` process driven by the official openai client.
 
-One server process (bundled model, float32, a small KV cache) serves the whole module. The greedy references
-come from LLM.generate on the same weights, so "the right tokens" means "what the offline engine produces".
+One server process (bundled model, float32, a small KV cache; conftest.py) serves this module and
+tests/test_server_errors.py. The greedy references come from LLM.generate on the same weights, so "the right
+tokens" means "what the offline engine produces".
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 
 from kvserve import SamplingParams
-from server_utils import ServerProcess
+from server_utils import API_KEY, MAX_MODEL_LEN, MODEL, metric, post, wait_idle
 
 pytestmark = pytest.mark.slow
 
-API_KEY = "test-key"
-MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 512
-SERVER_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "48MiB", "--max-num-seqs", "32",
-                "--max-model-len", str(MAX_MODEL_LEN), "--max-waiting-requests", "200", "--api-key", API_KEY]
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="session")
-def server():
-    srv = ServerProcess(*SERVER_FLAGS)
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
-        os.unlink(srv.log.name)
-
-
-@pytest.fixture(scope="session")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")
@@ -55,33 +32,6 @@ def llm():
 def greedy(llm, prompts: list[str], max_tokens: list[int]) -> list[str]:
     params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
     return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def metric(server, name: str, **labels) -> float:
-    """The value of one sample on /metrics (labels: a subset that must match)."""
-    text = httpx.get(f"{server.url}/metrics").text
-    for line in text.splitlines():
-        m = re.match(r"^([\w:]+)\{(.*)\} (\S+)$", line)
-        if m and m.group(1) == name and all(f'{k}="{v}"' in m.group(2) for k, v in labels.items()):
-            return float(m.group(3))
-    raise KeyError(f"{name} {labels} not on /metrics")
-
-
-def wait_idle(server, timeout_s: float = 10.0) -> None:
-    """Until nothing runs or waits and every KV block is free again."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
-        if all(metric(server, n) == 0 for n in names):
-            return
-        time.sleep(0.1)
-    raise AssertionError(httpx.get(f"{server.url}/metrics").text)
-
-
-def post(server, path: str, body, key: str | None = API_KEY) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=60)
 
 
 def sse_events(server, path: str, body: dict) -> list[str]:
@@ -285,124 +235,6 @@ def test_bench_serve_surface(server):
         assert json.loads(events[-2])["usage"]["completion_tokens"] == 7
         chunks = [json.loads(e) for e in events[:-2]]
         assert len(chunks) >= 7 and all(c["choices"] for c in chunks)
-
-
-# ----- errors -----
-def test_error_malformed_json_and_wrong_types(server):
-    for body, param in (("{not json", None), ('["a list"]', None), ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
-                        ({"prompt": 3}, "prompt"), ({"prompt": "x", "temperature": "hot"}, "temperature"),
-                        ({"max_tokens": 3}, "prompt")):
-        r = post(server, "/v1/completions", body)
-        err = r.json()["error"]
-        assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == param, r.text
-        assert err["message"]
-    r = post(server, "/v1/chat/completions", {"messages": "hello"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-
-
-def test_error_in_one_prompt_of_a_list_queues_none(server, client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=[[1, 2, 3], [10**7]], max_tokens=50)
-    assert e.value.body["message"].startswith("prompt 1: ") and e.value.body["param"] == "prompt"
-    wait_idle(server, timeout_s=5)
-
-
-def test_error_unknown_model_is_404(client):
-    with pytest.raises(openai.NotFoundError) as e:
-        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
-    assert e.value.body["code"] == "model_not_found" and "gpt-4" in e.value.body["message"]
-
-
-@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 1.5), ("n", 0), ("max_tokens", 0),
-                                         ("presence_penalty", 3.0), ("logprobs", 50), ("seed", 2**80),
-                                         ("seed", -2**63 - 1), ("n", 33)])
-def test_error_out_of_range_is_400(client, field, value):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", **{"max_tokens": 2, field: value})
-    assert e.value.body["param"] == field and str(value) in e.value.body["message"]
-
-
-def test_error_prompt_over_context_is_400(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=[7] * MAX_MODEL_LEN, max_tokens=1)
-    assert e.value.body["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=MAX_MODEL_LEN)
-    assert e.value.body["param"] == "max_tokens"
-
-
-def test_error_missing_or_wrong_api_key_is_401(server):
-    for key in (None, "wrong"):
-        r = post(server, "/v1/completions", {"prompt": "x"}, key=key)
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
-        bad.models.list()
-
-
-def test_admin_and_utility_routes_need_the_key_probes_do_not(server):
-    for path, body in (("/reset_prefix_cache", {}), ("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
-        for key in (None, "wrong"):
-            r = post(server, path, body, key=key)
-            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, key)
-        assert post(server, path, body).status_code in (200, 409), path   # 409: cache busy
-    for path in ("/docs", "/openapi.json"):
-        assert httpx.get(f"{server.url}{path}").status_code == 401
-    for path in ("/health", "/metrics", "/version"):
-        assert httpx.get(f"{server.url}{path}").status_code == 200, path
-
-
-RAW_BAD_BODIES = [
-    ('{"prompt": "\\ud800 hi", "max_tokens": 2}', "prompt", "surrogate"),
-    ('{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt[1]", "surrogate"),
-    ('{"prompt": "x", "max_tokens": 2, "temperature": NaN}', None, "NaN"),
-    ('{"prompt": "x", "max_tokens": 2, "top_p": Infinity}', None, "Infinity"),
-    ('{"prompt": "x", "max_tokens": 2, "presence_penalty": -Infinity}', None, "Infinity"),
-    ('{"prompt": "x", "stop": ' + "[" * 5000 + "]" * 5000 + "}", None, "nested too deeply"),
-    ('{"prompt": "x", "user": ' + "[" * 100 + "]" * 100 + "}", "user", "nested too deeply"),
-    ('{"prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias", "token ids"),
-    ('{"prompt": "x", "logit_bias": {"\\udc00": 1}}', "logit_bias", "a key of logit_bias has a lone UTF-16 surrogate"),
-]
-
-
-@pytest.mark.parametrize("body,param,words", RAW_BAD_BODIES)
-def test_error_bodies_json_accepts_but_no_field_may_hold_are_400(server, body, param, words):
-    r = post(server, "/v1/completions", body)
-    err = r.json()["error"]
-    assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == param, r.text
-    assert words in err["message"]
-
-
-@pytest.mark.parametrize("messages", [
-    [], [{"role": "user"}], [{"content": "no role"}], [{"role": 5, "content": "x"}],
-    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
-    [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": {"text": "x"}}],
-    [{"role": "user", "content": "\ud800"}], [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}],
-    [{"role": "", "content": "x"}], [{"role": "tool", "content": "x"}], [{"role": "developer", "content": "x"}],
-    [{"role": "assistant", "content": None}], [{"role": "user", "content": "x", "name": 3}],
-])
-def test_odd_chat_messages_are_answered_never_a_500(server, messages):
-    body = json.dumps({"messages": messages, "max_tokens": 2})   # lone surrogates go out as JSON escapes
-    r = post(server, "/v1/chat/completions", body)
-    assert r.status_code in (200, 400), r.text
-    if r.status_code == 400:
-        assert r.json()["error"]["message"]
-
-
-def test_body_over_the_size_limit_is_413_before_it_is_read(server):
-    limit = (4 << 20) + 32 * MAX_MODEL_LEN
-    big = json.dumps({"prompt": "x" * (limit + 10), "max_tokens": 1})
-    r = post(server, "/v1/completions", big)
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
-
-    def chunks():   # no Content-Length: read only up to the limit
-        for _ in range(limit // 65536 + 2):
-            yield b"x" * 65536
-    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=60,
-                   headers={"Authorization": f"Bearer {API_KEY}"})
-    assert r.status_code == 413 and "request_too_large" in r.text
-    r = post(server, "/v1/completions", json.dumps({"prompt": "x" * 1000, "max_tokens": 1}))
-    assert r.status_code == 200   # under the limit: served as usual
 
 
 # ----- concurrency, disconnects -----

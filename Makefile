@@ -1,5 +1,6 @@
 # make run   : set up .venv if needed, then serve the bundled default model
 # make test  : set up .venv if needed, then run the whole suite
+# make models: fetch the Qwen2.5-Coder 0.5B and 1.5B GGUFs (~1.5 GB) into $KVSERVE_MODELS_DIR (~/.cache/kvserve/models)
 # make peers : install vLLM's CPU build and the HF copy of the bundled model under $(PEERS), for make bench
 # make bench : kvserve against the peers installed (benchmarks/peers/README.md); rewrites docs/benchmarks.md
 PYTHON ?= python3
@@ -11,7 +12,7 @@ KERNELS := $(VENV)/.kernels-stamp
 export PEERS ?= $(HOME)/peers
 HF_MODEL := $(PEERS)/smollm2-135m-instruct
 
-.PHONY: setup run test bench peers peers-llamacpp clean
+.PHONY: setup run test models bench peers peers-llamacpp clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -36,6 +37,9 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+models: setup
+	$(PY) -m kvserve.model.fetch
 
 bench: setup
 	$(PY) benchmarks/compare.py

@@ -1,5 +1,5 @@
-"""Shared fixtures: the bundled model's path, a transformers reference on the same weights, and one `kvserve serve`
-process for the HTTP tests."""
+"""Shared fixtures: the bundled model's path, the fetched Qwen2.5-Coder GGUFs' paths (`make models`), a transformers
+reference on the bundled weights, and one `kvserve serve` process for the HTTP tests."""
 import os
 
 import pytest
@@ -11,6 +11,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def gguf_path():
     from kvserve.model import default_model_path
     return default_model_path()
+
+
+def fetched_model_path(name: str, label: str) -> str:
+    """The path of a model `make models` fetched; the test is skipped when it has not been."""
+    from kvserve.model.fetch import model_path
+    path = model_path(name)
+    if path is None:
+        pytest.skip(f"{label} GGUF not fetched: run `make models`")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def qwen_05b_path():
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M: a second family and the speculative-decoding draft."""
+    return fetched_model_path("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B")
+
+
+@pytest.fixture(scope="session")
+def qwen_15b_path():
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M: a real-size target for the 0.5B draft."""
+    return fetched_model_path("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B")
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import MAX_SEED, MIN_SEED
+from kvserve.spec_decode.config import SpeculativeConfig
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -45,6 +46,9 @@ class EngineConfig:
     priority_aging_s: float = 10.0      # priority policy: seconds of waiting worth one priority level; 0 = no aging
     chat_template: str | None = None    # path or inline Jinja; defaults to the checkpoint's
     num_threads: int | None = None      # CPU threads; default: all cores
+    # speculative decoding: a dict or JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 5};
+    # parsed into a SpeculativeConfig (kvserve/spec_decode/config.py); None = off
+    speculative_config: dict | str | SpeculativeConfig | None = None
 
     def __post_init__(self):
         self.validate()
@@ -76,6 +80,7 @@ class EngineConfig:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
                 bad("kv_cache_memory must be positive", "kv_cache_memory")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if (not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens is not None
                 and self.max_model_len > self.max_num_batched_tokens):
             bad("without chunked prefill, max_num_batched_tokens must be >= max_model_len", "max_num_batched_tokens")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvserve.core.scheduler import SchedulerStats
+from kvserve.core.scheduler import SchedulerStats, SpecDecodingStats
 from kvserve.outputs import RequestOutput
 
 logger = logging.getLogger("kvserve.stats")
@@ -34,6 +34,9 @@ class IntervalCounts:
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class EngineMetrics:
@@ -53,6 +56,14 @@ class EngineMetrics:
         self.prefix_hits = self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.prompt_tokens_cached = self._counter("vllm:prompt_tokens_cached",
                                                   "Prompt tokens of finished prefills served from the prefix cache")
+        self.spec_drafts = self._counter("vllm:spec_decode_num_drafts", "Speculative decoding: draft runs verified")
+        self.spec_draft_tokens = self._counter("vllm:spec_decode_num_draft_tokens",
+                                               "Speculative decoding: draft tokens verified")
+        self.spec_accepted_tokens = self._counter("vllm:spec_decode_num_accepted_tokens",
+                                                  "Speculative decoding: draft tokens accepted")
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Speculative decoding: draft tokens accepted, by position in the draft",
+                                             ["model_name", "position"], registry=self.registry)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason",
                                        ["model_name", "finished_reason"], registry=self.registry)
         self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
@@ -90,7 +101,24 @@ class EngineMetrics:
         self.prefix_hits.inc(hits)
         self.interval.prefix_queries += queries
         self.interval.prefix_hits += hits
+        self._update_spec_decoding(last.spec_decoding, stats.spec_decoding)
         self._last_stats = stats
+
+    def _update_spec_decoding(self, last: SpecDecodingStats, now: SpecDecodingStats) -> None:
+        drafts = max(now.num_drafts - last.num_drafts, 0)
+        if not drafts:
+            return
+        draft_tokens = max(now.num_draft_tokens - last.num_draft_tokens, 0)
+        accepted = max(now.num_accepted_tokens - last.num_accepted_tokens, 0)
+        self.spec_drafts.inc(drafts)
+        self.spec_draft_tokens.inc(draft_tokens)
+        self.spec_accepted_tokens.inc(accepted)
+        for pos, count in enumerate(now.num_accepted_per_pos):
+            before = last.num_accepted_per_pos[pos] if pos < len(last.num_accepted_per_pos) else 0
+            self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(max(count - before, 0))
+        self.interval.spec_drafts += drafts
+        self.interval.spec_draft_tokens += draft_tokens
+        self.interval.spec_accepted_tokens += accepted
 
     def record_outputs(self, outputs: list[RequestOutput], now: float | None = None) -> None:
         """Token counts and latencies of one step's DELTA outputs."""
@@ -158,7 +186,12 @@ class StatLogger:
                   "num_running": stats.num_running, "num_waiting": stats.num_waiting,
                   "kv_cache_usage": round(stats.kv_cache_usage * 100, 1),
                   "prefix_cache_hit_rate": round(100 * counts.prefix_hits / max(counts.prefix_queries, 1), 1)}
-        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                    *fields.values(), extra=fields)
+        message = ("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                   "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%")
+        if counts.spec_drafts:
+            # vLLM's definitions: accepted / proposed drafts, and tokens emitted per verification (1 + accepted)
+            fields["spec_acceptance_rate"] = round(100 * counts.spec_accepted_tokens / counts.spec_draft_tokens, 1)
+            fields["spec_mean_acceptance_length"] = round(1 + counts.spec_accepted_tokens / counts.spec_drafts, 2)
+            message += ", Draft acceptance rate: %.1f%%, Mean acceptance length: %.2f"
+        logger.info(message, *fields.values(), extra=fields)
         return True

@@ -103,14 +103,14 @@ def test_n_samples_share_the_prompt_blocks():
     s.add_request(first, siblings)
     out = s.schedule()
     assert [(r.request_id, n) for r, n in out.scheduled] == [("0_x", 41)]
-    s.update_from_output(out, {"0_x": 5})
+    s.update_from_output(out, {"0_x": [5]})
     assert len(s.running) == 8
     used_after_prompt = 64 - kv.num_free_blocks
     assert used_after_prompt == 11                       # one copy of the 41-token prompt
     out = s.schedule()
     assert sorted(n for _, n in out.scheduled) == [1] * 8
     assert len(out.block_copies) == 7                    # each sibling copies the shared partial block once
-    s.update_from_output(out, {r.request_id: 6 for r, _ in out.scheduled})
+    s.update_from_output(out, {r.request_id: [6] for r, _ in out.scheduled})
     assert 64 - kv.num_free_blocks == 11 + 7             # not 8 full copies (88 blocks)
     assert all(len(r.output_token_ids) == 1 for r in siblings)
     s.finish_requests([r.request_id for r in [first, *siblings]], RequestStatus.FINISHED_ABORTED)
@@ -137,7 +137,7 @@ def test_a_victim_preempted_after_its_copy_on_write_in_the_same_step_leaves_no_c
     s.update_from_output(s.schedule(), {})                     # 8 of low's 10 prompt tokens
     s.add_request(high[0], high[1:])
     out = s.schedule()                                           # the rest of low's prompt, all of high's
-    s.update_from_output(out, {"0_low": 7, "0_high": 7})         # both fork: the samples share partial blocks
+    s.update_from_output(out, {"0_low": [7], "0_high": [7]})         # both fork: the samples share partial blocks
     assert [r.request_id for r in s.running] == ["0_low", "0_high", "1_low", "1_high"] and kv.num_free_blocks == 1
     out = s.schedule()   # 0_low copies its shared block into the last free one; 0_high's copy preempts 0_low
     assert "0_low" in [r.request_id for r in out.preempted]
@@ -180,7 +180,7 @@ def test_random_shared_prefix_workloads_never_leak_or_free_a_block_in_use(ops, b
             out = s.schedule()
             check_block_copies(kv, out)
             assert out.rejected == []
-            s.update_from_output(out, {r.request_id: 50 + which for r, k in out.scheduled
+            s.update_from_output(out, {r.request_id: [50 + which] for r, k in out.scheduled
                                        if r.num_computed_tokens + k == r.num_tokens})
         elif parents:
             s.finish_requests([k.request_id for k in parents[length % len(parents)]], RequestStatus.FINISHED_ABORTED)
@@ -197,7 +197,7 @@ def test_random_shared_prefix_workloads_never_leak_or_free_a_block_in_use(ops, b
             break
         out = s.schedule()
         check_block_copies(kv, out)
-        s.update_from_output(out, {r.request_id: 3 for r, k in out.scheduled
+        s.update_from_output(out, {r.request_id: [3] for r, k in out.scheduled
                                    if r.num_computed_tokens + k == r.num_tokens})
     assert not s.has_unfinished_requests() and all(k.is_finished for kids in parents for k in kids)
     assert kv.num_free_blocks == num_blocks

@@ -23,7 +23,7 @@ def make_req(rid, n_prompt, max_tokens=4, priority=0, t=None, first=1):
 def fake_step(s, token=7):
     """Run one step: every request that reached its end 'samples' `token`."""
     out = s.schedule()
-    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    sampled = {r.request_id: [token] for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
     s.update_from_output(out, sampled)
     return out
 

@@ -4,6 +4,14 @@
     num_computed_tokens:  ---------------------------->|        (KV written)
     num_tokens = len(all_token_ids); the next step computes [num_computed_tokens, num_tokens)
     (a prefill chunk stops short of num_tokens; only a step that reaches the end samples a token)
+
+With speculative decoding a decoding request also carries draft tokens guessed by a proposer:
+
+    all_token_ids:  | prompt ......... | outputs ... t | spec_token_ids d1 .. dk |
+    num_computed_tokens:  ------------------------->|      (t is the last sampled token)
+    the step computes t, d1 .. dk (k + 1 rows); the sampler verifies the drafts and emits 1 .. k + 1 tokens;
+    num_computed_tokens then falls back to just before the first token whose KV was computed from a rejected
+    draft, so that KV is overwritten later and never hashed into the prefix cache
 """
 from __future__ import annotations
 
@@ -56,6 +64,7 @@ class Request:
         self.lora_name = lora_name
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.spec_token_ids: list[int] = []   # drafts to verify in the next step (speculative decoding)
         self.num_cached_tokens = -1          # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -92,6 +101,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens (and their logprobs) after the first `num_output_tokens`."""
+        for lp, token in zip(self.logprobs[num_output_tokens:], self.output_token_ids[num_output_tokens:]):
+            self.cumulative_logprob -= lp[token].logprob
+        del self.logprobs[num_output_tokens:]
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
 
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stop checks after a token was appended; sets status and stop_reason."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
@@ -40,6 +41,29 @@ class SchedulerOutput:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Cumulative counts of verified drafts (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0             # requests-steps that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_per_pos: list[int] = field(default_factory=list)   # [i]: drafts accepted at position i
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_per_pos) < num_draft_tokens:
+            self.num_accepted_per_pos += [0] * (num_draft_tokens - len(self.num_accepted_per_pos))
+        for i in range(num_accepted):
+            self.num_accepted_per_pos[i] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.num_accepted_per_pos))
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -47,6 +71,7 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
 
 class Scheduler:
@@ -70,6 +95,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.spec_stats = SpecDecodingStats()
+        self.on_finished: Callable[[Request], None] | None = None   # told of every request that leaves
 
     # ----- requests in and out -----
     def add_request(self, req: Request, siblings: list[Request] = ()) -> None:
@@ -100,6 +127,8 @@ class Scheduler:
             self.kv.free(req)
             if not req.is_finished:
                 req.status = status
+            if self.on_finished is not None:
+                self.on_finished(req)
             for sibling in self.fork_groups.pop(rid, ()):
                 if not sibling.is_finished:   # nothing to fork from: compute the prompt itself
                     self._enqueue(sibling)
@@ -136,8 +165,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(req, budget)
             while self.kv.allocate_slots(req, num_new) is None:
+                if req.spec_token_ids:   # drafts are worth no preemption: drop them first
+                    req.spec_token_ids = []
+                    num_new = self._num_new_tokens(req, budget)
+                    continue
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
                     i -= 1
@@ -150,6 +183,15 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    @staticmethod
+    def _num_new_tokens(req: Request, budget: int) -> int:
+        """Tokens `req` computes this step: the rest of its tokens and its drafts, as far as the budget goes
+        (drafts the budget cuts off are dropped)."""
+        num_left = req.num_tokens - req.num_computed_tokens
+        num_new = min(num_left + len(req.spec_token_ids), budget)
+        del req.spec_token_ids[max(num_new - num_left, 0):]
+        return num_new
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
@@ -225,6 +267,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         if self.policy == "priority":
@@ -247,26 +290,47 @@ class Scheduler:
         self.waiting.append(req)
 
     # ----- merge the model's output -----
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, list[int]]]:
-        """Advance computed tokens, append sampled tokens, apply token-level stops; returns (req, new tokens)."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]
+                           ) -> list[tuple[Request, list[int]]]:
+        """Advance computed tokens, append sampled tokens, apply token-level stops; returns (req, new tokens).
+
+        `sampled` holds, per request that reached the end of its tokens, the tokens it emits: one, or with drafts
+        the accepted drafts and one more (1 .. k + 1). Tokens after a stop are dropped."""
         now = time.monotonic()
         updates = []
         for req, num_new in out.scheduled:
+            num_drafts = len(req.spec_token_ids)
+            req.spec_token_ids = []
+            tokens = sampled.get(req.request_id)
             req.num_computed_tokens += num_new
+            if tokens is None:   # a prefill chunk that did not reach the end of the prompt
+                self.kv.cache_computed_blocks(req)
+                continue
+            if num_drafts:
+                self.spec_stats.record(num_drafts, len(tokens) - 1)
+                # the KV of the first rejected draft and of every draft after it is stale
+                req.num_computed_tokens -= num_drafts - (len(tokens) - 1)
+            new_tokens = self._append_tokens(req, tokens)
+            # after a stop, fewer tokens than computed may remain; what is left is all computed
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             self.kv.cache_computed_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is None:
-                continue   # a prefill chunk that did not reach the end of the prompt
-            req.append_output_token(token)
-            if req.request_id in self.fork_groups:
-                self._fork(req)   # before a stop check can free the prompt's blocks
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            if req.check_stop(self.max_model_len):
+            if req.is_finished:
                 self._finish(req)
-            updates.append((req, [token]))
+            updates.append((req, new_tokens))
         return updates
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> list[int]:
+        """Append tokens one by one until one stops the request; returns the ones appended."""
+        for i, token in enumerate(tokens):
+            req.append_output_token(token)
+            if req.request_id in self.fork_groups:
+                self._fork(req)   # before a stop check can free the prompt's blocks
+            if req.check_stop(self.max_model_len):
+                return tokens[:i + 1]
+        return tokens
 
     def _fork(self, req: Request) -> None:
         """Start the siblings on `req`'s blocks; each recomputes the last prompt token to sample its own."""
@@ -284,7 +348,9 @@ class Scheduler:
         self.running.remove(req)
         self.requests.pop(req.request_id, None)
         self.kv.free(req)
+        if self.on_finished is not None:
+            self.on_finished(req)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
-                              self.prefix_cache_queries, self.prefix_cache_hits)
+                              self.prefix_cache_queries, self.prefix_cache_hits, self.spec_stats.copy())

@@ -91,8 +91,18 @@ class IncrementalDetokenizer:
         """Appends the tokens just generated; returns the stop string that ended the sequence, if one did.
 
         With `stop_terminated` the last token is the eos/stop token that ended the sequence: its text is never
-        added (as in vLLM), and the text still waiting for a complete character is flushed.
+        added (as in vLLM), and the text still waiting for a complete character is flushed. When a stop string ends
+        before the last of several new tokens, num_output_tokens counts the tokens up to the one that completed it.
         """
+        if len(new_token_ids) > 1 and self.stop and not self._is_stopped:
+            # several tokens at once (speculative decoding): one at a time, so that num_output_tokens stops at the
+            # token that completed a stop string and the caller can drop the ones after it
+            last = len(new_token_ids) - 1
+            for i, token_id in enumerate(new_token_ids):
+                stop = self.update([token_id], stop_terminated and i == last)
+                if stop is not None:
+                    return stop
+            return None
         num_tokens_before = self.num_output_tokens
         self.num_output_tokens += len(new_token_ids)
         if not self.params.detokenize or self._is_stopped:

@@ -1,6 +1,7 @@
 """LLMEngine: the synchronous engine. add_request() validates and queues; step() runs one iteration."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -19,6 +20,7 @@ from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVSe
 from kvserve.model import load_model, load_tokenizer, resolve_device
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.proposer import build_proposer
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("kvserve")
@@ -45,11 +47,16 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.block_size = config.block_size
         self.max_num_batched_tokens = self._max_num_batched_tokens()
-        self.runner = ModelRunner(self.model, self.vocab_size, self.device, config.seed)
+        self.spec_config = config.speculative_config
+        draft_model = self._load_draft_model() if self.spec_config and self.spec_config.model else None
+        self.runner = ModelRunner(self.model, self.vocab_size, self.device, config.seed, draft_model)
         self.kv = self.runner.init_kv_cache(config, self.dtype, self.max_model_len, self.max_num_batched_tokens)
         self.num_kv_blocks = self.kv.pool.num_blocks
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                    config.scheduling_policy, config.enable_chunked_prefill, config.priority_aging_s)
+        self.proposer = build_proposer(self.spec_config, self.runner) if self.spec_config else None
+        if self.proposer is not None:
+            self.scheduler.on_finished = self.proposer.finish
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._failed: dict[str, KVServeError] = {}   # parent request id -> why it failed, until taken
@@ -61,6 +68,11 @@ class LLMEngine:
         # a path the machine rules out (no compiler, no AVX-512 BF16) is a warning: users otherwise never know
         log = logger.warning if kernels.is_degraded(self.device) else logger.info
         log("kvserve: kernels: %s", self.kernel_summary)
+        if self.spec_config:
+            logger.info("kvserve: speculative decoding: %s, %d tokens%s, off above %s running requests",
+                        self.spec_config.method, self.spec_config.num_speculative_tokens,
+                        f" from {self.spec_config.model}" if self.spec_config.model else "",
+                        self.spec_config.disable_by_batch_size)
         if self.num_kv_pool_tokens < self.max_model_len:
             logger.warning("kvserve: the KV cache holds %d tokens, fewer than max_model_len %d: the largest request "
                            "that fits has %d tokens (prompt + output); larger ones are refused. Raise "
@@ -95,6 +107,27 @@ class LLMEngine:
             raise InvalidRequestError(f"max_model_len {self.config.max_model_len} exceeds the model's context "
                                       f"length {limit}", "max_model_len")
         return self.config.max_model_len
+
+    def _load_draft_model(self):
+        """The draft model of speculative decoding, loaded as the target is; refused unless it shares the target's
+        vocabulary and is smaller."""
+        spec = self.spec_config
+        try:
+            draft, draft_config = load_model(dataclasses.replace(self.config, model=spec.model,
+                                                                 speculative_config=None))
+        except KVServeError as e:
+            raise InvalidRequestError(f"speculative_config: the draft model {spec.model!r} could not be loaded: {e}",
+                                      "speculative_config") from e
+        if draft_config.vocab_size != self.vocab_size:
+            raise InvalidRequestError(f"speculative_config: the draft model's vocabulary has {draft_config.vocab_size}"
+                                      f" tokens, the target's {self.vocab_size}: they must be the same",
+                                      "speculative_config")
+        num_draft, num_target = _num_parameters(draft), _num_parameters(self.model)
+        if num_draft >= num_target:
+            raise InvalidRequestError(f"speculative_config: the draft model ({num_draft:,} parameters) is not smaller "
+                                      f"than the target ({num_target:,}): it would only slow decoding down",
+                                      "speculative_config")
+        return draft
 
     # ----- requests -----
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
@@ -208,7 +241,27 @@ class LLMEngine:
             logger.error("kvserve: building the output of request %s failed; failing it", parent_id, exc_info=e)
             self._fail_parent(parent_id, RequestFailedError(f"the output of this request could not be built: "
                                                             f"{type(e).__name__}: {e}"))
+        if self.proposer is not None:
+            self._propose_drafts()
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Drafts for the next step of every decoding request, unless the batch is too big to gain from them.
+
+        A request gets at most as many drafts as it may still emit tokens, less the one it always emits."""
+        running = self.scheduler.running
+        if not self.spec_config.is_enabled_for(len(running)):
+            return
+        k = self.spec_config.num_speculative_tokens
+        reqs, max_drafts = [], []
+        for req in running:
+            if req.num_computed_tokens != req.num_tokens - 1:
+                continue   # still in its prompt
+            reqs.append(req)
+            max_drafts.append(min(k, req.max_tokens - req.num_output_tokens - 1,
+                                  self.max_model_len - req.num_tokens - 1))
+        for req, drafts in zip(reqs, self.proposer.propose_batch(reqs, max_drafts)):
+            req.spec_token_ids = list(drafts)
 
     def _fail_step(self, sched, parent_ids: list[str], e: Exception) -> None:
         """Fail every request of a step that raised: only they are suspect; waiting ones stay queued."""
@@ -231,6 +284,10 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+
+def _num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def _read_template(template: str) -> str:

@@ -74,6 +74,7 @@ class OutputProcessor:
                 failed[parent.request_id] = e
                 continue
             if stop_str is not None:
+                req.truncate_output(child.detok.num_output_tokens)   # tokens after the stop string's are dropped
                 if not req.is_finished:
                     stopped.append(req.request_id)
                 req.status = RequestStatus.FINISHED_STOPPED

@@ -67,12 +67,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="priority policy: seconds of waiting worth one priority level, so nothing starves "
                         "(default 10; 0 = strict priority)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
+                        "(methods: ngram, suffix, draft_model with \"model\"; docs/speculative_decoding.md)")
 
 
 _ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "block_size", "kv_cache_memory", "gpu_memory_utilization", "seed", "chat_template",
                  "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy", "priority_aging_s",
-                 "num_threads")
+                 "num_threads", "speculative_config")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -17,6 +17,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.model.layers import release_unpacked_weights
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
+from kvserve.sample.sampler import argmax_rows
 
 
 @dataclass
@@ -27,7 +28,8 @@ class StepInputs:
     positions: torch.Tensor
     attn_metadata: object
     sample_reqs: list[Request]        # requests whose step reaches the end of their tokens
-    sample_rows: np.ndarray           # flattened row of each sampling request's last token
+    sample_rows: np.ndarray           # flattened rows that sample: per request its last token's, or with
+                                      # drafts the k + 1 rows of its last token and its drafts
     prompt_lp: list[tuple[Request, int, int, int]]   # (req, first position, its row, count) for prompt logprobs
 
 
@@ -37,8 +39,12 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 class ModelRunner:
     """Runs the model for scheduled requests and samples one token for each that reached its end."""
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int, device: torch.device, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, vocab_size: int, device: torch.device, seed: int = 0,
+                 draft_model: torch.nn.Module | None = None):
         self.model = model
+        # speculative decoding with a draft model: it runs every step over the same tokens (its own KV pools, the
+        # same block tables), then guesses the next drafts (propose_drafts)
+        self.draft_model = draft_model
         self.kv: KVCacheManager | None = None   # set by init_kv_cache()
         self.vocab_size = vocab_size
         self.device = device
@@ -46,18 +52,25 @@ class ModelRunner:
         # requests without a seed of their own draw from this one: the same seed and requests, the same outputs
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.released_weight_bytes = 0
-        if device.type == "cpu" and hasattr(model, "prepack"):
-            model.prepack()   # bf16 weights packed for the C++ matmul kernels (or oneDNN): kvserve/csrc/gemv.cpp
-            # serving reads only the packs: their plain copies would hold the weights' size again in memory
-            self.released_weight_bytes = release_unpacked_weights(model)
+        for m in self.models:
+            if device.type == "cpu" and hasattr(m, "prepack"):
+                m.prepack()   # bf16 weights packed for the C++ matmul kernels (or oneDNN): kvserve/csrc/gemv.cpp
+                # serving reads only the packs: their plain copies would hold the weights' size again in memory
+                self.released_weight_bytes += release_unpacked_weights(m)
         self.small_step_threads: int | None = None   # set by reserve_frontend_core(), with _all_threads
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The target model, then the draft model if there is one: each has KV pools over the same blocks."""
+        return [self.model] if self.draft_model is None else [self.model, self.draft_model]
 
     # ----- the KV cache: the runner owns all device memory -----
     def init_kv_cache(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
                       max_num_batched_tokens: int) -> KVCacheManager:
         """Size the KV cache (on CUDA after profiling a full step), bind the model's pools, return their manager."""
         num_blocks = self._num_kv_blocks(config, dtype, max_model_len, max_num_batched_tokens)
-        bind_kv_cache(self.model, num_blocks, config.block_size, dtype, self.device)
+        for m in self.models:
+            bind_kv_cache(m, num_blocks, config.block_size, dtype, self.device)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         return self.kv
 
@@ -65,7 +78,7 @@ class ModelRunner:
                        max_num_batched_tokens: int) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(self.model, config.block_size, dtype)
+        per_block = sum(kv_cache_bytes_per_block(m, config.block_size, dtype) for m in self.models)
         budget = config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
             budget = self._profile_cuda_budget(config, dtype, min(max_num_batched_tokens, max_model_len))
@@ -120,14 +133,17 @@ class ModelRunner:
         row = 0
         for req, n in sched.scheduled:
             start = req.num_computed_tokens
+            num_drafts = len(req.spec_token_ids)   # the scheduler left only those within the step's budget
             ids.extend(req.all_token_ids[start:start + n])
+            if num_drafts:
+                ids.extend(req.spec_token_ids)
             pos.append(np.arange(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(self.kv.get_block_ids(req.request_id))
-            if start + n == req.num_tokens:
+            if start + n == req.num_tokens + num_drafts:
                 sample_reqs.append(req)
-                sample_rows.append(row + n - 1)
+                sample_rows.extend(range(row + n - 1 - num_drafts, row + n))
             if req.params.prompt_logprobs is not None:
                 # row r predicts token r + 1; targets are prompt positions not yet scored, up to the last prompt token
                 first = max(start, req.num_prompt_logprobs_done)
@@ -141,42 +157,103 @@ class ModelRunner:
                           prompt_lp)
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> dict[str, int]:
-        """One forward over every scheduled token; returns request id -> sampled token id."""
+    def execute_model(self, sched: SchedulerOutput) -> dict[str, list[int]]:
+        """One forward over every scheduled token; returns request id -> the tokens it emits (one, or with drafts
+        the accepted drafts and one more)."""
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
         self._set_threads(sched.num_batched_tokens)
         inp = self.prepare_inputs(sched)
         hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
+        if self.draft_model is not None:
+            self.draft_model(inp.input_ids, inp.positions, inp.attn_metadata)   # only its KV is wanted
         if inp.prompt_lp:
             self._prompt_logprobs(hidden, inp)
         if not inp.sample_reqs:
             return {}
         logits = self.model.compute_logits(hidden[torch.as_tensor(inp.sample_rows, device=hidden.device)])
-        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.eos_token_ids)
-                for r in inp.sample_reqs]
+        return self._sample(logits, inp.sample_reqs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, list[int]]:
+        """Sample every row, then keep per request its drafts up to the first one the target disagrees with.
+
+        A request with k drafts has k + 1 rows, row j sampled as if drafts 1..j were already its output (penalties,
+        min_tokens), with the j-th draw of its generator: the token the request would sample there without
+        speculation. Proposals are deterministic (the proposer's distribution q is one-hot), so accepting draft j
+        exactly when it equals that token is rejection sampling (accept with probability p(d) = min(1, p/q); on
+        rejection the token is distributed as norm(max(0, p - q))); the row after the last accepted draft gives
+        the recovered token, or the bonus token when all k are accepted. Seeded requests then give the same
+        output with and without speculation: their generators are rewound to the draws actually used."""
+        rows, states = [], {}
+        for req in reqs:
+            drafts = req.spec_token_ids
+            if drafts and req.generator is not None and not req.params.is_greedy:
+                states[req.request_id] = req.generator.get_state()
+            rows += [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + drafts[:j], req.generator,
+                                 req.eos_token_ids) for j in range(len(drafts) + 1)]
         out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device, self.generator))
-        tokens = out.sampled_token_ids.tolist()
+        sampled = out.sampled_token_ids.tolist()
+        emitted, emitted_rows, row = {}, [], 0
+        for req in reqs:
+            drafts = req.spec_token_ids
+            num = accepted_length(drafts, sampled[row:row + len(drafts)]) + 1
+            emitted[req.request_id] = sampled[row:row + num]
+            emitted_rows.append(range(row, row + num))
+            if req.request_id in states:
+                _rewind(req.generator, states[req.request_id], num, self.vocab_size)
+            row += len(drafts) + 1
         if out.logprobs is not None:
-            self._record_logprobs(inp.sample_reqs, out.logprobs)
-        return {r.request_id: t for r, t in zip(inp.sample_reqs, tokens)}
+            self._record_logprobs(reqs, emitted_rows, out.logprobs)
+        return emitted
+
+    # ----- speculative decoding: the draft model's proposals -----
+    @torch.inference_mode()
+    def propose_drafts(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        """Up to max_drafts[i] drafts for each request, by the draft model: greedy, batched over the requests, one
+        draft forward per draft position. The draft writes its KV for the last token and the drafts but the last,
+        in slots allocated now (those the next step needs anyway); a request the pool has no room for gets none."""
+        live, limits = [], []
+        for req, limit in zip(reqs, max_drafts):
+            # the next step computes positions num_tokens - 1 .. num_tokens - 1 + limit; the draft writes all but
+            # the last
+            if limit > 0 and self.kv.allocate_slots(req, limit) is not None:
+                live.append(req)
+                limits.append(limit)
+        copies = self.kv.take_block_copies()
+        if copies:   # copy-on-write before the draft writes into the copies
+            self._copy_blocks(copies)
+        drafts = [[] for _ in live]
+        for step in range(max(limits, default=0)):
+            idx = [i for i, limit in enumerate(limits) if limit > step]
+            positions = [live[i].num_tokens - 1 + step for i in idx]
+            ids = [drafts[i][-1] if step else live[i].all_token_ids[-1] for i in idx]
+            meta = build_attention_metadata([1] * len(idx), [p + 1 for p in positions],
+                                            [self.kv.get_block_ids(live[i].request_id) for i in idx],
+                                            self.kv.block_size, self.device)
+            to = lambda a: torch.as_tensor(a, dtype=torch.long).to(self.device)
+            hidden = self.draft_model(to(ids), to(positions), meta)
+            for i, token in zip(idx, argmax_rows(self.draft_model.compute_logits(hidden)).tolist()):
+                drafts[i].append(token)
+        by_req = {id(req): d for req, d in zip(live, drafts)}
+        return [by_req.get(id(req), []) for req in reqs]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks into the fresh ones before they are written."""
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for layer in attention_layers(self.model):
+        for layer in (a for m in self.models for a in attention_layers(m)):
             for cache in (layer.k_cache, layer.v_cache):
                 cache.index_copy_(0, dst, cache.index_select(0, src))
 
-    def _record_logprobs(self, reqs: list[Request], lp) -> None:
+    def _record_logprobs(self, reqs: list[Request], emitted_rows: list[range], lp) -> None:
         ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-        for i, req in enumerate(reqs):
+        for req, rows in zip(reqs, emitted_rows):
             k = req.params.logprobs
             if k is None:
                 continue
-            req.logprobs.append(_logprob_dict(ids[i], vals[i], ranks[i], k))
-            req.cumulative_logprob += vals[i][0]
+            for i in rows:
+                req.logprobs.append(_logprob_dict(ids[i], vals[i], ranks[i], k))
+                req.cumulative_logprob += vals[i][0]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> None:
         for req, first, first_row, count in inp.prompt_lp:
@@ -189,6 +266,23 @@ class ModelRunner:
             ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
             req.prompt_logprobs.extend(_logprob_dict(ids[j], vals[j], ranks[j], k) for j in range(count))
             req.num_prompt_logprobs_done = first + count
+
+
+def accepted_length(drafts: list[int], sampled: list[int]) -> int:
+    """How many leading drafts equal the tokens the target sampled at their positions."""
+    for j, (draft, token) in enumerate(zip(drafts, sampled)):
+        if draft != token:
+            return j
+    return len(drafts)
+
+
+def _rewind(generator: torch.Generator, state: torch.Tensor, num_rows: int, vocab_size: int) -> None:
+    """Set `generator` to where drawing `num_rows` rows of noise from `state` leaves it (the sampler draws a
+    seeded row as vocab_size exponentials of its own; exponential_noise)."""
+    generator.set_state(state)
+    scratch = torch.empty(vocab_size, device=generator.device)
+    for _ in range(num_rows):
+        scratch.exponential_(generator=generator)
 
 
 def _logprob_dict(ids: list[int], vals: list[float], rank: int, k: int) -> dict[int, Logprob]:

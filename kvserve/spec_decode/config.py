@@ -1,0 +1,88 @@
+"""SpeculativeConfig: which proposer guesses the next tokens, and how many (vLLM's `speculative_config` shape)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from kvserve.errors import InvalidRequestError
+
+METHODS = ("ngram", "suffix", "draft_model")
+PARAM = "speculative_config"
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding settings; build with `SpeculativeConfig.parse(dict | JSON text | None)`."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None             # draft_model: the draft checkpoint (HF directory or .gguf)
+    prompt_lookup_min: int = 2           # ngram: shortest suffix n-gram looked up in the sequence
+    prompt_lookup_max: int = 5           # ngram: longest
+    suffix_max_tree_depth: int = 24      # suffix: longest context matched, and the trees' depth
+    suffix_max_cached_requests: int = 1000   # suffix: finished requests whose outputs the global tree keeps
+    suffix_min_token_prob: float = 0.1   # suffix: a draft stops where its estimated probability falls below this
+    # no drafts in a step with more running requests than this: a big batch is compute-bound, and verifying
+    # k + 1 tokens per request then costs about k + 1 decodes (docs/benchmarks.md measures the threshold)
+    disable_by_batch_size: int | None = 8
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """From a dict, a JSON object text or a SpeculativeConfig; None stays None (no speculation)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"speculative_config is not valid JSON: {e}", PARAM) from None
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f"speculative_config must be a JSON object, got {type(value).__name__}", PARAM)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}", PARAM)
+        value = dict(value)
+        if value.get("method") is None:   # vLLM infers it: a draft model when one is named
+            value["method"] = "draft_model" if value.get("model") else None
+        if value["method"] is None:
+            raise InvalidRequestError(f"speculative_config needs a method ({', '.join(METHODS)}) or a draft model",
+                                      PARAM)
+        if "num_speculative_tokens" not in value:
+            raise InvalidRequestError("speculative_config needs num_speculative_tokens", PARAM)
+        config = cls(**value)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def bad(msg):
+            raise InvalidRequestError(f"speculative_config: {msg}", PARAM)
+        if self.method not in METHODS:
+            bad(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        if not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 64:
+            bad(f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}")
+        if self.method == "draft_model" and not self.model:
+            bad("method draft_model needs a model (the draft checkpoint)")
+        if self.method != "draft_model" and self.model:
+            bad(f"method {self.method} takes no model")
+        if not (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
+                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            bad("prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "
+                f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
+        if not _is_int(self.suffix_max_tree_depth) or self.suffix_max_tree_depth < 1:
+            bad(f"suffix_max_tree_depth must be an integer >= 1, got {self.suffix_max_tree_depth!r}")
+        if not _is_int(self.suffix_max_cached_requests) or self.suffix_max_cached_requests < 0:
+            bad(f"suffix_max_cached_requests must be an integer >= 0, got {self.suffix_max_cached_requests!r}")
+        if not isinstance(self.suffix_min_token_prob, (int, float)) or not 0 <= self.suffix_min_token_prob <= 1:
+            bad(f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob!r}")
+        if self.disable_by_batch_size is not None and (not _is_int(self.disable_by_batch_size)
+                                                       or self.disable_by_batch_size < 1):
+            bad(f"disable_by_batch_size must be an integer >= 1 or null, got {self.disable_by_batch_size!r}")
+
+    def is_enabled_for(self, num_running: int) -> bool:
+        """Whether a step with `num_running` running requests proposes drafts."""
+        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -178,7 +178,8 @@ class StatLogger:
             return False
         counts = self.metrics.take_interval()
         self._last_time = now
-        busy = stats.num_running or stats.num_waiting or counts.prompt_tokens or counts.generation_tokens
+        busy = (stats.num_running or stats.num_waiting or counts.prompt_tokens or counts.generation_tokens
+                or counts.spec_drafts)
         if not busy:
             return False
         fields = {"prompt_throughput": round(counts.prompt_tokens / elapsed, 1),

@@ -1,0 +1,58 @@
+"""Verification of deterministic drafts on synthetic distributions: the emitted tokens are distributed as the
+target's p at every position, through the accepted, recovered and bonus paths (chi-square over 100k draws)."""
+import numpy as np
+import pytest
+import torch
+
+from kvserve.sample import Sampler, SamplingMetadata, SamplingRow
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.model_runner import accepted_length
+
+V, K, N = 8, 2, 100_000
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}   # 99.9% quantiles by dof
+
+
+def chi_square(samples: np.ndarray, probs: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=len(probs))
+    expected = probs * len(samples)
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6)],
+                         ids=["plain", "temperature-top-k"])
+def test_emitted_tokens_follow_the_target_distribution(params):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(K + 1, V, generator=g) * 1.5     # one target distribution per position
+    drafts = [int(logits[0].argmax()), int(logits[1].argsort()[-3])]   # a likely draft, then a less likely one
+    rows = [SamplingRow(params, [1], [])] * (N * (K + 1))
+    meta = SamplingMetadata.build(rows, V, "cpu", torch.Generator().manual_seed(1))
+    sampled = Sampler()(logits.repeat(N, 1), meta).sampled_token_ids.view(N, K + 1).tolist()
+    emitted = [row[:accepted_length(drafts, row[:K]) + 1] for row in sampled]
+
+    scaled = logits / params.temperature
+    if params.top_k:
+        scaled[scaled < scaled.topk(params.top_k, dim=-1).values[:, -1:]] = -torch.inf
+    p = scaled.softmax(-1).double().numpy()
+    first = np.array([e[0] for e in emitted])
+    assert chi_square(first, p[0]) < CHI2_999[V - 1]                     # every draw, whatever the draft
+    accepted = np.array([len(e) > 1 for e in emitted])
+    assert abs(accepted.mean() - p[0][drafts[0]]) < 4 * np.sqrt(p[0][drafts[0]] / N)   # accepted w.p. p(d)
+    recovered = first[~accepted]                                         # norm(max(0, p - q)), q one-hot at d
+    q_residual = p[0].copy()
+    q_residual[drafts[0]] = 0
+    dof = int((q_residual > 0).sum()) - 1
+    assert chi_square(recovered, q_residual / q_residual.sum()) < CHI2_999[dof]
+    second = np.array([e[1] for e in emitted if len(e) > 1])
+    assert chi_square(second, p[1]) < CHI2_999[int((p[1] > 0).sum()) - 1]
+    bonus = np.array([e[2] for e in emitted if len(e) > 2])              # both drafts accepted
+    assert len(bonus) > 1000
+    assert chi_square(bonus, p[2]) < CHI2_999[int((p[2] > 0).sum()) - 1]
+
+
+def test_accepted_length():
+    assert accepted_length([], [5]) == 0
+    assert accepted_length([1, 2, 3], [1, 2, 3]) == 3
+    assert accepted_length([1, 2, 3], [1, 4, 3]) == 1
+    assert accepted_length([1, 2, 3], [7, 2, 3]) == 0

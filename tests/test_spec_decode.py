@@ -1,0 +1,231 @@
+"""Speculative decoding end to end: every method's output equals the output without speculation (greedy, and seeded
+sampling too), under batching, chunked prefill, preemption and prefix caching; stops, logprobs and n > 1 across
+accepted tokens; bad configurations refused at start; the batch-size switch; the metrics."""
+import logging
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import InvalidRequestError
+from kvserve.metrics import EngineMetrics, StatLogger
+from kvserve.spec_decode.config import SpeculativeConfig
+
+from model_utils import save_tiny_model
+
+CODE = ("def area(width, height):\n    result = width * height\n    return result\n\n"
+        "def perimeter(width, height):\n    result = 2 * (width + height)\n    return result\n")
+PROMPTS = [
+    f"Rewrite this code, naming the result `value` instead of `result`:\n{CODE}\n",
+    f"Repeat the following code exactly:\n{CODE}\n",
+    "The capital of France is",
+    "1, 2, 3, 4, 5,",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+METHODS = {"ngram": NGRAM, "suffix": SUFFIX}
+# small steps and a small pool: budgets cut drafts, prompts run in chunks, requests are preempted; every prompt
+# runs twice (the second time from the prefix cache)
+STRESS = dict(max_num_batched_tokens=24, num_kv_blocks=24, block_size=8, max_num_seqs=4)
+
+
+def make_llm(spec=None, **kwargs):
+    return LLM(dtype="float32", speculative_config=spec, **kwargs)
+
+
+def tokens(outputs):
+    return [[o.token_ids for o in out.outputs] for out in outputs]
+
+
+@pytest.fixture(scope="module")
+def off():
+    return make_llm()
+
+
+@pytest.fixture(scope="module")
+def reference(off):
+    return tokens(off.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def spec_llm(request):
+    return make_llm(METHODS[request.param])
+
+
+def test_greedy_output_equals_no_speculation(spec_llm, reference):
+    stats = spec_llm.llm_engine.scheduler.spec_stats
+    before = stats.copy()
+    assert tokens(spec_llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+    rejected = stats.num_draft_tokens - before.num_draft_tokens - accepted
+    assert accepted > 10 and rejected > 0   # both the accepted and the rejected path ran
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_under_chunking_preemption_and_prefix_caching(method, reference):
+    llm = make_llm(METHODS[method], **STRESS)
+    sched = llm.llm_engine.scheduler
+    out = tokens(llm.generate(PROMPTS + PROMPTS, GREEDY, use_tqdm=False))
+    assert out == reference + reference
+    assert sched.num_preemptions > 0 and sched.prefix_cache_hits > 0 and sched.spec_stats.num_accepted_tokens > 0
+    assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.num_kv_blocks   # nothing leaked
+
+
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=40, ignore_eos=True),
+           SamplingParams(temperature=1.0, top_k=20, seed=8, frequency_penalty=0.5, presence_penalty=0.3,
+                          repetition_penalty=1.2, max_tokens=40, ignore_eos=True),
+           SamplingParams(temperature=0.7, min_p=0.05, seed=9, n=2, logit_bias={198: 2.0}, max_tokens=40,
+                          ignore_eos=True),
+           SamplingParams(temperature=0, max_tokens=40, min_tokens=30, stop_token_ids=[198, 28])]
+
+
+def test_seeded_sampling_equals_no_speculation(off, spec_llm):
+    """The target samples every verified position with the draw it would use without speculation: seeded requests
+    give the very same tokens (penalties, logit_bias and min_tokens see the accepted drafts as output)."""
+    prompts = PROMPTS[:2] * 2
+    params = SAMPLED
+    assert tokens(spec_llm.generate(prompts, params, use_tqdm=False)) == \
+        tokens(off.generate(prompts, params, use_tqdm=False))
+
+
+STOPS = [SamplingParams(temperature=0, max_tokens=3),
+         SamplingParams(temperature=0, max_tokens=40, stop=["# Output"]),
+         SamplingParams(temperature=0, max_tokens=40, stop=["perimeter"], include_stop_str_in_output=True),
+         SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[216]),
+         SamplingParams(temperature=0, max_tokens=40, logprobs=3)]
+
+
+def test_stops_and_logprobs_across_accepted_tokens(off, spec_llm):
+    prompts = [PROMPTS[0]] * len(STOPS)
+    want = off.generate(prompts, STOPS, use_tqdm=False)
+    got = spec_llm.generate(prompts, STOPS, use_tqdm=False)
+    for w, g in zip(want, got):
+        w, g = w.outputs[0], g.outputs[0]
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == \
+            (w.token_ids, w.text, w.finish_reason, w.stop_reason)
+    assert [o.outputs[0].finish_reason for o in got] == ["length", "stop", "stop", "stop", "length"]
+    w, g = want[-1].outputs[0], got[-1].outputs[0]
+    assert len(g.logprobs) == len(g.token_ids) == 40
+    for lw, lg, token in zip(w.logprobs, g.logprobs, g.token_ids):
+        assert lw.keys() == lg.keys() and token in lg
+        assert all(abs(lw[t].logprob - lg[t].logprob) < 1e-3 and lw[t].rank == lg[t].rank for t in lw)
+    assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-2)
+
+
+def test_streamed_deltas_carry_all_accepted_tokens(spec_llm, reference):
+    from kvserve.sampling_params import RequestOutputKind
+    engine = spec_llm.llm_engine
+    engine.add_request("stream", PROMPTS[1], GREEDY.clone(output_kind=RequestOutputKind.DELTA))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [out.outputs[0].token_ids for out in engine.step() if out.outputs]
+    assert sum(deltas, []) == reference[1][0]
+    assert max(map(len, deltas)) > 1   # several tokens emitted in one step
+
+
+def test_batch_size_switch_turns_drafts_off():
+    llm = make_llm({**NGRAM, "disable_by_batch_size": 2})
+    stats = llm.llm_engine.scheduler.spec_stats
+    llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)   # three running all along: no drafts
+    assert stats.num_drafts == 0
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"method": "eagle", "num_speculative_tokens": 3}, "unknown method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"num_speculative_tokens": 3}, "needs a method"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "needs a model"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "k": 1}, "unknown speculative_config key"),
+    ("{not json", "not valid JSON"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+])
+def test_bad_configs_are_refused_at_start(spec, match):
+    with pytest.raises(InvalidRequestError, match=match) as e:
+        make_llm(spec)
+    assert e.value.param == "speculative_config"
+
+
+def test_method_is_inferred_from_the_draft_model():
+    assert SpeculativeConfig.parse({"model": "x", "num_speculative_tokens": 2}).method == "draft_model"
+    assert SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 2}').method == "suffix"
+
+
+# ----- a draft model: a random tiny target and a draft made of its first layer -----
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    root = tmp_path_factory.mktemp("pair")
+    save_tiny_model("qwen2", root / "target", num_hidden_layers=3, vocab_size=96)
+    draft = AutoModelForCausalLM.from_pretrained(root / "target")
+    draft.model.layers = draft.model.layers[:1]
+    draft.config.num_hidden_layers = 1
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:1]
+    draft.save_pretrained(root / "draft")
+    return str(root / "target"), str(root / "draft")
+
+
+def tiny_prompts(n=6):
+    g = torch.Generator().manual_seed(0)
+    return [{"prompt_token_ids": torch.randint(3, 96, (int(8 + 9 * i),), generator=g).tolist()} for i in range(n)]
+
+
+@pytest.mark.parametrize("config", [{}, STRESS], ids=["batched", "chunked-preempted-cached"])
+def test_draft_model_greedy_equals_no_speculation(tiny_pair, gguf_path, config):
+    target, draft = tiny_pair
+    prompts = tiny_prompts()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = tokens(make_llm(model=target, tokenizer=gguf_path).generate(prompts, params, use_tqdm=False))
+    spec = {"model": draft, "num_speculative_tokens": 4, "disable_by_batch_size": None}
+    llm = make_llm(spec, model=target, tokenizer=gguf_path, **config)
+    got = tokens(llm.generate(prompts + prompts, params, use_tqdm=False))
+    assert got == want + want
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if config:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+        for _ in range(2):   # the second time from the prefix cache
+            assert tokens(llm.generate(prompts[-1:], params, use_tqdm=False)) == want[-1:]
+        assert llm.llm_engine.scheduler.prefix_cache_hits > 0
+    seeded = SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=30, ignore_eos=True)
+    assert tokens(llm.generate(prompts, seeded, use_tqdm=False)) == \
+        tokens(make_llm(model=target, tokenizer=gguf_path).generate(prompts, seeded, use_tqdm=False))
+
+
+def test_draft_model_must_share_the_vocabulary_and_be_smaller(tiny_pair, gguf_path, tmp_path):
+    target, draft = tiny_pair
+    save_tiny_model("qwen2", tmp_path / "other_vocab", num_hidden_layers=1, vocab_size=128)
+    with pytest.raises(InvalidRequestError, match="vocabulary has 128 tokens, the target's 96"):
+        make_llm({"model": str(tmp_path / "other_vocab"), "num_speculative_tokens": 2}, model=target,
+                 tokenizer=gguf_path)
+    with pytest.raises(InvalidRequestError, match="is not smaller than the target"):
+        make_llm({"model": target, "num_speculative_tokens": 2}, model=draft, tokenizer=gguf_path)
+    with pytest.raises(InvalidRequestError, match="could not be loaded"):
+        make_llm({"model": str(tmp_path / "missing"), "num_speculative_tokens": 2}, model=target,
+                 tokenizer=gguf_path)
+
+
+# ----- metrics -----
+def test_metrics_and_stats_line_report_acceptance(spec_llm, caplog):
+    metrics = EngineMetrics("m")
+    logger = StatLogger(metrics, interval_s=0.0)
+    spec_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    stats = spec_llm.llm_engine.scheduler.stats()
+    metrics.update_scheduler(stats)
+    text = metrics.render().decode()
+    spec = stats.spec_decoding
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {float(spec.num_drafts)}' in text
+    assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(spec.num_draft_tokens)}' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(spec.num_accepted_tokens)}' in text
+    assert (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} '
+            f'{float(spec.num_accepted_per_pos[0])}') in text
+    with caplog.at_level(logging.INFO, logger="kvserve.stats"):
+        assert logger.maybe_log(stats)
+    rate = 100 * spec.num_accepted_tokens / spec.num_draft_tokens
+    assert f"Draft acceptance rate: {rate:.1f}%" in caplog.text
+    assert f"Mean acceptance length: {1 + spec.num_accepted_tokens / spec.num_drafts:.2f}" in caplog.text

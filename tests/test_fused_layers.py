@@ -166,6 +166,19 @@ def test_engine_with_chunks_prefix_hits_and_shared_samples_identical_with_and_wi
     assert runs[True] == runs[False]
 
 
+def test_speculative_verification_in_the_fused_stack_is_identical_to_the_modules():
+    """n-gram drafts: each verification step runs k + 1 query tokens of a sequence through the fused stack."""
+    llm = LLM(dtype="bfloat16", max_model_len=512,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    code = "def area(w, h):\n    result = w * h\n    return result\n"
+    prompts = [f"Repeat this code exactly:\n{code}", f"Rename result to value:\n{code}"]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
+    runs = _outputs_with_and_without(llm, "use_fused_layers", prompts, params, 1)
+    assert llm.llm_engine.model.model._fused is not None
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert runs[True] == runs[False]
+
+
 def test_serving_keeps_one_copy_of_the_packed_weights():
     """The engine drops each packed Linear's plain bf16 weight (serving reads only the pack); restoring them from
     the packs gives back exactly the loaded weights, and the engine's tokens do not change."""

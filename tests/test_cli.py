@@ -52,6 +52,22 @@ def test_generate_prints_the_greedy_completion(llm):
     assert out.stdout == want + "\n"
 
 
+def test_generate_with_speculative_decoding_prints_the_same_completion(llm):
+    prompt = "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat"
+    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    out = kvserve("generate", prompt, "--max-tokens", "24", "--temperature", "0", "--speculative-config", spec,
+                  *ENGINE_FLAGS)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == want + "\n"
+
+
+def test_serve_with_a_bad_speculative_config_fails_with_a_clear_message():
+    out = kvserve("serve", "--port", "0", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}',
+                  timeout=60)
+    assert out.returncode == 1 and "unknown method 'medusa'" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_chat_repl_streams_answers_and_keeps_the_conversation(llm):
     params = SamplingParams(temperature=0, max_tokens=6)
     first = [{"role": "user", "content": "Hi"}]

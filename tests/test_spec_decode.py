@@ -92,7 +92,7 @@ def test_seeded_sampling_equals_no_speculation(off, spec_llm):
 STOPS = [SamplingParams(temperature=0, max_tokens=3),
          SamplingParams(temperature=0, max_tokens=40, stop=["# Output"]),
          SamplingParams(temperature=0, max_tokens=40, stop=["perimeter"], include_stop_str_in_output=True),
-         SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[216]),
+         SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[216], logprobs=2),
          SamplingParams(temperature=0, max_tokens=40, logprobs=3)]
 
 
@@ -104,6 +104,9 @@ def test_stops_and_logprobs_across_accepted_tokens(off, spec_llm):
         w, g = w.outputs[0], g.outputs[0]
         assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == \
             (w.token_ids, w.text, w.finish_reason, w.stop_reason)
+        if w.logprobs is not None:   # none recorded for tokens dropped after a stop
+            assert len(g.logprobs) == len(g.token_ids)
+            assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-2)
     assert [o.outputs[0].finish_reason for o in got] == ["length", "stop", "stop", "stop", "length"]
     w, g = want[-1].outputs[0], got[-1].outputs[0]
     assert len(g.logprobs) == len(g.token_ids) == 40

@@ -62,6 +62,21 @@ def test_the_budget_trims_drafts_and_a_full_pool_drops_them_before_preempting():
     assert a.spec_token_ids == [] and (a, 1) in out.scheduled and out.preempted == []
 
 
+def test_drafts_of_requests_already_scheduled_are_dropped_before_anyone_is_preempted():
+    kv = KVCacheManager(5, 4)
+    s = Scheduler(kv, 4, 64, 64)
+    a, b = req("a", [1, 2, 3]), req("b", [4, 5, 6, 7, 8, 9, 10, 11])
+    s.add_request(a)
+    s.add_request(b)
+    s.update_from_output(s.schedule(), {"a": [11], "b": [12]})   # a: 1 block, b: 2 blocks; 2 free
+    a.spec_token_ids = [13, 14, 15, 16, 17, 18]                 # a takes both free blocks for these
+    out = s.schedule()                                           # b then needs a third block
+    assert out.preempted == [] and a.spec_token_ids == []
+    assert out.scheduled == [(a, 1), (b, 1)] and len(kv.req_to_blocks["a"]) == 1
+    s.update_from_output(out, {"a": [13], "b": [14]})
+    assert kv.num_free_blocks == 1
+
+
 def write_kv(kv, out, content):
     """What the forward pass writes: each scheduled token (drafts included) into its slot; content[block] is the
     tokens whose KV the block holds."""

@@ -96,16 +96,31 @@ class KVCacheManager:
         self.req_to_blocks[dst.request_id] = list(blocks)
         self.num_cached_blocks[dst.request_id] = self.num_cached_blocks.get(src.request_id, 0)
 
+    def free_tail(self, req: Request, num_tokens: int) -> int:
+        """Free the request's blocks past the first `num_tokens` tokens (those only drafts used); returns how many."""
+        blocks = self.req_to_blocks.get(req.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self._drop_copies_into(tail)
+        self.pool.free_blocks(reversed(tail))
+        return len(tail)
+
     def free(self, req: Request) -> None:
         """Release the request's blocks; the tail goes on the free list first, so it is evicted first."""
         blocks = self.req_to_blocks.pop(req.request_id, [])
         self.num_cached_blocks.pop(req.request_id, None)
+        self._drop_copies_into(blocks)
+        self.pool.free_blocks(reversed(blocks))
+
+    def _drop_copies_into(self, blocks: list[KVCacheBlock]) -> None:
+        # a copy into a block freed in the same step (a preempted or aborted request's copy-on-write) must not
+        # run: the block may be handed out again before the forward, even as another copy's destination
         if self.pending_copies:
-            # a copy into a block freed in the same step (a preempted or aborted request's copy-on-write) must
-            # not run: the block may be handed out again before the forward, even as another copy's destination
             freed = {b.block_id for b in blocks}
             self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in freed]
-        self.pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

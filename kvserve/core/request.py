@@ -110,6 +110,15 @@ class Request:
         del self.output_token_ids[num_output_tokens:]
         del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
 
+    def drop_logprobs(self, dropped_tokens: list[int]) -> None:
+        """Forget the logprobs recorded for tokens emitted after a stop (they were never appended)."""
+        num_extra = len(self.logprobs) - self.num_output_tokens
+        if num_extra <= 0:
+            return
+        for lp, token in zip(self.logprobs[-num_extra:], dropped_tokens[-num_extra:]):
+            self.cumulative_logprob -= lp[token].logprob
+        del self.logprobs[-num_extra:]
+
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stop checks after a token was appended; sets status and stop_reason."""
         last = self.output_token_ids[-1]

@@ -167,9 +167,13 @@ class Scheduler:
             req = self.running[i]
             num_new = self._num_new_tokens(req, budget)
             while self.kv.allocate_slots(req, num_new) is None:
-                if req.spec_token_ids:   # drafts are worth no preemption: drop them first
+                if req.spec_token_ids:   # drafts are worth no preemption: drop them first, then everyone's
                     req.spec_token_ids = []
                     num_new = self._num_new_tokens(req, budget)
+                    continue
+                freed = self._drop_drafts(out)
+                if freed is not None:
+                    budget += freed
                     continue
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -183,6 +187,22 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _drop_drafts(self, out: SchedulerOutput) -> int | None:
+        """Drop every running request's drafts, the step's included, and free the blocks only drafts used.
+
+        Returns the tokens given back to the step's budget, or None when there was nothing to drop."""
+        freed, changed = 0, False
+        for r in self.running:
+            num_drafts = len(r.spec_token_ids)
+            r.spec_token_ids = []
+            for j, (scheduled, n) in enumerate(out.scheduled):
+                if scheduled is r and num_drafts:
+                    out.scheduled[j] = (r, n - num_drafts)
+                    freed += num_drafts
+            changed |= num_drafts > 0
+            changed |= self.kv.free_tail(r, r.num_tokens) > 0
+        return freed if changed else None
 
     @staticmethod
     def _num_new_tokens(req: Request, budget: int) -> int:
@@ -311,6 +331,8 @@ class Scheduler:
                 # the KV of the first rejected draft and of every draft after it is stale
                 req.num_computed_tokens -= num_drafts - (len(tokens) - 1)
             new_tokens = self._append_tokens(req, tokens)
+            if len(new_tokens) < len(tokens):   # a stop: the tokens after it go, with their logprobs
+                req.drop_logprobs(tokens[len(new_tokens):])
             # after a stop, fewer tokens than computed may remain; what is left is all computed
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             self.kv.cache_computed_blocks(req)

@@ -242,7 +242,12 @@ class LLMEngine:
             self._fail_parent(parent_id, RequestFailedError(f"the output of this request could not be built: "
                                                             f"{type(e).__name__}: {e}"))
         if self.proposer is not None:
-            self._propose_drafts()
+            try:
+                self._propose_drafts()
+            except Exception:   # drafts are optional: the step's outputs stand, the next step runs without them
+                logger.exception("kvserve: proposing drafts failed; the next step runs without them")
+                for req in self.scheduler.running:
+                    req.spec_token_ids = []
         return outputs
 
     def _propose_drafts(self) -> None:

@@ -69,8 +69,8 @@ class SpeculativeConfig:
                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
             bad("prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "
                 f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
-        if not _is_int(self.suffix_max_tree_depth) or self.suffix_max_tree_depth < 1:
-            bad(f"suffix_max_tree_depth must be an integer >= 1, got {self.suffix_max_tree_depth!r}")
+        if not _is_int(self.suffix_max_tree_depth) or self.suffix_max_tree_depth < 2:
+            bad(f"suffix_max_tree_depth must be an integer >= 2, got {self.suffix_max_tree_depth!r}")
         if not _is_int(self.suffix_max_cached_requests) or self.suffix_max_cached_requests < 0:
             bad(f"suffix_max_cached_requests must be an integer >= 0, got {self.suffix_max_cached_requests!r}")
         if not isinstance(self.suffix_min_token_prob, (int, float)) or not 0 <= self.suffix_min_token_prob <= 1:

@@ -1,7 +1,7 @@
 """The proposers behind one interface: propose_batch(requests, max drafts each) -> draft token ids per request."""
 from __future__ import annotations
 
-from kvserve.core.request import Request
+from kvserve.core.request import Request, RequestStatus
 from kvserve.spec_decode.config import SpeculativeConfig
 
 
@@ -17,7 +17,8 @@ class TokenProposer:
 
     def finish(self, req: Request) -> None:
         """`req` left the engine: forget it; its output may inform later proposals (suffix decoding)."""
-        self.lookup.finish(req.request_id, req.all_token_ids, req.num_prompt_tokens)
+        aborted = req.status == RequestStatus.FINISHED_ABORTED   # cut short: no output worth learning from
+        self.lookup.finish(req.request_id, None if aborted else req.all_token_ids, req.num_prompt_tokens)
 
 
 class DraftModelProposer:

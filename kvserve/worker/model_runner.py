@@ -189,7 +189,8 @@ class ModelRunner:
             drafts = req.spec_token_ids
             if drafts and req.generator is not None and not req.params.is_greedy:
                 states[req.request_id] = req.generator.get_state()
-            rows += [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + drafts[:j], req.generator,
+            rows += [SamplingRow(req.params, req.prompt_token_ids,
+                                 req.output_token_ids + drafts[:j] if j else req.output_token_ids, req.generator,
                                  req.eos_token_ids) for j in range(len(drafts) + 1)]
         out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device, self.generator))
         sampled = out.sampled_token_ids.tolist()
@@ -280,7 +281,7 @@ def _rewind(generator: torch.Generator, state: torch.Tensor, num_rows: int, voca
     """Set `generator` to where drawing `num_rows` rows of noise from `state` leaves it (the sampler draws a
     seeded row as vocab_size exponentials of its own; exponential_noise)."""
     generator.set_state(state)
-    scratch = torch.empty(vocab_size, device=generator.device)
+    scratch = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)   # the sampler's dtype
     for _ in range(num_rows):
         scratch.exponential_(generator=generator)
 

@@ -1,6 +1,7 @@
 """Speculative decoding against none, every configuration side by side in one process (ratios against "off").
 
-  python benchmarks/spec_decode.py [--only single,draft,batch] [--num-threads N] [--json benchmarks/results/spec_decode.json]
+  python benchmarks/spec_decode.py [--only single,draft,batch] [--num-threads N]
+                                   [--json benchmarks/results/spec_decode.json]
 
 Sections (greedy throughout, prefix caching off so that every repeat does the same work):
   single  one request at a time on the bundled SmolLM2-135M: 3 copy-heavy chat prompts (edit a code snippet or a
@@ -121,17 +122,20 @@ DRAFT_PROMPTS = [
 
 
 def copy_prompts() -> list[str]:
-    """32 copy-heavy prompts: every text under 4 instructions whose answer repeats it (with a small change)."""
+    """32 copy-heavy prompts: every text under 4 instructions whose answer repeats it (with a small change), ordered
+    so that any first n mix the texts and the instructions (the sweep takes the first n)."""
     out = []
-    for text, is_code, a, b in TEXTS:
+    for j in range(4 * len(TEXTS)):
+        text, is_code, a, b = TEXTS[j % len(TEXTS)]
         kind = "code" if is_code else "paragraph"
         show = (lambda t: f"```python\n{t}```") if is_code else (lambda t: t)
         typo = text.replace(a, a[:-2] + a[-1] + a[-2], 1)
-        out += [f"Copy the following {kind} exactly, without any changes.\n\n{show(text)}",
-                f"Rewrite the following {kind}, replacing `{a}` with `{b}`. Keep everything else the same.\n\n"
-                f"{show(text)}",
-                f"Here is some {kind}:\n\n{show(text)}\n\nReturn it again with `{a}` changed to `{b}`.",
-                f"Fix the typo in this {kind} and return the full corrected version.\n\n{show(typo)}"]
+        out.append([f"Copy the following {kind} exactly, without any changes.\n\n{show(text)}",
+                    f"Rewrite the following {kind}, replacing `{a}` with `{b}`. Keep everything else the same.\n\n"
+                    f"{show(text)}",
+                    f"Here is some {kind}:\n\n{show(text)}\n\nReturn it again with `{a}` changed to `{b}`.",
+                    f"Fix the typo in this {kind} and return the full corrected version.\n\n{show(typo)}"]
+                   [(j + j // len(TEXTS)) % 4])
     return out
 
 
@@ -228,12 +232,13 @@ def tpot_section(llms: dict, switch, prompts: list[list[int]], max_tokens: int, 
                 switch(name)
                 r = decode_run(llm, ids, max_tokens, counts[name])
                 samples[name][i].append(r["decode_s"] / max(r["num_output_tokens"] - 1, 1))
-                if outputs[name][i] is None or rep == 0:
+                if rep == 0:
                     outputs[name][i] = r["token_ids"]
                 elif outputs[name][i] != r["token_ids"]:
                     log(f"{name}: prompt {i} gave a different greedy output on repeat {rep + 1}")
                 log(f"rep {rep + 1} prompt {i} {name:28s} TPOT {samples[name][i][-1] * 1e3:7.1f} ms, "
-                    f"{r['num_output_tokens']} tokens (max_tokens=1: {r['first_s']:.2f} s), load {os.getloadavg()[0]:.2f}")
+                    f"{r['num_output_tokens']} tokens (max_tokens=1: {r['first_s']:.2f} s), "
+                    f"load {os.getloadavg()[0]:.2f}")
     rows = {}
     for name in llms:
         tpots = [statistics.median(s) for s in samples[name]]
@@ -282,8 +287,9 @@ def bench_single(args) -> tuple[dict, list[str]]:
     res = {"model": "SmolLM2-135M-Instruct (bundled)", "dtype": str(llms["off"].llm_engine.dtype),
            "max_tokens": args.single_tokens, "repeats": args.repeats,
            "prompt_tokens": [len(p) for p in prompts], "configs": configs, "rows": rows}
-    lines = [f"single stream, SmolLM2-135M, {len(prompts)} copy-heavy prompts ({'/'.join(map(str, res['prompt_tokens']))}"
-             f" tokens), max_tokens {args.single_tokens}, median of {args.repeats}", "", *tpot_table(rows)]
+    lines = [f"single stream, SmolLM2-135M, {len(prompts)} copy-heavy prompts "
+             f"({'/'.join(map(str, res['prompt_tokens']))} tokens), max_tokens {args.single_tokens}, "
+             f"median of {args.repeats}", "", *tpot_table(rows)]
     return res, lines
 
 
@@ -363,13 +369,16 @@ def bench_batch(args) -> tuple[dict, list[str]]:
     del llms["ngram k=5"]
     gc.collect()
     sweep = {bs: {name: [] for name in sweep_llms} for bs in args.batch_sizes}
-    sweep_equal = {}
+    sweep_equal, sweep_counts = {}, {bs: {} for bs in args.batch_sizes}
+    always_on = sweep_llms["ngram k=5, always on"]
     for rep in range(args.batch_repeats):
         for bs in args.batch_sizes:
             got = {}
+            before = spec_counts(always_on)
             for name, llm in sweep_llms.items():
                 tok_s, got[name] = throughput(llm, copy_ids[:bs], args.batch_tokens)
                 sweep[bs][name].append(tok_s)
+            add_counts(sweep_counts[bs], before, spec_counts(always_on))
             sweep_equal[bs] = got["off"] == got["ngram k=5, always on"]
             log(f"rep {rep + 1} batch {bs:2d}: off {sweep[bs]['off'][-1]:7.1f}, ngram always on "
                 f"{sweep[bs]['ngram k=5, always on'][-1]:7.1f} output tok/s, load {os.getloadavg()[0]:.2f}")
@@ -377,26 +386,34 @@ def bench_batch(args) -> tuple[dict, list[str]]:
     for bs in args.batch_sizes:
         off, on = (statistics.median(sweep[bs][n]) for n in sweep_llms)
         sweep_rows[bs] = {"off_tok_s": off, "ngram_tok_s": on, "ratio": on / off, "samples": sweep[bs],
-                          "outputs_equal_off": sweep_equal[bs]}
-    gaining = [bs for bs in args.batch_sizes if sweep_rows[bs]["ratio"] >= 1]
-    threshold = max(gaining) if gaining else None
+                          "outputs_equal_off": sweep_equal[bs], **sweep_counts[bs], **acceptance(sweep_counts[bs])}
+    losing = [bs for bs in args.batch_sizes if sweep_rows[bs]["ratio"] < 1]
+    threshold = max([bs for bs in args.batch_sizes if bs < min(losing)], default=None) if losing \
+        else max(args.batch_sizes)
     res = {"model": "SmolLM2-135M-Instruct (bundled)", "dtype": str(llms["off"].llm_engine.dtype),
            "num_requests": len(mixed), "max_tokens": args.batch_tokens, "repeats": args.batch_repeats,
-           "configs": configs, "rows": rows, "sweep": sweep_rows, "largest_batch_size_gaining": threshold}
+           "configs": configs, "rows": rows, "sweep": sweep_rows, "largest_batch_size_before_a_loss": threshold,
+           "smallest_batch_size_losing": min(losing, default=None)}
     lines = [f"{len(mixed)} concurrent requests (32 copy-heavy, 32 ordinary), max_tokens {args.batch_tokens}, "
              f"median of {args.batch_repeats}", "",
-             "| config | output tok/s | ratio | acceptance rate | mean acceptance length | outputs ≠ off |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| config | output tok/s | ratio | verify steps with drafts | acceptance rate | mean acceptance length "
+             "| outputs ≠ off |", "|---|---:|---:|---:|---:|---:|---:|"]
     fmt = lambda x, spec: "—" if x is None else format(x, spec)
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['output_tok_s']:.1f} | {r['ratio']:.2f}× | {fmt(r['acceptance_rate'], '.1%')} | "
-                     f"{fmt(r['mean_acceptance_length'], '.2f')} | {r['num_outputs_differing_from_off']} |")
+        lines.append(f"| {name} | {r['output_tok_s']:.1f} | {r['ratio']:.2f}× | {r.get('num_drafts', 0)} | "
+                     f"{fmt(r['acceptance_rate'], '.1%')} | {fmt(r['mean_acceptance_length'], '.2f')} | "
+                     f"{r['num_outputs_differing_from_off']} |")
     lines += ["", "copy-heavy batches, ngram k=5 always on against off (output tok/s)", "",
-              "| batch size | off | ngram | ratio | = off |", "|---:|---:|---:|---:|---|"]
+              "| batch size | off | ngram | ratio | acceptance rate | mean acceptance length | = off |",
+              "|---:|---:|---:|---:|---:|---:|---|"]
     for bs, r in sweep_rows.items():
         lines.append(f"| {bs} | {r['off_tok_s']:.1f} | {r['ngram_tok_s']:.1f} | {r['ratio']:.2f}× | "
+                     f"{fmt(r['acceptance_rate'], '.1%')} | {fmt(r['mean_acceptance_length'], '.2f')} | "
                      f"{'yes' if r['outputs_equal_off'] else 'NO'} |")
-    lines += ["", f"largest batch size where ngram gains: {threshold} (disable_by_batch_size is 8 by default)"]
+    first_loss = res["smallest_batch_size_losing"]
+    lines += ["", f"ngram gains up to batch size {threshold}; "
+              + (f"the first loss at {first_loss}" if first_loss else f"no loss up to {max(args.batch_sizes)}")
+              + " (disable_by_batch_size, 8 by default: drafts while at most that many requests run)"]
     return res, lines
 
 
@@ -408,7 +425,7 @@ def main() -> None:
     p.add_argument("--single-tokens", type=int, default=128)
     p.add_argument("--draft-repeats", type=int, default=1)
     p.add_argument("--draft-tokens", type=int, default=64)
-    p.add_argument("--batch-repeats", type=int, default=1)
+    p.add_argument("--batch-repeats", type=int, default=3)
     p.add_argument("--batch-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "spec_decode.json"))

@@ -103,21 +103,13 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def truncate_output(self, num_output_tokens: int) -> None:
-        """Drop the output tokens (and their logprobs) after the first `num_output_tokens`."""
-        for lp, token in zip(self.logprobs[num_output_tokens:], self.output_token_ids[num_output_tokens:]):
-            self.cumulative_logprob -= lp[token].logprob
+        """Drop the output tokens after the first `num_output_tokens`, and every logprob recorded past them (with
+        speculative decoding, logprobs come for every token the target emitted, also those a stop then dropped)."""
+        for lp in self.logprobs[num_output_tokens:]:
+            self.cumulative_logprob -= next(iter(lp.values())).logprob   # the first entry is the emitted token's
         del self.logprobs[num_output_tokens:]
         del self.output_token_ids[num_output_tokens:]
         del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
-
-    def drop_logprobs(self, dropped_tokens: list[int]) -> None:
-        """Forget the logprobs recorded for tokens emitted after a stop (they were never appended)."""
-        num_extra = len(self.logprobs) - self.num_output_tokens
-        if num_extra <= 0:
-            return
-        for lp, token in zip(self.logprobs[-num_extra:], dropped_tokens[-num_extra:]):
-            self.cumulative_logprob -= lp[token].logprob
-        del self.logprobs[-num_extra:]
 
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stop checks after a token was appended; sets status and stop_reason."""

@@ -331,8 +331,8 @@ class Scheduler:
                 # the KV of the first rejected draft and of every draft after it is stale
                 req.num_computed_tokens -= num_drafts - (len(tokens) - 1)
             new_tokens = self._append_tokens(req, tokens)
-            if len(new_tokens) < len(tokens):   # a stop: the tokens after it go, with their logprobs
-                req.drop_logprobs(tokens[len(new_tokens):])
+            if len(new_tokens) < len(tokens):   # a stop: the logprobs of the tokens after it go too
+                req.truncate_output(req.num_output_tokens)
             # after a stop, fewer tokens than computed may remain; what is left is all computed
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             self.kv.cache_computed_blocks(req)

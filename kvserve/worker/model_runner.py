@@ -152,9 +152,11 @@ class ModelRunner:
                     prompt_lp.append((req, first, row + first - start, last - first))
             row += n
         meta = build_attention_metadata(query_lens, seq_lens, tables, self.kv.block_size, self.device)
-        to = lambda a: torch.as_tensor(a, dtype=torch.long).to(self.device)
-        return StepInputs(to(ids), to(np.concatenate(pos)), meta, sample_reqs, np.asarray(sample_rows, np.int64),
-                          prompt_lp)
+        return StepInputs(self._long(ids), self._long(np.concatenate(pos)), meta, sample_reqs,
+                          np.asarray(sample_rows, np.int64), prompt_lp)
+
+    def _long(self, values) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.long).to(self.device)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> dict[str, list[int]]:
@@ -231,8 +233,7 @@ class ModelRunner:
             meta = build_attention_metadata([1] * len(idx), [p + 1 for p in positions],
                                             [self.kv.get_block_ids(live[i].request_id) for i in idx],
                                             self.kv.block_size, self.device)
-            to = lambda a: torch.as_tensor(a, dtype=torch.long).to(self.device)
-            hidden = self.draft_model(to(ids), to(positions), meta)
+            hidden = self.draft_model(self._long(ids), self._long(positions), meta)
             for i, token in zip(idx, argmax_rows(self.draft_model.compute_logits(hidden)).tolist()):
                 drafts[i].append(token)
         by_req = {id(req): d for req, d in zip(live, drafts)}
@@ -287,7 +288,8 @@ def _rewind(generator: torch.Generator, state: torch.Tensor, num_rows: int, voca
 
 
 def _logprob_dict(ids: list[int], vals: list[float], rank: int, k: int) -> dict[int, Logprob]:
-    """Column 0 is the chosen token, columns 1..k the top-k (the chosen one may repeat among them)."""
+    """Column 0 is the chosen token, the first entry (Request.truncate_output relies on it), columns 1..k the
+    top-k (the chosen one may repeat among them)."""
     d = {ids[0]: Logprob(vals[0], rank)}
     for j in range(1, k + 1):
         d.setdefault(ids[j], Logprob(vals[j], j))

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from kvserve.errors import InvalidRequestError
 
@@ -16,6 +18,85 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0   # every output carries everything generated so far
     DELTA = 1        # every output carries only what is new since the last one
     FINAL_ONLY = 2   # one output, when the request finishes
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's names): a JSON schema, a regex, a choice among strings, an EBNF
+    grammar, or any JSON object. Exactly one is set."""
+
+    json: dict | str | None = None      # a JSON schema (dict, JSON text or a pydantic model class)
+    regex: str | None = None            # the whole output matches it
+    choice: list[str] | None = None     # the output is one of these strings
+    grammar: str | None = None          # EBNF (xgrammar / GBNF syntax), root rule `root`
+    json_object: bool | None = None     # any JSON object
+    disable_any_whitespace: bool = False   # JSON without free whitespace: compact output, fewer tokens
+
+    def __post_init__(self):
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
+            self.json = self.json.model_json_schema()   # a pydantic model class
+        set_ = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(set_) != 1:
+            raise InvalidRequestError("structured_outputs must set exactly one of json, regex, choice, grammar or "
+                                      f"json_object, got {', '.join(set_) if set_ else 'none'}", "structured_outputs")
+        self._verify(set_[0])
+
+    def _verify(self, kind: str) -> None:
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except ValueError as e:
+                    raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {e}",
+                                              "structured_outputs") from None
+            if not isinstance(self.json, (dict, bool)):
+                raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object), got "
+                                          f"{type(self.json).__name__}", "structured_outputs")
+        elif kind == "choice":
+            if not isinstance(value, (list, tuple)) or not value or \
+                    not all(isinstance(c, str) and c for c in value):
+                raise InvalidRequestError("structured_outputs.choice must be a non-empty list of non-empty strings",
+                                          "structured_outputs")
+            self.choice = list(value)
+        elif kind == "json_object":
+            if value is not True:
+                raise InvalidRequestError("structured_outputs.json_object must be true", "structured_outputs")
+        elif not isinstance(value, str) or not value:
+            raise InvalidRequestError(f"structured_outputs.{kind} must be a non-empty string", "structured_outputs")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequestError("structured_outputs.disable_any_whitespace must be a boolean",
+                                      "structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """Equal for equal constraints: the grammar cache's key."""
+        value: Any = getattr(self, self.kind)
+        if self.kind in ("json", "choice"):
+            value = json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return self.kind, value, self.disable_any_whitespace
+
+    @classmethod
+    def from_value(cls, value) -> "StructuredOutputsParams | None":
+        """A StructuredOutputsParams from itself, a dict of its fields, or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError("structured_outputs must be an object with one of json, regex, choice, "
+                                      "grammar or json_object", "structured_outputs")
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise InvalidRequestError(f"structured_outputs has unknown fields: {', '.join(unknown)}",
+                                      "structured_outputs")
+        return cls(**value)
 
 
 @dataclass
@@ -44,6 +125,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | dict | None = None   # constrained decoding (docs/structured_outputs.md)
     # filled by the engine, not by users
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -69,6 +151,7 @@ class SamplingParams:
         if self.temperature is not None and 0 < self.temperature < 1e-5:
             self.temperature = 0.0
         self._verify()
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     @property

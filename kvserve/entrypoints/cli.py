@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.entrypoints.openai.tool_parsers import TOOL_PARSERS   # plain Python: keeps --help fast
 from kvserve.errors import KVServeError
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -131,6 +132,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=["text", "json"], default="text")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto", the default with tools); '
+                        "needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
+                   help="how to find tool calls in the model's text: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.x)")
     add_engine_arguments(p)
 
 
@@ -145,6 +151,8 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     if args.max_waiting_requests < 1:
         raise KVServeError("--max-waiting-requests must be >= 1")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise KVServeError("--enable-auto-tool-choice needs --tool-call-parser")
     config = engine_config_from_args(args)
     names = args.served_model_name or [config.model or DEFAULT_SERVED_MODEL_NAME]
     engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting_requests, EngineMetrics(names[0]))
@@ -154,7 +162,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if body_limit < 1:
             raise KVServeError("--max-request-body-size must be positive")
     settings = ServerSettings(served_model_names=names, model_path=config.model, api_key=args.api_key,
-                              max_request_body_bytes=body_limit)
+                              max_request_body_bytes=body_limit, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              tool_call_parser=args.tool_call_parser)
     return run_server(engine, settings, args.host, args.port, args.shutdown_timeout)
 
 

@@ -38,20 +38,22 @@ class LLM:
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate."""
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them (tools: OpenAI tool dicts the template
+        shows the model), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt,
-                                                                continue_final_message, chat_template_kwargs)}
+                                                                continue_final_message, chat_template_kwargs, tools)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, chat_template: str | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
-                            chat_template_kwargs: dict | None = None) -> list[int]:
+                            chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's (or the given) chat template."""
         return apply_chat_template(self.get_tokenizer(), conversation, chat_template, add_generation_prompt,
-                                   continue_final_message, chat_template_kwargs)
+                                   continue_final_message, chat_template_kwargs, tools)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (refused while requests are running)."""

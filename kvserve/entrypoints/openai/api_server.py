@@ -41,6 +41,8 @@ class ServerSettings:
     model_path: str | None = None
     api_key: str | None = None
     max_request_body_bytes: int | None = None   # None: default_max_request_body_bytes(max_model_len)
+    enable_auto_tool_choice: bool = False       # tool_choice "auto": parse tool calls out of the model's text
+    tool_call_parser: str | None = None         # with which parser (tool_parsers.TOOL_PARSERS)
 
 
 def default_max_request_body_bytes(max_model_len: int) -> int:
@@ -133,7 +135,8 @@ def _add_body_schemas(app: FastAPI, models) -> None:
 
 def _add_openai_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSettings) -> None:
     completions = OpenAIServingCompletion(engine, settings.served_model_names)
-    chat = OpenAIServingChat(engine, settings.served_model_names)
+    chat = OpenAIServingChat(engine, settings.served_model_names, settings.tool_call_parser,
+                             settings.enable_auto_tool_choice)
 
     async def respond(raw_request: Request, request_type, create):
         req = await parse_body(raw_request, request_type)

@@ -28,6 +28,23 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """response_format.json_schema: a named JSON schema the output must match."""
+
+    name: str | None = None
+    description: str | None = None
+    # `schema` would shadow a BaseModel method; the alias keeps OpenAI's field name on the wire
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """response_format: text (no constraint), json_object (any JSON object) or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
@@ -56,6 +73,13 @@ class SamplingFields(OpenAIBaseModel):
     priority: int = 0
     request_id: str | None = None
     cache_salt: str | None = None
+    # constrained decoding (docs/structured_outputs.md): at most one source per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None   # vLLM's older names, still sent by many scripts
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -85,12 +109,42 @@ class CompletionRequest(SamplingFields):
                          f"(got {_type_name(v)})")
 
 
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any]   # OpenAI sends JSON text; some clients send the object itself
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A tool call of an earlier assistant turn, sent back in a follow-up request."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIBaseModel):
-    """One message; content is a string or a list of {"type": "text", "text": ...} parts."""
+    """One message; content is a string or a list of {"type": "text", "text": ...} parts. Assistant messages may
+    carry tool_calls (content null), tool messages answer one with tool_call_id."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    """One entry of `tools`: a function the model may call."""
+
+    type: str   # only "function"; checked with a clear message in tools.py
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -107,9 +161,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
-    # accepted so that they can be refused with a clear message rather than silently ignored
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: str | dict[str, Any] | None = None   # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -154,11 +208,14 @@ class CompletionLogProbs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
 class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 
@@ -185,21 +242,48 @@ class ChatLogProbs(ResponseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str   # JSON text, as OpenAI returns it
+
+
+class ToolCall(ResponseModel):
+    id: str = Field(default_factory=lambda: f"call_{random_id()[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(ResponseModel):
+    """A piece of a streamed tool call: the first carries id, type and name, later ones more arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoice(ResponseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogProbs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 
@@ -207,7 +291,7 @@ class ChatStreamChoice(ResponseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogProbs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 

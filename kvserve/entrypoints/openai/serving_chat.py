@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.entrypoints.chat_utils import render_chat
 from kvserve.entrypoints.openai.errors import BadRequestError, to_api_error
 from kvserve.entrypoints.openai.protocol import AssistantMessage, ChatChoice, ChatCompletionChunk, \
@@ -14,6 +15,8 @@ from kvserve.entrypoints.openai.protocol import AssistantMessage, ChatChoice, Ch
     TopLogprob
 from kvserve.entrypoints.openai.serving_common import SSE_DONE, ChoiceState, OpenAIServing, PromptInput, sse, \
     sse_error, top_logprobs, usage
+from kvserve.entrypoints.openai.structured import request_constraint
+from kvserve.entrypoints.openai.tools import ToolCallStream, ToolChoice, assemble, resolve_tool_choice
 from kvserve.outputs import Logprob, RequestOutput
 
 _MAX_TOP_LOGPROBS = 20
@@ -22,34 +25,56 @@ _MAX_TOP_LOGPROBS = 20
 class OpenAIServingChat(OpenAIServing):
     """Handles /v1/chat/completions."""
 
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False):
+        super().__init__(engine, served_model_names)
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         """Render the conversation, queue it, then answer with one JSON body or an SSE stream."""
         model = self.check_model(req.model)
-        _check_supported(req)
         k = _num_top_logprobs(req)
+        tool_choice = resolve_tool_choice(req, self.tool_call_parser, self.enable_auto_tool_choice)
+        constraint, source = _constraint(req, tool_choice)
         request_id = self.request_id(raw_request, "chatcmpl", req.request_id)
-        prompt = self.render(req)
+        prompt = self.render(req, tool_choice)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, requested, k)
-        streams = await self.add_prompts(request_id, [prompt], [params], req)
-        view = _ChatView(self.tokenizer, req, model, request_id, k)
+        params = self.sampling_params(req, requested, k, structured_outputs=constraint)
+        streams = await self.add_prompts(request_id, [prompt], [params], req, source)
+        view = _ChatView(self.tokenizer, req, model, request_id, k, tool_choice)
         if req.stream:
             return StreamingResponse(view.stream(self.outputs(streams)), media_type="text/event-stream")
         return JSONResponse(await view.full(self.outputs(streams)))
 
-    def render(self, req: ChatCompletionRequest) -> PromptInput:
-        """The conversation as prompt text and token ids."""
+    def render(self, req: ChatCompletionRequest, tool_choice: ToolChoice | None) -> PromptInput:
+        """The conversation (and the tools, for templates that show them to the model) as text and token ids."""
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         text = render_chat(self.tokenizer, messages, req.chat_template, req.add_generation_prompt,
-                           req.continue_final_message, req.chat_template_kwargs)
+                           req.continue_final_message, req.chat_template_kwargs,
+                           tools=tool_choice.tools if tool_choice else None)
         return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+
+
+def _constraint(req: ChatCompletionRequest, tool_choice: ToolChoice | None):
+    """The output constraint and its source field: the request's own, or the one tool_choice implies."""
+    constraint, source = request_constraint(req)
+    forced = tool_choice.constraint() if tool_choice else None
+    if forced is None:
+        return constraint, source
+    if constraint is not None:
+        raise BadRequestError(f"tool_choice {tool_choice.mode!r} constrains the output to tool calls; it cannot be "
+                              f"combined with {source}", "tool_choice", "invalid_value")
+    return forced, "tools"
 
 
 class _ChatView:
     """Builds one chat request's response (JSON or SSE chunks) from its engine outputs."""
 
-    def __init__(self, tokenizer, req: ChatCompletionRequest, model: str, request_id: str, k: int | None):
+    def __init__(self, tokenizer, req: ChatCompletionRequest, model: str, request_id: str, k: int | None,
+                 tool_choice: ToolChoice | None):
         self.tokenizer = tokenizer
+        self.tool_choice = tool_choice
         self.req = req
         self.model = model
         self.request_id = request_id
@@ -63,15 +88,22 @@ class _ChatView:
             for o in out.outputs:
                 states[o.index].add(o)
             last = out
-        choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(st.text)),
-                              logprobs=self._logprobs(st.token_ids, st.logprobs), finish_reason=st.finish_reason,
-                              stop_reason=st.stop_reason) for i, st in enumerate(states)]
+        choices = [self._choice(i, st) for i, st in enumerate(states)]
         num_completion = sum(len(st.token_ids) for st in states)
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                       usage=usage([last], num_completion)).model_dump()
 
+    def _choice(self, index: int, st: ChoiceState) -> ChatChoice:
+        # the same deltas a stream sends, added up: streamed and whole answers agree by construction
+        calls = ToolCallStream(self.tool_choice)
+        content, tool_calls = assemble(calls.feed("".join(st.text), done=True))
+        return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=tool_calls),
+                          logprobs=self._logprobs(st.token_ids, st.logprobs),
+                          finish_reason=calls.finish_reason(st.finish_reason), stop_reason=st.stop_reason)
+
     async def stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         last = None
+        calls = [ToolCallStream(self.tool_choice) for _ in range(self.req.n)]
         finished: set[int] = set()   # with n > 1, a finished choice still appears in its siblings' outputs
         num_completion = 0
         try:
@@ -90,12 +122,10 @@ class _ChatView:
                         finished.add(o.index)
                     num_completion += len(o.token_ids)
                     logprobs = self._logprobs(o.token_ids, o.logprobs or [])
-                    if not (o.text or o.finish_reason or logprobs and logprobs.content):
-                        continue
-                    delta = DeltaMessage(content=o.text) if o.text else DeltaMessage()
-                    yield sse(self._chunk(ChatStreamChoice(index=o.index, delta=delta, logprobs=logprobs,
-                                                           finish_reason=o.finish_reason,
-                                                           stop_reason=o.stop_reason)))
+                    deltas = calls[o.index].feed(o.text, o.finish_reason is not None)
+                    finish_reason = calls[o.index].finish_reason(o.finish_reason)
+                    for choice in _stream_choices(o.index, deltas, logprobs, finish_reason, o.stop_reason):
+                        yield sse(self._chunk(choice))
             if self.req.stream_options and self.req.stream_options.include_usage:
                 chunk = self._chunk(None)
                 chunk.usage = usage([last], num_completion)
@@ -125,12 +155,17 @@ class _ChatView:
         return TopLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode("utf-8")))
 
 
-def _check_supported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise BadRequestError("tools (function calling) are not supported", "tools", "unsupported_parameter")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise BadRequestError("response_format other than {'type': 'text'} is not supported", "response_format",
-                              "unsupported_parameter")
+def _stream_choices(index: int, deltas: list[DeltaMessage], logprobs: ChatLogProbs | None,
+                    finish_reason: str | None, stop_reason) -> list[ChatStreamChoice]:
+    """One output's chunks: a chunk per delta, the token logprobs on the first, finish_reason on the last."""
+    if not (deltas or finish_reason or logprobs and logprobs.content):
+        return []
+    deltas = deltas or [DeltaMessage()]
+    last = len(deltas) - 1
+    # every field set explicitly: chunks are dumped with exclude_unset, and OpenAI's carry them as null
+    return [ChatStreamChoice(index=index, delta=delta, logprobs=logprobs if j == 0 else None,
+                             finish_reason=finish_reason if j == last else None,
+                             stop_reason=stop_reason if j == last else None) for j, delta in enumerate(deltas)]
 
 
 def _num_top_logprobs(req: ChatCompletionRequest) -> int | None:

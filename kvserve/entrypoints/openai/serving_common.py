@@ -18,7 +18,7 @@ from kvserve.entrypoints.openai.protocol import OpenAIBaseModel, PromptTokensDet
 from kvserve.engine.prompts import check_text
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("kvserve.server")
 
@@ -82,7 +82,8 @@ class OpenAIServing:
 
     @staticmethod
     def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams from the request fields; raises InvalidRequestError for out-of-range values."""
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -94,11 +95,13 @@ class OpenAIServing:
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens, output_kind=RequestOutputKind.DELTA)
+            spaces_between_special_tokens=req.spaces_between_special_tokens, output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs)
 
     async def add_prompts(self, request_id: str, prompts: list[PromptInput], params: list[SamplingParams],
-                          req: SamplingFields) -> list[RequestStream]:
-        """Queue every prompt at once (engine ids '<id>-<i>' when there are several), or none of them."""
+                          req: SamplingFields, constraint_source: str | None = None) -> list[RequestStream]:
+        """Queue every prompt at once (engine ids '<id>-<i>' when there are several), or none of them. The engine
+        names its grammar errors structured_outputs; `constraint_source` is the field the constraint came from."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
             *(self.engine.add_request(rid, prompt.engine_prompt(), p, priority=req.priority, cache_salt=req.cache_salt)
@@ -110,8 +113,11 @@ class OpenAIServing:
             if isinstance(r, RequestStream):
                 self.engine.abort(r.request_id)
         i, e = errors[0]
-        if isinstance(e, InvalidRequestError) and len(prompts) > 1:
-            raise type(e)(f"prompt {i}: {e.message}", e.param) from e
+        if not isinstance(e, InvalidRequestError):
+            raise e
+        param = constraint_source if e.param == "structured_outputs" and constraint_source else e.param
+        if len(prompts) > 1 or param != e.param:
+            raise type(e)(f"prompt {i}: {e.message}" if len(prompts) > 1 else e.message, param) from e
         raise e
 
     async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

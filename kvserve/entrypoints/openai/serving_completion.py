@@ -12,6 +12,7 @@ from kvserve.entrypoints.openai.protocol import CompletionChoice, CompletionLogP
     CompletionResponse
 from kvserve.entrypoints.openai.serving_common import SSE_DONE, ChoiceState, OpenAIServing, PromptInput, sse, \
     sse_error, top_logprobs, usage
+from kvserve.entrypoints.openai.structured import request_constraint
 from kvserve.outputs import Logprob, RequestOutput
 
 
@@ -24,9 +25,11 @@ class OpenAIServingCompletion(OpenAIServing):
         _check_supported(req)
         request_id = self.request_id(raw_request, "cmpl", req.request_id)
         prompts = self._prompts(req)
+        constraint, source = request_constraint(req)
         params = [self.sampling_params(req, req.max_tokens, req.logprobs,
-                                       req.logprobs if req.echo and req.logprobs is not None else None)] * len(prompts)
-        streams = await self.add_prompts(request_id, prompts, params, req)
+                                       req.logprobs if req.echo and req.logprobs is not None else None,
+                                       constraint)] * len(prompts)
+        streams = await self.add_prompts(request_id, prompts, params, req, source)
         view = _CompletionView(self, req, model, request_id, prompts)
         if req.stream:
             return StreamingResponse(view.stream(self.outputs(streams)), media_type="text/event-stream")

@@ -283,8 +283,7 @@ class Scheduler:
     def compiling_grammars(self) -> list:
         """The grammar futures of waiting requests whose grammar is still compiling."""
         return [r.structured_output.grammar for r in self.waiting
-                if r.structured_output is not None and r.structured_output.matcher is None
-                and not r.structured_output.grammar.done()]
+                if r.structured_output is not None and not r.structured_output.grammar.done()]
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":

@@ -21,16 +21,23 @@ class StructuredOutputRequest:
         self.grammar = grammar
         self.deadline = deadline
         self.timeout_s = timeout_s
-        self.matcher = None
+        self._matcher = None
+
+    @property
+    def matcher(self):
+        """The xgrammar matcher, made on first use (a sample forked from another's prompt starts with its own);
+        only used once the grammar has compiled."""
+        if self._matcher is None:
+            import xgrammar as xgr
+            self._matcher = xgr.GrammarMatcher(self.grammar.result())
+        return self._matcher
 
     def is_ready(self, now: float | None = None) -> bool:
         """Whether the grammar has compiled; raises InvalidRequestError if it failed or is past its deadline."""
-        if self.matcher is not None:
+        if self._matcher is not None:
             return True
         if self.grammar.done():
-            import xgrammar as xgr
-            self.matcher = xgr.GrammarMatcher(self.grammar.result())   # raises the compile error
-            return True
+            return self.matcher is not None   # raises the compile error
         if (time.monotonic() if now is None else now) > self.deadline:
             raise InvalidRequestError(f"structured_outputs: compiling the grammar took longer than {self.timeout_s:g}"
                                       " s (grammar_compile_timeout_s); simplify the schema", "structured_outputs")

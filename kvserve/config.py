@@ -49,6 +49,8 @@ class EngineConfig:
     # speculative decoding: a dict or JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 5};
     # parsed into a SpeculativeConfig (kvserve/spec_decode/config.py); None = off
     speculative_config: dict | str | SpeculativeConfig | None = None
+    # structured outputs: a request whose grammar has not compiled this long after it arrived fails (400)
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self):
         self.validate()
@@ -68,6 +70,10 @@ class EngineConfig:
             bad(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {self.seed!r}", "seed")
         if not (isinstance(self.priority_aging_s, (int, float)) and 0 <= self.priority_aging_s < float("inf")):
             bad(f"priority_aging_s must be a finite number >= 0, got {self.priority_aging_s!r}", "priority_aging_s")
+        if not (isinstance(self.grammar_compile_timeout_s, (int, float)) and 0 < self.grammar_compile_timeout_s
+                < float("inf")):
+            bad(f"grammar_compile_timeout_s must be a positive number, got {self.grammar_compile_timeout_s!r}",
+                "grammar_compile_timeout_s")
         if self.scheduling_policy not in ("fcfs", "priority"):
             bad(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}", "scheduling_policy")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -136,8 +136,8 @@ def test_a_request_that_can_never_fit_is_rejected_instead_of_blocking_the_queue(
     s.add_request(make_req("huge", 20))       # 20 tokens, the pool holds 16
     s.add_request(make_req("small", 3))
     out = fake_step(s)
-    assert [(r.request_id, why) for r, why in out.rejected] == [
-        ("huge", "its 20 tokens need 5 KV blocks, but the whole KV cache has 4")]
+    assert [(r.request_id, error.message) for r, error in out.rejected] == [
+        ("huge", "the request can never be scheduled: its 20 tokens need 5 KV blocks, but the whole KV cache has 4")]
     assert scheduled(out) == [("small", 3)] and not s.waiting
     s2 = make_sched(num_blocks=4, block_size=4)
     s2.add_request(make_req("a", 10, max_tokens=3))
@@ -162,8 +162,9 @@ def test_without_chunked_prefill_a_prompt_over_the_step_budget_is_rejected():
     s.add_request(make_req("long", 12))
     s.add_request(make_req("short", 5))
     out = fake_step(s)
-    assert [(r.request_id, why) for r, why in out.rejected] == [
-        ("long", "its 12 tokens exceed max_num_batched_tokens=8 and chunked prefill is off")]
+    assert [(r.request_id, error.message) for r, error in out.rejected] == [
+        ("long", "the request can never be scheduled: its 12 tokens exceed max_num_batched_tokens=8 and chunked "
+                 "prefill is off")]
     assert scheduled(out) == [("short", 5)]
 
 

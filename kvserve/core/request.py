@@ -65,6 +65,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []   # drafts to verify in the next step (speculative decoding)
+        self.structured_output = None        # StructuredOutputRequest when the output is constrained
         self.num_cached_tokens = -1          # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

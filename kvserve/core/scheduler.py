@@ -13,6 +13,9 @@ higher-priority requests cannot starve a lower one (see Scheduler.rank).
 A waiting request that can never run (more tokens than the whole pool holds, or, without chunked prefill, than
 a step's budget) is taken off the queue and reported in SchedulerOutput.rejected: it never blocks the queue head.
 The engine refuses such requests when they arrive; this holds whatever reaches the queue.
+
+A request with structured outputs waits until its grammar has compiled (on another thread); the requests behind
+it are scheduled meanwhile. One whose grammar fails to compile, or not in time, is rejected the same way.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
 
 
 @dataclass
@@ -31,7 +35,7 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    rejected: list[tuple[Request, str]] = field(default_factory=list)   # (request, why it can never run)
+    rejected: list[tuple[Request, KVServeError]] = field(default_factory=list)   # (request, why it can never run)
     block_copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write, before the forward
     num_batched_tokens: int = 0
 
@@ -214,12 +218,16 @@ class Scheduler:
         return num_new
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        compiling = []   # requests whose grammar is not ready: they keep their place, the others go first
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            why = self._why_it_can_never_run(req)
-            if why is not None:
+            error = self._why_it_can_never_run(req)
+            if error is not None:
                 self.waiting.popleft()
-                out.rejected.append((req, why))
+                out.rejected.append((req, error))
+                continue
+            if req.structured_output is not None and not req.structured_output.is_ready():
+                compiling.append(self.waiting.popleft())
                 continue
             if len(self.running) >= self.max_num_seqs:
                 freed = self._preempt_lower(req, out)
@@ -250,17 +258,32 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
-    def _why_it_can_never_run(self, req: Request) -> str | None:
-        """Why `req` could not run even alone on an empty pool; None when it can."""
+    def _why_it_can_never_run(self, req: Request) -> KVServeError | None:
+        """Why `req` could not run even alone on an empty pool (or its grammar failed to compile); None when it
+        can."""
         num_blocks = cdiv(req.num_tokens, self.kv.block_size)
+        why = None
         if num_blocks > self.kv.pool.num_blocks:
-            return (f"its {req.num_tokens} tokens need {num_blocks} KV blocks, but the whole KV cache has "
-                    f"{self.kv.pool.num_blocks}")
-        if not self.enable_chunked_prefill and req.num_tokens > self.max_num_batched_tokens:
-            return (f"its {req.num_tokens} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens} and "
-                    "chunked prefill is off")
+            why = (f"its {req.num_tokens} tokens need {num_blocks} KV blocks, but the whole KV cache has "
+                   f"{self.kv.pool.num_blocks}")
+        elif not self.enable_chunked_prefill and req.num_tokens > self.max_num_batched_tokens:
+            why = (f"its {req.num_tokens} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens} and "
+                   "chunked prefill is off")
+        if why is not None:
+            return ContextLengthExceededError(f"the request can never be scheduled: {why}", "prompt")
+        if req.structured_output is not None:
+            try:
+                req.structured_output.is_ready()
+            except InvalidRequestError as e:
+                return e
         return None
+
+    def compiling_grammars(self) -> list:
+        """The grammar futures of waiting requests whose grammar is still compiling."""
+        return [r.structured_output.grammar for r in self.waiting
+                if r.structured_output is not None and not r.structured_output.grammar.done()]
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -346,11 +369,16 @@ class Scheduler:
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> list[int]:
         """Append tokens one by one until one stops the request; returns the ones appended."""
+        so = req.structured_output
         for i, token in enumerate(tokens):
             req.append_output_token(token)
             if req.request_id in self.fork_groups:
                 self._fork(req)   # before a stop check can free the prompt's blocks
             if req.check_stop(self.max_model_len):
+                return tokens[:i + 1]
+            if so is not None and not (so.accept(token) and not so.is_terminated):
+                # the grammar ended (its stop token, under ignore_eos), or a conflict broke it (see accept)
+                req.status = RequestStatus.FINISHED_STOPPED
                 return tokens[:i + 1]
         return tokens
 

@@ -128,6 +128,8 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if params.output_kind != RequestOutputKind.DELTA:
             params = params.clone(output_kind=RequestOutputKind.DELTA)
+        if params.structured_outputs is not None:
+            await self._compile_grammar(params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         stream = self._streams[request_id] = RequestStream(request_id)
         stream.add_future = self._loop.create_future()
@@ -147,6 +149,18 @@ class AsyncLLMEngine:
             self._num_pending_adds -= 1
             stream.add_future = None
         return stream
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Wait for the request's grammar off the engine thread, so a constraint that does not compile (or not in
+        time) is refused before the request is queued, and the response (a stream too) has not begun."""
+        manager = self.engine.structured_output
+        fut = asyncio.wrap_future(manager.submit(params.structured_outputs))
+        done, _ = await asyncio.wait({fut}, timeout=manager.compile_timeout_s)   # wait() never cancels the compile
+        if not done:
+            raise InvalidRequestError(f"structured_outputs: compiling the grammar took longer than "
+                                      f"{manager.compile_timeout_s:g} s (grammar_compile_timeout_s); simplify the "
+                                      "schema", "structured_outputs")
+        fut.result()   # the compile error, if any
 
     async def generate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs until it finishes; aborts it if the consumer stops early."""

@@ -1,6 +1,7 @@
 """LLMEngine: the synchronous engine. add_request() validates and queues; step() runs one iteration."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -21,6 +22,7 @@ from kvserve.model import load_model, load_tokenizer, resolve_device
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.proposer import build_proposer
+from kvserve.structured_output import StructuredOutputManager
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("kvserve")
@@ -58,6 +60,8 @@ class LLMEngine:
         if self.proposer is not None:
             self.scheduler.on_finished = self.proposer.finish
         self.processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                                                         config.grammar_compile_timeout_s)
         self._ids = itertools.count()
         self._failed: dict[str, KVServeError] = {}   # parent request id -> why it failed, until taken
         logger.info("kvserve: loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens = %d tokens",
@@ -149,6 +153,7 @@ class LLMEngine:
             raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}", "priority")
         if priority != 0 and self.config.scheduling_policy != "priority":
             priority = 0   # only the priority policy orders by it, as in vLLM
+        grammar = params.structured_outputs   # compiles from now on, on the manager's threads
         children = []
         for i in range(params.n):
             child_params = params
@@ -157,6 +162,8 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(rid, token_ids, child_params, self.eos_token_ids, arrival_time, priority,
                                     max_tokens, cache_salt, device=self.device))
+            if grammar is not None:
+                children[-1].structured_output = self.structured_output.new_request(grammar)
         self.processor.add(ParentState(request_id, text, token_ids, params), children)
         try:
             self.scheduler.add_request(children[0], siblings=children[1:])
@@ -222,9 +229,10 @@ class LLMEngine:
         Requests that fail (their step's forward pass or output processing raised; one that can never fit the KV
         cache) are aborted and reported by take_failed_requests(); the others go on."""
         sched = self.scheduler.schedule()
-        for req, why in sched.rejected:
-            self._fail(req, ContextLengthExceededError(f"the request can never be scheduled: {why}", "prompt"))
+        for req, error in sched.rejected:
+            self._fail(req, error)
         if sched.is_empty:
+            self._wait_for_grammars()
             return []
         # taken first: output processing drops a finished request's parent, even in a step that then fails
         parent_ids = list(dict.fromkeys(p.request_id for req, _ in sched.scheduled
@@ -249,6 +257,13 @@ class LLMEngine:
                 for req in self.scheduler.running:
                     req.spec_token_ids = []
         return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing ran: if requests wait for their grammars, give the compiling threads the cores for a while
+        rather than spinning through empty steps."""
+        compiling = self.scheduler.compiling_grammars()
+        if compiling:
+            concurrent.futures.wait(compiling, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _propose_drafts(self) -> None:
         """Drafts for the next step of every decoding request, unless the batch is too big to gain from them.

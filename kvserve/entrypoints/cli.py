@@ -71,12 +71,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
                         "(methods: ngram, suffix, draft_model with \"model\"; docs/speculative_decoding.md)")
+    g.add_argument("--grammar-compile-timeout-s", type=float, default=None,
+                   help="structured outputs: refuse a request whose grammar has not compiled after this many "
+                        "seconds (default 10)")
 
 
 _ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "block_size", "kv_cache_memory", "gpu_memory_utilization", "seed", "chat_template",
                  "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy", "priority_aging_s",
-                 "num_threads", "speculative_config")
+                 "num_threads", "speculative_config", "grammar_compile_timeout_s")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -1,10 +1,12 @@
-"""Logit bias and min_tokens masking: the processors that run before greedy and random sampling."""
+"""Logit bias, min_tokens masking, penalties and the grammar bitmask: the processors that run before greedy and
+random sampling."""
 from __future__ import annotations
 
 import torch
 
 from kvserve.sample.metadata import SamplingMetadata, SparseLogits
 from kvserve.sample.penalties import apply_penalties
+from kvserve.structured_output.request import apply_grammar_bitmask
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: SparseLogits) -> torch.Tensor:
@@ -21,8 +23,8 @@ def apply_min_tokens(logits: torch.Tensor, mask: SparseLogits) -> torch.Tensor:
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Logits after bias, min_tokens and penalties; `logits` itself is never modified."""
-    if meta.logit_bias is not None or meta.min_tokens_mask is not None:
+    """Logits after bias, min_tokens, penalties and the grammar; `logits` itself is never modified."""
+    if meta.logit_bias is not None or meta.min_tokens_mask is not None or meta.grammar_bitmask is not None:
         # Contiguous, so the flat ids built for a row-major [B, V] address the right entries.
         logits = logits.clone(memory_format=torch.contiguous_format)
         if meta.logit_bias is not None:
@@ -31,4 +33,6 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
             apply_min_tokens(logits, meta.min_tokens_mask)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
+    if meta.grammar_bitmask is not None:   # last, on the contiguous copy made above (or the penalties' result)
+        apply_grammar_bitmask(logits, meta.grammar_bitmask)
     return logits

@@ -61,6 +61,7 @@ class SamplingMetadata:
     min_tokens_mask: SparseLogits | None    # tokens forced to -inf this step
     penalties: PenaltyTensors | None
     max_num_logprobs: int | None        # K; None: no row asked for logprobs
+    grammar_bitmask: object | None = None   # structured outputs: a GrammarBitmask, set by the model runner
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str,

@@ -18,6 +18,7 @@ from kvserve.model.layers import release_unpacked_weights
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
 from kvserve.sample.sampler import argmax_rows
+from kvserve.structured_output import build_grammar_bitmask
 
 
 @dataclass
@@ -185,7 +186,9 @@ class ModelRunner:
         exactly when it equals that token is rejection sampling (accept with probability p(d) = min(1, p/q); on
         rejection the token is distributed as norm(max(0, p - q))); the row after the last accepted draft gives
         the recovered token, or the bonus token when all k are accepted. Seeded requests then give the same
-        output with and without speculation: their generators are rewound to the draws actually used."""
+        output with and without speculation: their generators are rewound to the draws actually used.
+        Constrained rows are masked by the request's grammar, advanced over the drafts before the row, so a draft
+        the grammar forbids is never accepted."""
         rows, states = [], {}
         for req in reqs:
             drafts = req.spec_token_ids
@@ -194,7 +197,9 @@ class ModelRunner:
             rows += [SamplingRow(req.params, req.prompt_token_ids,
                                  req.output_token_ids + drafts[:j] if j else req.output_token_ids, req.generator,
                                  req.eos_token_ids) for j in range(len(drafts) + 1)]
-        out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device, self.generator))
+        meta = SamplingMetadata.build(rows, self.vocab_size, self.device, self.generator)
+        meta.grammar_bitmask = build_grammar_bitmask(reqs, self.vocab_size)
+        out = self.sampler(logits, meta)
         sampled = out.sampled_token_ids.tolist()
         emitted, emitted_rows, row = {}, [], 0
         for req in reqs:

@@ -1,0 +1,101 @@
+"""StructuredOutputManager: compiles each request's constraint into an xgrammar grammar on a small thread pool,
+cached by the constraint, so the engine thread never waits for a compilation."""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvserve.errors import InvalidRequestError
+from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured_output.request import StructuredOutputRequest
+
+_MAX_CACHED = 1024          # compiled grammars kept (xgrammar keeps its own cache of the expensive parts too)
+_NUM_WORKERS = 2            # compilations at once; each uses one thread (the engine keeps the other cores)
+_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
+         "grammar": "grammar"}
+
+
+class StructuredOutputManager:
+    """Compiles constraints for one tokenizer; thread-safe (the server's event loop and the engine both submit)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], compile_timeout_s: float):
+        self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
+        self._tokenizer = tokenizer
+        self._stop_token_ids = list(stop_token_ids)
+        self._lock = threading.Lock()
+        self._futures: OrderedDict[tuple, Future] = OrderedDict()
+        self._executor: ThreadPoolExecutor | None = None
+        self._compiler = None
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """The future compiled grammar of `params`: cached, or compiling on the pool from now on."""
+        key = params.key
+        with self._lock:
+            fut = self._futures.get(key)
+            if fut is not None and not fut.cancelled():
+                self._futures.move_to_end(key)
+                return fut
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(_NUM_WORKERS, thread_name_prefix="kvserve-grammar")
+            fut = self._futures[key] = self._executor.submit(self._compile, params)
+            while len(self._futures) > _MAX_CACHED:
+                self._futures.popitem(last=False)
+            return fut
+
+    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """The per-request state: waits for its grammar, at most compile_timeout_s from now."""
+        return StructuredOutputRequest(self.submit(params), time.monotonic() + self.compile_timeout_s,
+                                       self.compile_timeout_s)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ----- on the pool -----
+    def _compile(self, params: StructuredOutputsParams):
+        compiler = self._get_compiler()
+        kind = params.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(json.dumps(params.json),
+                                                    any_whitespace=not params.disable_any_whitespace)
+            if kind == "json_object":   # any object: strict mode would forbid properties the schema does not list
+                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                                    any_whitespace=not params.disable_any_whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(params.choice))
+            return compiler.compile_grammar(params.grammar)
+        except Exception as e:   # xgrammar raises RuntimeError (and a few others) naming the problem
+            raise InvalidRequestError(f"structured_outputs: the {_WHAT[kind]} cannot be compiled: {_reason(e)}",
+                                      "structured_outputs") from None
+
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                # a copy: HF fast tokenizers are not safe to share with the thread that detokenizes
+                info = xgr.TokenizerInfo.from_huggingface(copy.deepcopy(self._tokenizer), vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF matching exactly one of the strings (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its C++ source location."""
+    return _LOCATION.sub("", str(e).strip()).strip() or type(e).__name__

@@ -1,8 +1,11 @@
-"""A request's output constraint from its HTTP fields (response_format, structured_outputs, guided_*), and a cheap
-structural check of the JSON schemas clients send."""
+"""A request's output constraint from its HTTP fields (response_format, structured_outputs, guided_*), and the check
+of the JSON schemas clients send."""
 from __future__ import annotations
 
 from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match
 
 from kvserve.entrypoints.openai.errors import BadRequestError
 from kvserve.entrypoints.openai.protocol import SamplingFields
@@ -53,75 +56,15 @@ def response_format_constraint(fmt) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
 
-# ----- a structural check of JSON schemas (what Draft 2020-12's meta-schema says of each keyword's own type) -----
-_TYPES = {"null", "boolean", "object", "array", "number", "integer", "string"}
-_SCHEMA_KEYS = ("not", "if", "then", "else", "additionalProperties", "unevaluatedProperties", "propertyNames",
-                "contains", "additionalItems", "unevaluatedItems")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
-           "maxContains")
-_NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+# the meta-schema without its format checker: a "pattern" is ECMA-262 syntax (\p{L}, ...), which Python's re would
+# refuse; the grammar compiler judges patterns
+_META = Draft202012Validator(Draft202012Validator.META_SCHEMA)
 
 
 def check_json_schema(schema: Any, param: str, where: str) -> None:
-    """400 naming `param` when `schema` is not a JSON schema: an object (or boolean) whose known keywords have
-    the types the meta-schema gives them. Unknown keywords are allowed, as JSON Schema allows them."""
-    stack = [(schema, where)]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, bool):
-            continue
-        if not isinstance(node, dict):
-            _bad(param, path, "must be a JSON schema (an object or a boolean)")
-        stack.extend(_subschemas(node, param, path))
-        _check_keywords(node, param, path)
-
-
-def _subschemas(node: dict, param: str, path: str) -> list[tuple[Any, str]]:
-    out = [(node[k], f"{path}.{k}") for k in _SCHEMA_KEYS if k in node]
-    for key in _SCHEMA_LISTS:
-        if key in node:
-            if not isinstance(node[key], list) or (key != "prefixItems" and not node[key]):
-                _bad(param, f"{path}.{key}", "must be a non-empty list of schemas")
-            out += [(s, f"{path}.{key}[{i}]") for i, s in enumerate(node[key])]
-    for key in _SCHEMA_MAPS:
-        if key in node:
-            if not isinstance(node[key], dict):
-                _bad(param, f"{path}.{key}", "must be an object mapping names to schemas")
-            out += [(s, f"{path}.{key}.{name}") for name, s in node[key].items()]
-    items = node.get("items")
-    if isinstance(items, list):   # draft 4-7 tuple form
-        out += [(s, f"{path}.items[{i}]") for i, s in enumerate(items)]
-    elif "items" in node:
-        out.append((items, f"{path}.items"))
-    return out
-
-
-def _check_keywords(node: dict, param: str, path: str) -> None:
-    kind = node.get("type")
-    kinds = kind if isinstance(kind, list) else [kind] if "type" in node else []
-    if not kinds and "type" in node or any(k not in _TYPES for k in kinds):
-        _bad(param, f"{path}.type", f"must be one of {', '.join(sorted(_TYPES))} or a list of them, got {kind!r}")
-    required = node.get("required", [])
-    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-        _bad(param, f"{path}.required", "must be a list of property names")
-    if "enum" in node and not isinstance(node["enum"], list):
-        _bad(param, f"{path}.enum", "must be a list")
-    for key in _COUNTS:
-        if key in node and (not _is_int(node[key]) or node[key] < 0):
-            _bad(param, f"{path}.{key}", "must be a non-negative integer")
-    for key in _NUMBERS:
-        if key in node and (isinstance(node[key], bool) or not isinstance(node[key], (int, float))):
-            _bad(param, f"{path}.{key}", "must be a number")
-    # the pattern's syntax is ECMA-262's, not Python's: the grammar compiler judges it
-    if "pattern" in node and not isinstance(node["pattern"], str):
-        _bad(param, f"{path}.pattern", "must be a string (a regular expression)")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _bad(param: str, path: str, what: str):
-    raise BadRequestError(f"{path} {what}", param, "invalid_value")
+    """400 naming `param` when `schema` is not a JSON schema (Draft 2020-12's meta-schema, older drafts' keywords
+    being unknown keywords there, which JSON Schema allows)."""
+    error = best_match(_META.iter_errors(schema))
+    if error is not None:
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+        raise BadRequestError(f"{where}{path} is not a valid JSON schema: {error.message}", param, "invalid_value")

@@ -26,9 +26,12 @@ class ExtractedToolCalls:
 
 
 class ToolParser:
-    """Base of the parsers: text that does not parse stays content."""
+    """Base of the parsers: text that does not parse stays content. `tool_names`: the request's functions."""
 
     name = ""
+
+    def __init__(self, tool_names: set[str] | None = None):
+        self.tool_names = tool_names or set()
 
     def extract(self, text: str) -> ExtractedToolCalls:
         """The content and the tool calls of a complete output."""
@@ -40,7 +43,9 @@ class ToolParser:
 
 
 class HermesToolParser(ToolParser):
-    """Hermes / Qwen2.5: text, then one or more `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+    """Hermes / Qwen2.5: text, then one or more `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
+    Small Qwen models often drop the tags: an output that is nothing but such an object, naming one of the
+    request's tools, is a call too."""
 
     name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
@@ -48,7 +53,7 @@ class HermesToolParser(ToolParser):
     def extract(self, text: str) -> ExtractedToolCalls:
         first = text.find(self.start)
         if first < 0:
-            return ExtractedToolCalls(text or None)
+            return self._bare_call(text)
         calls = []
         for block in text[first:].split(self.start)[1:]:
             # an unclosed last block (the output ran out at </tool_call>) is still parsed: its JSON may be whole
@@ -58,10 +63,18 @@ class HermesToolParser(ToolParser):
             calls.append(call)
         return ExtractedToolCalls(text[:first] or None, calls)
 
+    def _bare_call(self, text: str) -> ExtractedToolCalls:
+        call = _call_from_json(text, "arguments") if text.lstrip().startswith("{") else None
+        if call is None or call.name not in self.tool_names:
+            return ExtractedToolCalls(text or None)
+        return ExtractedToolCalls(None, [call])
+
     def num_content_chars(self, text: str) -> int:
         first = text.find(self.start)
         if first >= 0:
             return first
+        if not text.strip() or text.lstrip().startswith("{"):
+            return 0   # may be a bare call: hold it back until the output is complete
         return len(text) - _partial_suffix(text, self.start)
 
 

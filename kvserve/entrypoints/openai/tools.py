@@ -29,11 +29,13 @@ class ToolChoice:
     parser: ToolParser | None = None   # mode "auto"
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The output constraint of the mode: required and named calls are decoded against a schema."""
+        """The output constraint of the mode: required and named calls are decoded against a schema, as compact
+        JSON (arguments are data for a program: free whitespace only costs tokens, and small models loop on it)."""
         if self.mode == "named":
-            return StructuredOutputsParams(json=_parameters(self._tool(self.name)))
+            return StructuredOutputsParams(json=_parameters(self._tool(self.name)), disable_any_whitespace=True)
         if self.mode == "required":
-            return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))
+            return StructuredOutputsParams(json=required_schema(self.tools, self.parallel),
+                                           disable_any_whitespace=True)
         return None
 
     def _tool(self, name: str) -> dict:
@@ -59,7 +61,8 @@ def resolve_tool_choice(req: ChatCompletionRequest, tool_call_parser: str | None
         return ToolChoice(choice, tools, parallel=parallel)
     if not (enable_auto_tool_choice and tool_call_parser):
         raise BadRequestError(AUTO_FLAGS_MESSAGE, "tool_choice", "invalid_value")
-    return ToolChoice("auto", tools, parallel=parallel, parser=TOOL_PARSERS[tool_call_parser]())
+    parser = TOOL_PARSERS[tool_call_parser]({t["function"]["name"] for t in tools})
+    return ToolChoice("auto", tools, parallel=parallel, parser=parser)
 
 
 def check_tools(req: ChatCompletionRequest) -> list[dict]:

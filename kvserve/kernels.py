@@ -1,5 +1,5 @@
 """The C++ CPU kernels (kvserve/csrc): paged attention straight from the KV blocks, bf16 matmuls on packed
-weights, fused norms, RoPE and SiLU, the whole decoder layer stack in one call, and argmax.
+weights, fused norms, RoPE and SiLU, the whole decoder layer stack in one call, argmax and the grammar bitmask.
 
 The library is plain C++ with OpenMP and no torch headers, called through ctypes with raw data pointers. `make`
 builds it at set-up (`python -m kvserve.kernels`); otherwise the first engine builds it (a one-time message, at
@@ -152,6 +152,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kvserve_silu_mul_bf16": [p, i64, p, i64, i64],
         "kvserve_gemv_pack": [p, i64, i64, p],
         "kvserve_argmax_f32": [p, i64, i64, i64, p],
+        "kvserve_apply_bitmask_f32": [p, i64, p, i64, p, i64, i64],
         "kvserve_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
         "kvserve_llama_layers_bf16": [p, p, p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64,
                                       i64, f, f, p, i64],

@@ -62,6 +62,23 @@ def test_generate_with_speculative_decoding_prints_the_same_completion(llm):
     assert out.stdout == want + "\n"
 
 
+def test_generate_follows_a_json_schema_a_regex_or_a_choice(tmp_path):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    prompt = "The capital of France as JSON:"
+    out = kvserve("generate", prompt, "--max-tokens", "24", "--temperature", "0", "--json-schema", str(path),
+                  *ENGINE_FLAGS)
+    assert out.returncode == 0, out.stderr
+    assert set(json.loads(out.stdout)) == {"city"}
+    out = kvserve("generate", prompt, "--max-tokens", "8", "--temperature", "0", "--choice", "Paris", "--choice",
+                  "Rome", *ENGINE_FLAGS)
+    assert out.returncode == 0 and out.stdout in ("Paris\n", "Rome\n"), out.stderr
+    out = kvserve("generate", prompt, "--regex", "(unclosed", *ENGINE_FLAGS)
+    assert out.returncode == 1 and "regex cannot be compiled" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_serve_with_a_bad_speculative_config_fails_with_a_clear_message():
     out = kvserve("serve", "--port", "0", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}',
                   timeout=60)

@@ -9,10 +9,13 @@ from concurrent.futures import Future
 
 import jsonschema
 import pytest
+import torch
+import xgrammar as xgr
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured_output.request import GrammarBitmask, apply_grammar_bitmask
 
 SCHEMAS = {
     "nested objects": {"type": "object", "properties": {
@@ -250,3 +253,19 @@ def test_drafts_the_grammar_forbids_are_rejected():
     assert out[0].outputs[0].text == " 4, 5!"
     stats = llm.llm_engine.scheduler.spec_stats
     assert stats.num_accepted_tokens >= 3   # the draft rows ran: ' 4, 5' came from accepted drafts
+
+
+@pytest.mark.parametrize("vocab_size", [1000, 4096, 49152])
+def test_the_bitmask_kernel_equals_xgrammars(vocab_size):
+    """Random masks (whole words set and clear among them), odd vocabularies, a subset of the rows."""
+    g = torch.Generator().manual_seed(vocab_size)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, (vocab_size + 31) // 32), dtype=torch.int32, generator=g)
+    bitmask[1, ::3] = -1
+    bitmask[4, ::2] = 0
+    logits = torch.randn(6, vocab_size, generator=g)
+    rows = [0, 1, 4, 5]
+    ours, theirs = logits.clone(), logits.clone()
+    apply_grammar_bitmask(ours, GrammarBitmask(bitmask, rows))
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab_size, indices=rows)
+    assert torch.equal(ours, theirs) and torch.equal(ours[[2, 3]], logits[[2, 3]])
+    assert torch.isinf(ours[rows]).any()

@@ -159,3 +159,25 @@ void kvserve_argmax_f32(const float* x, int64_t xs, int64_t rows, int64_t V, int
   }
 }
 }
+
+extern "C" {
+// Structured outputs: x[rows[i], t] = -inf wherever bit t of bitmask[rows[i]] is clear, for t < V (row strides xs
+// floats and ws 32-bit words). A word with every bit set, the common case outside a grammar's narrow spots, is
+// skipped whole; one with none set is filled whole.
+void kvserve_apply_bitmask_f32(float* x, int64_t xs, const int32_t* bitmask, int64_t ws, const int64_t* rows,
+                               int64_t num_rows, int64_t V) {
+  #pragma omp parallel for schedule(static) if (num_rows * V >= 262144)
+  for (int64_t i = 0; i < num_rows; ++i) {
+    float* p = x + rows[i] * xs;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(bitmask + rows[i] * ws);
+    for (int64_t w = 0; w * 32 < V; ++w) {
+      const uint32_t bits = words[w];
+      if (bits == 0xFFFFFFFFu) continue;
+      const int64_t end = std::min<int64_t>(32, V - w * 32);
+      float* q = p + w * 32;
+      for (int64_t b = 0; b < end; ++b)
+        if (!((bits >> b) & 1u)) q[b] = -INFINITY;
+    }
+  }
+}
+}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,13 +110,33 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g = p.add_argument_group("structured outputs (one of them; docs/structured_outputs.md)")
+    g.add_argument("--json-schema", default=None, help="the output follows this JSON schema (JSON text or a file)")
+    g.add_argument("--regex", default=None, help="the output matches this regex")
+    g.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
+    g.add_argument("--grammar", default=None, help="the output follows this EBNF/GBNF grammar (text or a file)")
 
 
 def sampling_params_from_args(args: argparse.Namespace, **extra):
     from kvserve.sampling_params import SamplingParams
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          stop=args.stop, seed=args.seed, **extra)
+                          stop=args.stop, seed=args.seed, structured_outputs=_structured_outputs(args), **extra)
+
+
+def _structured_outputs(args: argparse.Namespace) -> dict | None:
+    """The constraint flags as StructuredOutputsParams fields; a schema or grammar may be given as a file."""
+    fields = {"json": _text_or_file(args.json_schema), "regex": args.regex, "choice": args.choice,
+              "grammar": _text_or_file(args.grammar)}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    return fields or None
+
+
+def _text_or_file(value: str | None) -> str | None:
+    if value is not None and os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
 
 
 # ----- serve -----

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
+import queue
 import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import StructuredOutputsParams
@@ -30,7 +31,7 @@ class StructuredOutputManager:
         self._stop_token_ids = list(stop_token_ids)
         self._lock = threading.Lock()
         self._futures: OrderedDict[tuple, Future] = OrderedDict()
-        self._executor: ThreadPoolExecutor | None = None
+        self._pool: _DaemonPool | None = None
         self._compiler = None
 
     def submit(self, params: StructuredOutputsParams) -> Future:
@@ -41,9 +42,9 @@ class StructuredOutputManager:
             if fut is not None and not fut.cancelled():
                 self._futures.move_to_end(key)
                 return fut
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(_NUM_WORKERS, thread_name_prefix="kvserve-grammar")
-            fut = self._futures[key] = self._executor.submit(self._compile, params)
+            if self._pool is None:
+                self._pool = _DaemonPool(_NUM_WORKERS, "kvserve-grammar")
+            fut = self._futures[key] = self._pool.submit(self._compile, params)
             while len(self._futures) > _MAX_CACHED:
                 self._futures.popitem(last=False)
             return fut
@@ -52,10 +53,6 @@ class StructuredOutputManager:
         """The per-request state: waits for its grammar, at most compile_timeout_s from now."""
         return StructuredOutputRequest(self.submit(params), time.monotonic() + self.compile_timeout_s,
                                        self.compile_timeout_s)
-
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ----- on the pool -----
     def _compile(self, params: StructuredOutputsParams):
@@ -86,6 +83,31 @@ class StructuredOutputManager:
                                                           stop_token_ids=self._stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
+
+
+class _DaemonPool:
+    """A few daemon worker threads: unlike ThreadPoolExecutor's, a compilation still running (past its time
+    limit) never holds up the process's exit."""
+
+    def __init__(self, num_workers: int, name: str):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(num_workers):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self._tasks.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            fut, fn, args = self._tasks.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:   # the caller gets it from the future
+                fut.set_exception(e)
 
 
 def choice_grammar(choices: list[str]) -> str:

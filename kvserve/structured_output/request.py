@@ -103,7 +103,15 @@ def _fill_rows(matcher, bitmask: torch.Tensor, row: int, drafts: list[int]) -> l
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarBitmask) -> None:
-    """Set the forbidden tokens' logits to -inf, in place (xgrammar's kernel: C++ on the CPU, Triton on CUDA)."""
+    """Set the forbidden tokens' logits to -inf, in place: our C++ kernel on float32 CPU rows (several times
+    xgrammar's CPU kernel over a batch), else xgrammar's (Triton on CUDA)."""
+    from kvserve import kernels
+    lib = kernels.load() if logits.is_cpu and logits.dtype == torch.float32 and logits.stride(1) == 1 else None
+    if lib is not None:
+        rows = torch.tensor(mask.rows, dtype=torch.long)
+        lib.kvserve_apply_bitmask_f32(logits.data_ptr(), logits.stride(0), mask.bitmask.data_ptr(),
+                                      mask.bitmask.stride(0), rows.data_ptr(), len(mask.rows), logits.shape[1])
+        return
     import xgrammar as xgr
     bitmask = mask.bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=mask.rows)

@@ -18,6 +18,7 @@ from kvserve.entrypoints.openai.serving_common import SSE_DONE, ChoiceState, Ope
 from kvserve.entrypoints.openai.structured import request_constraint
 from kvserve.entrypoints.openai.tools import ToolCallStream, ToolChoice, assemble, resolve_tool_choice
 from kvserve.outputs import Logprob, RequestOutput
+from kvserve.sampling_params import StructuredOutputsParams
 
 _MAX_TOP_LOGPROBS = 20
 
@@ -56,7 +57,8 @@ class OpenAIServingChat(OpenAIServing):
         return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
 
 
-def _constraint(req: ChatCompletionRequest, tool_choice: ToolChoice | None):
+def _constraint(req: ChatCompletionRequest,
+                tool_choice: ToolChoice | None) -> tuple[StructuredOutputsParams | None, str | None]:
     """The output constraint and its source field: the request's own, or the one tool_choice implies."""
     constraint, source = request_constraint(req)
     forced = tool_choice.constraint() if tool_choice else None

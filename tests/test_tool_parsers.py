@@ -98,6 +98,13 @@ def test_cli_offers_every_parser():
     assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
 
 
+def test_serve_refuses_auto_tool_choice_without_a_parser(capsys):
+    from kvserve.entrypoints.cli import main
+    # a missing model: were the flags not checked first, this would fail on loading it, saying something else
+    assert main(["serve", "/nonexistent.gguf", "--enable-auto-tool-choice"]) == 1
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+
+
 # ----- tools and tool_choice -----
 def request(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})

@@ -43,6 +43,10 @@ class StructuredOutputsParams:
             raise InvalidRequestError("structured_outputs must set exactly one of json, regex, choice, grammar or "
                                       f"json_object, got {', '.join(set_) if set_ else 'none'}", "structured_outputs")
         self._verify(set_[0])
+        try:
+            self.key   # noqa: B018 (serializes the constraint: a structure nested past Python's limit fails here)
+        except RecursionError:
+            raise InvalidRequestError("structured_outputs is nested too deeply", "structured_outputs") from None
 
     def _verify(self, kind: str) -> None:
         value = getattr(self, kind)
@@ -52,6 +56,9 @@ class StructuredOutputsParams:
                     self.json = json.loads(self.json)
                 except ValueError as e:
                     raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {e}",
+                                              "structured_outputs") from None
+                except RecursionError:
+                    raise InvalidRequestError("structured_outputs.json is nested too deeply",
                                               "structured_outputs") from None
             if not isinstance(self.json, (dict, bool)):
                 raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object), got "

@@ -214,8 +214,16 @@ def test_a_bad_constraint_is_a_typed_error_and_the_engine_serves_the_rest(llm, k
     assert llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("fields", [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"choice": ["a", 1]},
-                                    {"json": 3}, {"json_object": False}, {"regex": ""}, {"unknown": 1}])
+                                    {"json": 3}, {"json_object": False}, {"regex": ""}, {"unknown": 1},
+                                    {"json": "[" * 100_000}, {"json": nested(100_000)}])
 def test_malformed_structured_outputs_params_are_refused(fields):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(structured_outputs=fields)

@@ -130,9 +130,10 @@ def test_streamed_deltas_carry_all_accepted_tokens(spec_llm, reference):
 def test_batch_size_switch_turns_drafts_off():
     llm = make_llm({**NGRAM, "disable_by_batch_size": 2})
     stats = llm.llm_engine.scheduler.spec_stats
-    llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)   # three running all along: no drafts
+    short = GREEDY.clone(max_tokens=8)
+    llm.generate(PROMPTS[:3], short, use_tqdm=False)   # three running all along: no drafts
     assert stats.num_drafts == 0
-    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    llm.generate(PROMPTS[:2], short, use_tqdm=False)
     assert stats.num_drafts > 0
 
 

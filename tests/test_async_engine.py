@@ -196,3 +196,27 @@ def test_stats_log_line(caplog):
     assert "Running: 1 reqs, Waiting: 2 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 25.0%" in line.message
     assert line.generation_throughput == 0.2 and line.prompt_throughput == 0.4
     assert not logger.maybe_log(SchedulerStats(0, 0, 0.0, 0, 4, 1), now=logger._last_time + 10)   # idle: quiet
+
+
+def test_a_grammar_past_its_compile_time_limit_is_a_400_and_stalls_nothing(real_engine):
+    """The server waits for a request's grammar before queuing it, at most grammar_compile_timeout_s; past that the
+    request is a 400 (streamed too: nothing has been sent yet), and the engine serves the others meanwhile."""
+    manager = real_engine.structured_output
+
+    async def scenario(http, faulty, engine):
+        manager.compile_timeout_s = 1e-6   # shorter than any compilation
+        slow = {"prompt": "hi", "max_tokens": 3, "structured_outputs": {"regex": "[a-z]{2,5} never cached"}}
+        ok = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+        results = await asyncio.gather(http.post("/v1/completions", json=slow),
+                                       http.post("/v1/completions", json={**slow, "stream": True,
+                                                                          "structured_outputs": {"regex": "[0-9]+x"}}),
+                                       http.post("/v1/completions", json=ok))
+        assert [r.status_code for r in results] == [400, 400, 200]
+        for r in results[:2]:
+            err = r.json()["error"]
+            assert err["param"] == "structured_outputs" and "longer than" in err["message"]
+
+    try:
+        run_in_process(real_engine, scenario)
+    finally:
+        manager.compile_timeout_s = real_engine.config.grammar_compile_timeout_s

@@ -233,3 +233,67 @@ def test_metrics_and_stats_line_report_acceptance(spec_llm, caplog):
     rate = 100 * spec.num_accepted_tokens / spec.num_draft_tokens
     assert f"Draft acceptance rate: {rate:.1f}%" in caplog.text
     assert f"Mean acceptance length: {1 + spec.num_accepted_tokens / spec.num_drafts:.2f}" in caplog.text
+
+
+class RowCounter:
+    """A model that counts the rows it runs; every other attribute is the model's own."""
+
+    def __init__(self, model):
+        self.model, self.num_rows = model, 0
+
+    def __call__(self, input_ids, positions, meta):
+        self.num_rows += input_ids.numel()
+        return self.model(input_ids, positions, meta)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_the_draft_skips_what_its_proposal_wrote_and_keeps_a_right_kv(tmp_path, gguf_path):
+    """The draft is the target's first layer, so at every computed position its KV must equal the target's first
+    layer's, through accepted and rejected drafts alike (a row the draft skipped that its proposal did not write
+    would not); verification steps run the draft on about one row instead of k + 1."""
+    from transformers import AutoModelForCausalLM
+    from kvserve.attention import attention_layers
+    target = save_tiny_model("qwen2", tmp_path / "target", num_hidden_layers=2, vocab_size=96)
+    with torch.no_grad():   # a faint second layer: most drafts are accepted, some are not
+        for linear in (target.model.layers[1].self_attn.o_proj, target.model.layers[1].mlp.down_proj):
+            linear.weight.mul_(0.05)
+    target.save_pretrained(tmp_path / "target")
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
+    draft.model.layers = draft.model.layers[:1]
+    draft.config.num_hidden_layers = 1
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:1]
+    draft.save_pretrained(tmp_path / "draft")
+    spec = {"model": str(tmp_path / "draft"), "num_speculative_tokens": 4, "disable_by_batch_size": None}
+    engine = make_llm(spec, model=str(tmp_path / "target"), tokenizer=gguf_path).llm_engine
+    runner = engine.runner
+    target_kv, draft_kv = attention_layers(runner.model)[0], attention_layers(runner.draft_model)[0]
+    runner.model, runner.draft_model = RowCounter(runner.model), RowCounter(runner.draft_model)
+    propose, proposal_rows = runner.propose_drafts, []
+
+    def counted_propose(reqs, max_drafts):
+        before = runner.draft_model.num_rows
+        out = propose(reqs, max_drafts)
+        proposal_rows.append(runner.draft_model.num_rows - before)
+        return out
+
+    runner.propose_drafts = counted_propose
+    prompts = tiny_prompts(3)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    bs = engine.block_size
+    for i in range(len(prompts)):
+        req = engine.scheduler.requests[str(i)]
+        pos = torch.arange(req.num_computed_tokens)
+        slots = torch.tensor(engine.kv.get_block_ids(str(i)))[pos // bs] * bs + pos % bs
+        for t, d in ((target_kv.k_cache, draft_kv.k_cache), (target_kv.v_cache, draft_kv.v_cache)):
+            torch.testing.assert_close(d.flatten(0, 1)[slots], t.flatten(0, 1)[slots], atol=1e-5, rtol=1e-5)
+    stats = engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens   # both paths ran
+    verify_rows = runner.draft_model.num_rows - sum(proposal_rows)
+    prompt_rows = sum(len(p["prompt_token_ids"]) for p in prompts)
+    assert verify_rows - prompt_rows <= stats.num_drafts < (runner.model.num_rows - prompt_rows) / 3

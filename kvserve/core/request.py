@@ -65,6 +65,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []   # drafts to verify in the next step (speculative decoding)
+        # draft model: (start, end, num_preemptions) of the positions [start, end) whose draft KV its proposal
+        # wrote; the next step's draft forward skips them (valid while the request was not preempted since)
+        self.draft_kv_written: tuple[int, int, int] | None = None
         self.structured_output = None        # StructuredOutputRequest when the output is constrained
         self.num_cached_tokens = -1          # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0

@@ -169,7 +169,7 @@ class ModelRunner:
         inp = self.prepare_inputs(sched)
         hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
         if self.draft_model is not None:
-            self.draft_model(inp.input_ids, inp.positions, inp.attn_metadata)   # only its KV is wanted
+            self._write_draft_kv(sched, inp)
         if inp.prompt_lp:
             self._prompt_logprobs(hidden, inp)
         if not inp.sample_reqs:
@@ -215,6 +215,33 @@ class ModelRunner:
         return emitted
 
     # ----- speculative decoding: the draft model's proposals -----
+    def _write_draft_kv(self, sched: SchedulerOutput, inp: StepInputs) -> None:
+        """The draft model's KV for the step's tokens, skipping the positions its last proposal already wrote.
+
+        A request verifying k drafts computes its last token and d1..dk; the proposal wrote the KV of the last
+        token and d1..d(k-1) (KV of an accepted draft is right as written; that of a rejected one is overwritten
+        by the next proposal, which starts there), so only dk's row remains. Prefill chunks, requests without a
+        proposal and requests preempted since theirs run whole."""
+        rows, query_lens, seq_lens, tables, row = [], [], [], [], 0
+        for req, n in sched.scheduled:
+            start = req.num_computed_tokens
+            first = start
+            written = req.draft_kv_written
+            if written is not None and written[0] == start and written[2] == req.num_preemptions:
+                first = min(max(start, written[1]), start + n)
+            req.draft_kv_written = None
+            if first < start + n:
+                rows.extend(range(row + first - start, row + n))
+                query_lens.append(start + n - first)
+                seq_lens.append(start + n)
+                tables.append(self.kv.get_block_ids(req.request_id))
+            row += n
+        if not rows:
+            return
+        meta = build_attention_metadata(query_lens, seq_lens, tables, self.kv.block_size, self.device)
+        idx = self._long(rows)
+        self.draft_model(inp.input_ids[idx], inp.positions[idx], meta)   # only its KV is wanted
+
     @torch.inference_mode()
     def propose_drafts(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
         """Up to max_drafts[i] drafts for each request, by the draft model: greedy, batched over the requests, one
@@ -241,6 +268,9 @@ class ModelRunner:
             hidden = self.draft_model(self._long(ids), self._long(positions), meta)
             for i, token in zip(idx, argmax_rows(self.draft_model.compute_logits(hidden)).tolist()):
                 drafts[i].append(token)
+        for req, limit in zip(live, limits):
+            start = req.num_tokens - 1
+            req.draft_kv_written = (start, start + limit, req.num_preemptions)
         by_req = {id(req): d for req, d in zip(live, drafts)}
         return [by_req.get(id(req), []) for req in reqs]
 

@@ -220,3 +220,17 @@ def test_a_grammar_past_its_compile_time_limit_is_a_400_and_stalls_nothing(real_
         run_in_process(real_engine, scenario)
     finally:
         manager.compile_timeout_s = real_engine.config.grammar_compile_timeout_s
+
+
+def test_a_request_id_taken_while_a_grammar_compiles_is_refused(real_engine):
+    """The id is reserved before the grammar's compilation is awaited: a second request with the same id is a 400,
+    and the first one still gets its answer."""
+    async def scenario(http, faulty, engine):
+        body = {"prompt": "hi", "max_tokens": 3, "temperature": 0, "request_id": "same",
+                "structured_outputs": {"regex": "[a-z]{3} taken"}}
+        first = asyncio.create_task(http.post("/v1/completions", json=body))
+        second = asyncio.create_task(http.post("/v1/completions", json={**body, "structured_outputs": None}))
+        r1, r2 = await asyncio.wait_for(asyncio.gather(first, second), 60)
+        assert r1.status_code == 200 and r1.json()["choices"][0]["text"]
+        assert r2.status_code == 400 and r2.json()["error"]["param"] == "request_id"
+    run_in_process(real_engine, scenario)

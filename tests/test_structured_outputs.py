@@ -203,6 +203,10 @@ def test_n_samples_each_follow_the_grammar_and_logprobs_come_back(llm):
     ("regex", "(unclosed", "regex"),
     ("grammar", "root ::= missing_rule", "grammar"),
     ("grammar", "root ::= (", "grammar"),
+    # accepted by xgrammar but not enforced: refused rather than letting invalid output through
+    ("json", {"type": "integer", "not": {"const": 5}}, "uses not"),
+    ("json", {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, r"uniqueItems \(at"),
+    ("json", {"allOf": [{"type": "integer"}, {"maximum": 2}]}, "allOf with several"),
 ])
 def test_a_bad_constraint_is_a_typed_error_and_the_engine_serves_the_rest(llm, kind, value, what):
     with pytest.raises(InvalidRequestError, match=what) as e:
@@ -228,6 +232,15 @@ def test_malformed_structured_outputs_params_are_refused(fields):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(structured_outputs=fields)
     assert e.value.param == "structured_outputs"
+
+
+def test_keywords_are_told_from_property_names(llm):
+    """A property named like an unenforced keyword is fine; a one-schema allOf (as pydantic writes) is enforced."""
+    schema = {"type": "object", "properties": {"not": {"type": "string", "maxLength": 8},
+                                               "n": {"allOf": [{"type": "integer", "minimum": 5, "maximum": 9}]}},
+              "required": ["not", "n"], "additionalProperties": False}
+    o = chat(llm, "Write JSON.", structured_outputs=constrained(json=schema, disable_any_whitespace=True))
+    jsonschema.validate(json.loads(o.text), schema)
 
 
 def test_a_compiling_grammar_holds_only_its_own_request(llm):
@@ -277,3 +290,19 @@ def test_the_bitmask_kernel_equals_xgrammars(vocab_size):
     xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab_size, indices=rows)
     assert torch.equal(ours, theirs) and torch.equal(ours[[2, 3]], logits[[2, 3]])
     assert torch.isinf(ours[rows]).any()
+
+
+def test_min_tokens_holds_a_grammar_open_until_it_must_end(llm):
+    """Under min_tokens a constrained row forbids the stop tokens where the grammar allows going on; where it
+    allows only its end, the grammar wins and the request ends there (no forbidden token is ever emitted)."""
+    prompt = "Is the sky blue? Answer in one word."
+    free = chat(llm, prompt, structured_outputs=constrained(regex="[a-z]+"))
+    assert free.finish_reason == "stop"
+    held = chat(llm, prompt, min_tokens=len(free.token_ids) + 3, structured_outputs=constrained(regex="[a-z]+"))
+    assert len(held.token_ids) >= len(free.token_ids) + 3 and re.fullmatch("[a-z]+", held.text)
+    eos = llm.get_tokenizer().eos_token_id
+    for temperature in (0, 1.0):
+        o = chat(llm, prompt, temperature=temperature, seed=1, min_tokens=5, logprobs=1,
+                 structured_outputs=constrained(choice=["yes"]))
+        assert o.text == "yes" and o.finish_reason == "stop" and o.token_ids[-1] == eos
+        assert len(o.token_ids) == len(llm.get_tokenizer().encode("yes", add_special_tokens=False)) + 1

@@ -119,6 +119,7 @@ def request(**fields) -> ChatCompletionRequest:
     ([{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": 3}}}}],
      "parameters.properties.a"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"required": "a"}}}], "required"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], "must be an object schema"),
 ])
 def test_bad_tools_are_400_naming_tools(tools, words):
     with pytest.raises(BadRequestError) as e:

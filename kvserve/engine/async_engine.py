@@ -128,12 +128,22 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if params.output_kind != RequestOutputKind.DELTA:
             params = params.clone(output_kind=RequestOutputKind.DELTA)
-        if params.structured_outputs is not None:
-            await self._compile_grammar(params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # the id is taken and the request counts as waiting from here on, through its grammar's compilation too
         stream = self._streams[request_id] = RequestStream(request_id)
-        stream.add_future = self._loop.create_future()
         self._num_pending_adds += 1
+        if params.structured_outputs is not None:
+            try:
+                await self._compile_grammar(params)
+                self._check_alive()
+                if stream.aborted or not self._accepting:   # shut down while it compiled
+                    raise EngineStoppedError("the server is shutting down and takes no new requests")
+            except BaseException:
+                self._num_pending_adds -= 1
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+                raise
+        stream.add_future = self._loop.create_future()
         add = functools.partial(self._add_on_engine, request_id, prompt, params, arrival_time, priority, cache_salt)
         self._submit(functools.partial(self._run_command, add, stream.add_future))
         try:

@@ -131,8 +131,8 @@ def _logit_bias(rows: list[SamplingRow], vocab_size: int, device) -> SparseLogit
 def _min_tokens_mask(rows: list[SamplingRow], vocab_size: int, device) -> SparseLogits | None:
     flat_ids = []
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) >= r.params.min_tokens:
-            continue
+        if len(r.output_token_ids) >= r.params.min_tokens or r.params.structured_outputs is not None:
+            continue   # a constrained row bans them in its grammar bitmask, unless nothing else is allowed
         # ignore_eos only stops eos from ending the request; while under min_tokens eos stays forbidden.
         banned = sorted(set(r.eos_token_ids) | r.params.all_stop_token_ids)
         _check_ids(banned, vocab_size, "stop_token_ids")

@@ -16,6 +16,7 @@ from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured_output.request import StructuredOutputRequest
 
 _MAX_CACHED = 1024          # compiled grammars kept (xgrammar keeps its own cache of the expensive parts too)
+_XGRAMMAR_CACHE_BYTES = 256 << 20   # xgrammar's cache across constraints, bounded (unbounded by default)
 _NUM_WORKERS = 2            # compilations at once; each uses one thread (the engine keeps the other cores)
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
          "grammar": "grammar"}
@@ -29,7 +30,8 @@ class StructuredOutputManager:
         self.compile_timeout_s = compile_timeout_s
         self._tokenizer = tokenizer
         self._stop_token_ids = list(stop_token_ids)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()            # the futures and the pool
+        self._compiler_lock = threading.Lock()   # building the compiler (~1 s): never under _lock
         self._futures: OrderedDict[tuple, Future] = OrderedDict()
         self._pool: _DaemonPool | None = None
         self._compiler = None
@@ -56,10 +58,11 @@ class StructuredOutputManager:
 
     # ----- on the pool -----
     def _compile(self, params: StructuredOutputsParams):
-        compiler = self._get_compiler()
         kind = params.kind
         try:
+            compiler = self._get_compiler()
             if kind == "json":
+                _check_supported(params.json)
                 return compiler.compile_json_schema(json.dumps(params.json),
                                                     any_whitespace=not params.disable_any_whitespace)
             if kind == "json_object":   # any object: strict mode would forbid properties the schema does not list
@@ -70,18 +73,20 @@ class StructuredOutputManager:
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(params.choice))
             return compiler.compile_grammar(params.grammar)
+        except InvalidRequestError:
+            raise
         except Exception as e:   # xgrammar raises RuntimeError (and a few others) naming the problem
             raise InvalidRequestError(f"structured_outputs: the {_WHAT[kind]} cannot be compiled: {_reason(e)}",
                                       "structured_outputs") from None
 
     def _get_compiler(self):
-        with self._lock:
+        with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr
                 # a copy: HF fast tokenizers are not safe to share with the thread that detokenizes
                 info = xgr.TokenizerInfo.from_huggingface(copy.deepcopy(self._tokenizer), vocab_size=self.vocab_size,
                                                           stop_token_ids=self._stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_XGRAMMAR_CACHE_BYTES)
             return self._compiler
 
 
@@ -108,6 +113,35 @@ class _DaemonPool:
                 fut.set_result(fn(*args))
             except BaseException as e:   # the caller gets it from the future
                 fut.set_exception(e)
+
+
+# keywords whose values are maps of names to schemas (the names are not keywords), and those that hold data
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+_DATA = {"enum", "const", "default", "examples"}
+
+
+def _check_supported(schema) -> None:
+    """Refuse what xgrammar accepts but does not enforce (it would let outputs through that fail the schema):
+    `not`, `uniqueItems: true` and `allOf` of more than one schema."""
+    stack = [(schema, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        what = ("not" if "not" in node else "uniqueItems" if node.get("uniqueItems") is True else
+                "allOf with several schemas" if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1 else
+                None)
+        if what is not None:
+            raise InvalidRequestError(f"structured_outputs: the JSON schema uses {what} (at {path or 'its root'}), "
+                                      "which the grammar engine cannot enforce", "structured_outputs")
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend((v, f"{path}.{key}.{name}") for name, v in value.items())
+            elif key not in _DATA:
+                stack.append((value, f"{path}.{key}"))
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -81,9 +81,24 @@ def build_grammar_bitmask(reqs, vocab_size: int) -> GrammarBitmask | None:
     for req in reqs:
         so = req.structured_output
         if so is not None and not so.is_terminated:
-            rows += _fill_rows(so.matcher, bitmask, row, req.spec_token_ids)
+            filled = _fill_rows(so.matcher, bitmask, row, req.spec_token_ids)
+            num_short = req.params.min_tokens - req.num_output_tokens   # rows still under min_tokens
+            for r in filled[:max(num_short, 0)]:
+                _ban_stops(bitmask[r], req.eos_token_ids | req.params.all_stop_token_ids)
+            rows += filled
         row += len(req.spec_token_ids) + 1
     return GrammarBitmask(bitmask, rows) if rows else None
+
+
+def _ban_stops(words: torch.Tensor, stop_ids: set[int]) -> None:
+    """min_tokens in a grammar's row: forbid the stop tokens too, unless the grammar allows nothing else (its output
+    is complete: the grammar wins, and the request ends short of min_tokens)."""
+    banned = words.clone()
+    for t in stop_ids:
+        if t // 32 < len(banned):
+            banned[t // 32] &= ~(torch.tensor(1, dtype=torch.int32) << (t % 32))
+    if banned.any():
+        words.copy_(banned)
 
 
 def _fill_rows(matcher, bitmask: torch.Tensor, row: int, drafts: list[int]) -> list[int]:

@@ -80,6 +80,11 @@ def check_tools(req: ChatCompletionRequest) -> list[dict]:
         seen.add(fn.name)
         if fn.parameters is not None:
             check_json_schema(fn.parameters, "tools", f"tools[{i}].function.parameters")
+            if not isinstance(fn.parameters, dict) or fn.parameters.get("type", "object") != "object":
+                # a call's arguments are a JSON object
+                raise BadRequestError(f"tools[{i}].function.parameters must be an object schema "
+                                      f"(\"type\": \"object\"), got type {fn.parameters.get('type')!r}", "tools",
+                                      "invalid_value")
     return [tool.model_dump(exclude_none=True) for tool in req.tools]
 
 

@@ -1,6 +1,7 @@
 """EngineConfig: the one configuration object of the engine, validated once."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -58,6 +59,9 @@ class EngineConfig:
     def validate(self) -> None:
         def bad(msg, param):
             raise InvalidRequestError(msg, param)
+        for name in ("model", "tokenizer", "chat_template"):   # a pathlib.Path is a path too
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float"):
             bad(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}", "dtype")
         if self.block_size < 1 or self.block_size > 1024:

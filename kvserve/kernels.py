@@ -244,14 +244,17 @@ def summary(dtype: torch.dtype, device: torch.device) -> str:
         return f"{device.type}: torch ops"
     st = status()
     dt = str(dtype).removeprefix("torch.")
+    from kvserve.model.layers import onednn_available
+    matmuls = (f"{dt} matmuls by oneDNN on prepacked weights" if dtype == torch.float32 and
+               onednn_available(torch.float32) else f"{dt} matmuls in torch")
     if not st.built:
-        return f"no C++ kernels ({st.reason}): attention and {dt} matmuls in plain torch{_SEE}"
+        return f"no C++ kernels ({st.reason}): attention in plain torch, {matmuls}{_SEE}"
     if dtype == torch.bfloat16 and st.bf16:
         return "C++ AVX-512 BF16: paged attention on tiled KV, packed bf16 matmuls, fused layer stack"
     attention = "C++ paged attention (AVX-512)" if st.avx512 else "C++ paged attention (portable: no AVX-512)"
     if st.bf16:
-        return f"{attention}; {dt} matmuls in torch (--dtype bfloat16 runs the bf16 kernels)"
-    return f"{attention}; {dt} matmuls in torch (no AVX-512 BF16: no bf16 kernels or fused layer stack){_SEE}"
+        return f"{attention}; {matmuls} (--dtype bfloat16 runs the bf16 kernels)"
+    return f"{attention}; {matmuls} (no AVX-512 BF16: no bf16 kernels or fused layer stack){_SEE}"
 
 
 _SEE = "; see docs/architecture.md, Kernel paths"

@@ -319,11 +319,11 @@ def test_vectorized_metadata_equals_a_loop(seed):
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_packed_linear_equals_f_linear_in_bfloat16(bias):
     """oneDNN's packed path (where the C++ matmul kernels do not build) is bit-identical to F.linear."""
-    from kvserve.model.layers import Linear, onednn_bf16_available, packed_linear, prepack_weights
+    from kvserve.model.layers import Linear, onednn_available, packed_linear, prepack_weights
     lin = Linear(64, 96, bias=bias).to(torch.bfloat16)
     for p in lin.parameters():
         torch.nn.init.normal_(p)
-    if not onednn_bf16_available():
+    if not onednn_available(torch.bfloat16):
         pytest.skip("oneDNN has no bf16 linear on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
     pack, = prepack_weights([lin.weight], onednn=True)
     assert pack.onednn is not None and pack.kernel is None
@@ -335,6 +335,48 @@ def test_onednn_packed_linear_equals_f_linear_in_bfloat16(bias):
             torch.testing.assert_close(packed, plain, atol=0.5, rtol=2e-2)
         else:
             assert torch.equal(packed, plain)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_packed_linear_agrees_with_f_linear_in_float32_and_unpacks_exactly(bias):
+    """float32 Linears are packed for oneDNN on the CPU: the product agrees with F.linear to rounding at every
+    row count (1-8 rows are why: MKL's F.linear reads the weight once per row there), strided and 3-d inputs
+    included, and the plain weight comes back exactly from the pack."""
+    from kvserve.model.layers import Linear, can_prepack, onednn_available, prepack_linears, unpack_weight
+    if not onednn_available(torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    g = torch.Generator().manual_seed(int(bias))
+    lin = Linear(96, 200, bias=bias)
+    for p in lin.parameters():
+        p.copy_(torch.randn(p.shape, generator=g))
+    lin.weight[0, 0] = -0.0
+    assert can_prepack(lin.weight) and prepack_linears(lin)[0] == 1
+    assert lin.packed.onednn is not None and lin.packed.kernel is None
+    for rows in (1, 2, 3, 6, 8, 9, 37, 300):
+        x = torch.randn(rows, 100, generator=g)[:, :96]
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+    x3 = torch.randn(2, 5, 96, generator=g)
+    torch.testing.assert_close(lin(x3), torch.nn.functional.linear(x3, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+    assert torch.equal(unpack_weight(lin.packed, 96), lin.weight)
+
+
+def test_float32_serving_keeps_one_copy_of_the_weights():
+    """The engine drops each float32 Linear's plain weight once it is packed for oneDNN; restoring gives back
+    exactly the loaded weights."""
+    from kvserve import LLM
+    from kvserve.model.layers import Linear, onednn_available, restore_unpacked_weights
+    from model_utils import load_ours
+    if not onednn_available(torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    llm = LLM(dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    model = llm.llm_engine.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.is_meta and m.packed.onednn is not None for m in linears)
+    assert llm.llm_engine.runner.released_weight_bytes == sum(4 * m.weight.numel() for m in linears)
+    restore_unpacked_weights(model)
+    fresh, _ = load_ours(None, "float32")
+    for (name, got), (_, want) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(got, want), name
 
 
 @needs_kernels

@@ -35,9 +35,10 @@ class Linear(InferenceModule):
 
 @dataclass
 class PackedWeight:
-    """A bf16 CPU weight [N, K] packed once in the layout a matmul kernel streams: kvserve/csrc/gemv.cpp's
+    """A CPU weight [N, K] packed once in the layout a matmul kernel streams. bf16: kvserve/csrc/gemv.cpp's
     (16 output columns x 2 inputs per 64-byte line; a GEMV up to 8 rows, register-tiled GEMM beyond) where the
-    C++ kernels build with AVX-512 BF16 and K is even, else oneDNN's blocked layout."""
+    C++ kernels build with AVX-512 BF16 and K is even, else oneDNN's blocked layout. float32: oneDNN's, which
+    reads a few rows' weights once (MKL's F.linear costs several single-row passes for 2-8 rows)."""
 
     out_features: int
     kernel: torch.Tensor | None = None   # the C++ kernels' layout
@@ -52,26 +53,29 @@ def _kernel_lib():
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """True where a packed bf16 weight is available: CPU and bf16, with the C++ matmul kernels or a torch built
-    with mkldnn."""
+    """True where a packed weight is available: CPU and bf16, with the C++ matmul kernels or a torch built with
+    mkldnn; CPU and float32 with mkldnn."""
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        return onednn_available(torch.float32)
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return False
     if _kernel_lib() is not None and weight.shape[1] % 2 == 0:
         return True
-    return onednn_bf16_available()
+    return onednn_available(torch.bfloat16)
 
 
 @functools.cache
-def onednn_bf16_available() -> bool:
-    """Whether this torch and CPU pack bf16 linears for oneDNN (it needs AVX-512 or AVX-NE-CONVERT)."""
+def onednn_available(dtype: torch.dtype) -> bool:
+    """Whether this torch and CPU pack linears of `dtype` for oneDNN (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        w = torch.ones(8, 8, dtype=torch.bfloat16)
-        packed_linear(torch.ones(1, 8, dtype=torch.bfloat16), PackedWeight(8, onednn=_onednn_pack(w)))
+        w = torch.ones(8, 8, dtype=dtype)
+        packed_linear(torch.ones(1, 8, dtype=dtype), PackedWeight(8, onednn=_onednn_pack(w)))
         return True
     except (RuntimeError, AttributeError):
         return False
+
 
 
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
@@ -83,7 +87,7 @@ def prepack_weights(weights: list[torch.Tensor], onednn: bool = False) -> list[P
     buffer: decode steps read it from start to end. onednn=True packs for oneDNN even where the kernels exist
     (benchmarks compare the two)."""
     lib = _kernel_lib()
-    if onednn or lib is None or any(w.shape[1] % 2 for w in weights):
+    if onednn or lib is None or any(w.shape[1] % 2 or w.dtype != torch.bfloat16 for w in weights):
         return [PackedWeight(w.shape[0], onednn=_onednn_pack(w)) for w in weights]
     sizes = [kernels.packed_numel(*w.shape) for w in weights]
     buf = kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16)
@@ -96,7 +100,8 @@ def prepack_weights(weights: list[torch.Tensor], onednn: bool = False) -> list[P
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T with a prepacked weight: the C++ kernels, faster than oneDNN at every size (benchmarks/matmul.py);
-    oneDNN's path (where they do not build) is bit-identical to F.linear in bf16."""
+    oneDNN's path (where they do not build) is bit-identical to F.linear in bf16; in float32 it sums in another
+    order than F.linear (MKL) and agrees to rounding."""
     if packed.kernel is not None:
         if x.dim() != 2 or x.stride(1) != 1:
             return packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias).view(*x.shape[:-1], -1)
@@ -121,19 +126,23 @@ def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = ()) -> tuple[i
 
 
 def unpack_weight(packed: PackedWeight, in_features: int) -> torch.Tensor:
-    """W [N, K] back from the C++ kernels' layout: the pack is a permutation, so this is exact."""
+    """W [N, K] back from the C++ kernels' layout (the pack is a permutation), or from a float32 oneDNN pack as
+    I_K @ W^T (each entry one product by 1 plus zeros): exact either way."""
+    if packed.kernel is None:
+        eye = torch.eye(in_features, dtype=torch.float32)
+        return packed_linear(eye, packed).t().contiguous()
     n, k = packed.out_features, in_features
     nb = -(-n // 16)
     return packed.kernel.view(nb, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(nb * 16, k)[:n].clone()
 
 
 def release_unpacked_weights(model: nn.Module) -> int:
-    """Drop the plain weight of every Linear that has a C++-kernel pack (the serving path reads only the pack),
-    leaving a shape-only meta tensor; returns the bytes freed. A Linear whose pack is then removed raises, and
-    restore_unpacked_weights() brings the weights back (benchmarks that switch packing off)."""
+    """Drop the plain weight of every Linear that has a C++-kernel or a float32 oneDNN pack (the serving path reads
+    only the pack), leaving a shape-only meta tensor; returns the bytes freed. A Linear whose pack is then removed
+    raises, and restore_unpacked_weights() brings the weights back (benchmarks that switch packing off)."""
     freed = 0
     for m in model.modules():
-        if isinstance(m, Linear) and m.packed is not None and m.packed.kernel is not None and not m.weight.is_meta:
+        if isinstance(m, Linear) and _can_unpack(m.packed, m.weight.dtype) and not m.weight.is_meta:
             freed += m.weight.numel() * m.weight.element_size()
             m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"),
                                     requires_grad=False)
@@ -143,8 +152,12 @@ def release_unpacked_weights(model: nn.Module) -> int:
 def restore_unpacked_weights(model: nn.Module) -> None:
     """Undo release_unpacked_weights() from the packs."""
     for m in model.modules():
-        if isinstance(m, Linear) and m.weight.is_meta and m.packed is not None and m.packed.kernel is not None:
+        if isinstance(m, Linear) and m.weight.is_meta and _can_unpack(m.packed, m.weight.dtype):
             m.weight = nn.Parameter(unpack_weight(m.packed, m.weight.shape[1]), requires_grad=False)
+
+
+def _can_unpack(packed: PackedWeight | None, dtype: torch.dtype) -> bool:
+    return packed is not None and (packed.kernel is not None or packed.onednn is not None and dtype == torch.float32)
 
 
 class MergedLinear(Linear):

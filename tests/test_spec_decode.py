@@ -21,7 +21,7 @@ PROMPTS = [
     "The capital of France is",
     "1, 2, 3, 4, 5,",
 ]
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 METHODS = {"ngram": NGRAM, "suffix": SUFFIX}
@@ -72,12 +72,12 @@ def test_greedy_under_chunking_preemption_and_prefix_caching(method, reference):
     assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.num_kv_blocks   # nothing leaked
 
 
-SAMPLED = [SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=40, ignore_eos=True),
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32, ignore_eos=True),
            SamplingParams(temperature=1.0, top_k=20, seed=8, frequency_penalty=0.5, presence_penalty=0.3,
-                          repetition_penalty=1.2, max_tokens=40, ignore_eos=True),
-           SamplingParams(temperature=0.7, min_p=0.05, seed=9, n=2, logit_bias={198: 2.0}, max_tokens=40,
+                          repetition_penalty=1.2, max_tokens=32, ignore_eos=True),
+           SamplingParams(temperature=0.7, min_p=0.05, seed=9, n=2, logit_bias={198: 2.0}, max_tokens=32,
                           ignore_eos=True),
-           SamplingParams(temperature=0, max_tokens=40, min_tokens=30, stop_token_ids=[198, 28])]
+           SamplingParams(temperature=0, max_tokens=32, min_tokens=24, stop_token_ids=[198, 28])]
 
 
 def test_seeded_sampling_equals_no_speculation(off, spec_llm):

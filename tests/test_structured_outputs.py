@@ -76,7 +76,7 @@ def generated_schema(rng: random.Random, depth: int = 0) -> dict:
             "required": names[:rng.randint(0, len(names))], "additionalProperties": False}
 
 
-GENERATED = {f"generated {i}": generated_schema(random.Random(i)) for i in range(12)}
+GENERATED = {f"generated {i}": generated_schema(random.Random(i)) for i in range(8)}
 GREEDY = dict(temperature=0, max_tokens=120)
 
 

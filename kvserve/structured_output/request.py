@@ -44,8 +44,8 @@ class StructuredOutputRequest:
         return False
 
     def accept(self, token_id: int) -> bool:
-        """Advance over a token the request keeps; False (and a warning) if the grammar forbids it, which only a
-        conflict with another setting can cause (min_tokens banning the end of a complete output)."""
+        """Advance over a token the request keeps; False (and a warning) if the grammar forbids it. Every sampled
+        row is masked by the grammar, so this is a guard: the request stops rather than go on off its grammar."""
         if self.matcher.accept_token(token_id):
             return True
         logger.warning("kvserve: token %d does not fit the request's grammar; the request stops", token_id)

@@ -306,3 +306,32 @@ def test_min_tokens_holds_a_grammar_open_until_it_must_end(llm):
                  structured_outputs=constrained(choice=["yes"]))
         assert o.text == "yes" and o.finish_reason == "stop" and o.token_ids[-1] == eos
         assert len(o.token_ids) == len(llm.get_tokenizer().encode("yes", add_special_tokens=False)) + 1
+
+
+def test_names_under_keywords_that_hold_names_are_not_keywords():
+    from kvserve.structured_output.manager import _check_supported
+    _check_supported({"type": "object", "properties": {"not": {}, "allOf": {}}, "dependentRequired": {"not": ["a"]},
+                      "dependencies": {"uniqueItems": ["b"]}, "required": ["not"], "enum": [{"not": 1}]})
+    with pytest.raises(InvalidRequestError, match="uses not"):
+        _check_supported({"type": "object", "dependencies": {"a": {"not": {"required": ["b"]}}}})
+
+
+def test_a_compiler_that_fails_to_build_fails_the_request_uncached(llm, monkeypatch):
+    """Building the grammar compiler failing is the server's fault: the request fails (a 500 on the server), the
+    failure is not cached, and once the compiler builds, the same constraint compiles."""
+    from kvserve.errors import RequestFailedError
+    from kvserve.structured_output import StructuredOutputManager
+    engine = llm.llm_engine
+    manager = StructuredOutputManager(engine.tokenizer, engine.vocab_size, sorted(engine.eos_token_ids), 10.0)
+    monkeypatch.setattr(engine, "structured_output", manager)
+    build = manager._get_compiler
+
+    def broken():
+        raise MemoryError("no room for the vocabulary index")
+    monkeypatch.setattr(manager, "_get_compiler", broken)
+    so = constrained(regex="[a-z]+")
+    with pytest.raises(RequestFailedError, match="building the grammar compiler failed"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=3, structured_outputs=so), use_tqdm=False)
+    monkeypatch.setattr(manager, "_get_compiler", build)
+    o = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3, structured_outputs=so), use_tqdm=False)
+    assert re.fullmatch("[a-z]+", o[0].outputs[0].text)

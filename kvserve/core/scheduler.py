@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
-from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
+from kvserve.errors import ContextLengthExceededError, KVServeError
 
 
 @dataclass
@@ -222,11 +222,17 @@ class Scheduler:
         while self.waiting and budget > 0:
             req = self.waiting[0]
             error = self._why_it_can_never_run(req)
+            ready = True
+            if error is None and req.structured_output is not None:
+                try:   # asked once: the compilation may end (or fail) at any moment
+                    ready = req.structured_output.is_ready()
+                except KVServeError as e:   # the constraint's fault (400), or the compiler's (500)
+                    error = e
             if error is not None:
                 self.waiting.popleft()
                 out.rejected.append((req, error))
                 continue
-            if req.structured_output is not None and not req.structured_output.is_ready():
+            if not ready:
                 compiling.append(self.waiting.popleft())
                 continue
             if len(self.running) >= self.max_num_seqs:
@@ -260,9 +266,8 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
 
-    def _why_it_can_never_run(self, req: Request) -> KVServeError | None:
-        """Why `req` could not run even alone on an empty pool (or its grammar failed to compile); None when it
-        can."""
+    def _why_it_can_never_run(self, req: Request) -> ContextLengthExceededError | None:
+        """Why `req` could not run even alone on an empty pool; None when it can."""
         num_blocks = cdiv(req.num_tokens, self.kv.block_size)
         why = None
         if num_blocks > self.kv.pool.num_blocks:
@@ -271,14 +276,9 @@ class Scheduler:
         elif not self.enable_chunked_prefill and req.num_tokens > self.max_num_batched_tokens:
             why = (f"its {req.num_tokens} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens} and "
                    "chunked prefill is off")
-        if why is not None:
-            return ContextLengthExceededError(f"the request can never be scheduled: {why}", "prompt")
-        if req.structured_output is not None:
-            try:
-                req.structured_output.is_ready()
-            except InvalidRequestError as e:
-                return e
-        return None
+        if why is None:
+            return None
+        return ContextLengthExceededError(f"the request can never be scheduled: {why}", "prompt")
 
     def compiling_grammars(self) -> list:
         """The grammar futures of waiting requests whose grammar is still compiling."""

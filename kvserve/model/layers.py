@@ -126,8 +126,9 @@ def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = ()) -> tuple[i
 
 
 def unpack_weight(packed: PackedWeight, in_features: int) -> torch.Tensor:
-    """W [N, K] back from the C++ kernels' layout (the pack is a permutation), or from a float32 oneDNN pack as
-    I_K @ W^T (each entry one product by 1 plus zeros): exact either way."""
+    """W [N, K] back from the C++ kernels' layout (the pack is a permutation: exact), or from a float32 oneDNN pack
+    as I_K @ W^T (each entry one product by 1 plus zeros: exact for finite weights, -0.0 coming back as 0.0; an
+    infinite or NaN weight makes its row NaN). Benchmarks and tests use it, through restore_unpacked_weights."""
     if packed.kernel is None:
         eye = torch.eye(in_features, dtype=torch.float32)
         return packed_linear(eye, packed).t().contiguous()

@@ -11,7 +11,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import InvalidRequestError, RequestFailedError
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured_output.request import StructuredOutputRequest
 
@@ -61,6 +61,12 @@ class StructuredOutputManager:
         kind = params.kind
         try:
             compiler = self._get_compiler()
+        except Exception as e:   # the server's fault, not the constraint's: not cached, a later request retries
+            with self._lock:
+                self._futures.pop(params.key, None)
+            raise RequestFailedError(f"structured outputs are unavailable: building the grammar compiler failed: "
+                                     f"{type(e).__name__}: {e}") from None
+        try:
             if kind == "json":
                 _check_supported(params.json)
                 return compiler.compile_json_schema(json.dumps(params.json),
@@ -116,8 +122,8 @@ class _DaemonPool:
 
 
 # keywords whose values are maps of names to schemas (the names are not keywords), and those that hold data
-_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
-_DATA = {"enum", "const", "default", "examples"}
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+_DATA = {"enum", "const", "default", "examples", "dependentRequired", "required"}
 
 
 def _check_supported(schema) -> None:

@@ -34,6 +34,8 @@ class StructuredOutputsParams:
     grammar: str | None = None          # EBNF (xgrammar / GBNF syntax), root rule `root`
     json_object: bool | None = None     # any JSON object
     disable_any_whitespace: bool = False   # JSON without free whitespace: compact output, fewer tokens
+    # equal for equal constraints: the grammar cache's key, serialized once here (the engine asks for it per sample)
+    key: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
@@ -44,7 +46,7 @@ class StructuredOutputsParams:
                                       f"json_object, got {', '.join(set_) if set_ else 'none'}", "structured_outputs")
         self._verify(set_[0])
         try:
-            self.key   # noqa: B018 (serializes the constraint: a structure nested past Python's limit fails here)
+            self.key = self._make_key()
         except RecursionError:
             raise InvalidRequestError("structured_outputs is nested too deeply", "structured_outputs") from None
 
@@ -83,9 +85,7 @@ class StructuredOutputsParams:
         """Which constraint is set: json, regex, choice, grammar or json_object."""
         return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
 
-    @property
-    def key(self) -> tuple:
-        """Equal for equal constraints: the grammar cache's key."""
+    def _make_key(self) -> tuple:
         value: Any = getattr(self, self.kind)
         if self.kind in ("json", "choice"):
             value = json.dumps(value, sort_keys=True, ensure_ascii=False)
@@ -99,7 +99,7 @@ class StructuredOutputsParams:
         if not isinstance(value, dict):
             raise InvalidRequestError("structured_outputs must be an object with one of json, regex, choice, "
                                       "grammar or json_object", "structured_outputs")
-        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        unknown = sorted(set(value) - {f.name for f in fields(cls) if f.init})
         if unknown:
             raise InvalidRequestError(f"structured_outputs has unknown fields: {', '.join(unknown)}",
                                       "structured_outputs")

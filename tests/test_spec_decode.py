@@ -160,17 +160,22 @@ def test_method_is_inferred_from_the_draft_model():
 
 
 # ----- a draft model: a random tiny target and a draft made of its first layer -----
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
+def save_first_layer_draft(target_dir, draft_dir) -> None:
+    """Save, as a draft model, the saved target's first layer (with its embeddings, final norm and head)."""
     from transformers import AutoModelForCausalLM
-    root = tmp_path_factory.mktemp("pair")
-    save_tiny_model("qwen2", root / "target", num_hidden_layers=3, vocab_size=96)
-    draft = AutoModelForCausalLM.from_pretrained(root / "target")
+    draft = AutoModelForCausalLM.from_pretrained(target_dir)
     draft.model.layers = draft.model.layers[:1]
     draft.config.num_hidden_layers = 1
     if getattr(draft.config, "layer_types", None):
         draft.config.layer_types = draft.config.layer_types[:1]
-    draft.save_pretrained(root / "draft")
+    draft.save_pretrained(draft_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    save_tiny_model("qwen2", root / "target", num_hidden_layers=3, vocab_size=96)
+    save_first_layer_draft(root / "target", root / "draft")
     return str(root / "target"), str(root / "draft")
 
 
@@ -253,19 +258,13 @@ def test_the_draft_skips_what_its_proposal_wrote_and_keeps_a_right_kv(tmp_path, 
     """The draft is the target's first layer, so at every computed position its KV must equal the target's first
     layer's, through accepted and rejected drafts alike (a row the draft skipped that its proposal did not write
     would not); verification steps run the draft on about one row instead of k + 1."""
-    from transformers import AutoModelForCausalLM
     from kvserve.attention import attention_layers
     target = save_tiny_model("qwen2", tmp_path / "target", num_hidden_layers=2, vocab_size=96)
     with torch.no_grad():   # a faint second layer: most drafts are accepted, some are not
         for linear in (target.model.layers[1].self_attn.o_proj, target.model.layers[1].mlp.down_proj):
             linear.weight.mul_(0.05)
     target.save_pretrained(tmp_path / "target")
-    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
-    draft.model.layers = draft.model.layers[:1]
-    draft.config.num_hidden_layers = 1
-    if getattr(draft.config, "layer_types", None):
-        draft.config.layer_types = draft.config.layer_types[:1]
-    draft.save_pretrained(tmp_path / "draft")
+    save_first_layer_draft(tmp_path / "target", tmp_path / "draft")
     spec = {"model": str(tmp_path / "draft"), "num_speculative_tokens": 4, "disable_by_batch_size": None}
     engine = make_llm(spec, model=str(tmp_path / "target"), tokenizer=gguf_path).llm_engine
     runner = engine.runner

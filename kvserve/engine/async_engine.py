@@ -28,6 +28,7 @@ from kvserve.errors import EngineDeadError, InvalidRequestError, KVServeError, R
 from kvserve.metrics import EngineMetrics, StatLogger
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.structured_output.request import compile_timeout_error
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -167,9 +168,7 @@ class AsyncLLMEngine:
         fut = asyncio.wrap_future(manager.submit(params.structured_outputs))
         done, _ = await asyncio.wait({fut}, timeout=manager.compile_timeout_s)   # wait() never cancels the compile
         if not done:
-            raise InvalidRequestError(f"structured_outputs: compiling the grammar took longer than "
-                                      f"{manager.compile_timeout_s:g} s (grammar_compile_timeout_s); simplify the "
-                                      "schema", "structured_outputs")
+            raise compile_timeout_error(manager.compile_timeout_s)
         fut.result()   # the compile error, if any
 
     async def generate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:

@@ -39,8 +39,7 @@ class StructuredOutputRequest:
         if self.grammar.done():
             return self.matcher is not None   # raises the compile error
         if (time.monotonic() if now is None else now) > self.deadline:
-            raise InvalidRequestError(f"structured_outputs: compiling the grammar took longer than {self.timeout_s:g}"
-                                      " s (grammar_compile_timeout_s); simplify the schema", "structured_outputs")
+            raise compile_timeout_error(self.timeout_s)
         return False
 
     def accept(self, token_id: int) -> bool:
@@ -55,6 +54,12 @@ class StructuredOutputRequest:
     def is_terminated(self) -> bool:
         """The grammar is complete and its end (a stop token) was accepted."""
         return self.matcher.is_terminated()
+
+
+def compile_timeout_error(timeout_s: float) -> InvalidRequestError:
+    """The error of a request whose grammar has not compiled within grammar_compile_timeout_s."""
+    return InvalidRequestError(f"structured_outputs: compiling the grammar took longer than {timeout_s:g} s "
+                               "(grammar_compile_timeout_s); simplify the schema", "structured_outputs")
 
 
 @dataclass

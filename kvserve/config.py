@@ -33,6 +33,8 @@ class EngineConfig:
     tokenizer: str | None = None        # defaults to the model's own tokenizer
     dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
     device: str = "auto"                # auto | cpu | cuda
+    # auto: a .gguf file's quantized weights stay quantized on the CPU (gguf); none: dequantized to dtype
+    quantization: str = "auto"
     seed: int = 0                       # seeds the sampling of requests without their own seed (reproducible runs)
     max_model_len: int | None = None    # defaults to the model's context length
     block_size: int = 16
@@ -64,6 +66,8 @@ class EngineConfig:
                 setattr(self, name, os.fspath(getattr(self, name)))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float"):
             bad(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}", "dtype")
+        if self.quantization not in ("auto", "gguf", "none"):
+            bad(f"quantization must be auto, gguf or none, got {self.quantization!r}", "quantization")
         if self.block_size < 1 or self.block_size > 1024:
             bad(f"block_size must be in [1, 1024], got {self.block_size}", "block_size")
         if self.max_num_seqs < 1:

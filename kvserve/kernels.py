@@ -36,7 +36,7 @@ from kvserve.attention import kv_layout
 logger = logging.getLogger("kvserve")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "layers.cpp")
+_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "layers.cpp")
 
 
 def _read_source() -> str:
@@ -161,6 +161,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = None
+    lib.kvserve_quant_matmul.argtypes = [p, p, i64, i64, p, i64, i64, i64]
+    lib.kvserve_quant_matmul.restype = ctypes.c_int
+    lib.kvserve_quant_rows.argtypes = [i64, p, i64, p, i64, i64, p, i64]
+    lib.kvserve_quant_rows.restype = ctypes.c_int
+    lib.kvserve_quant_simd.restype = ctypes.c_int
     lib.kvserve_simd.restype = ctypes.c_int
     lib.kvserve_bf16_tiles.restype = ctypes.c_int
     lib.kvserve_has_packed_matmul.restype = ctypes.c_int

@@ -11,6 +11,7 @@ import time
 import torch
 
 from kvserve import kernels
+from kvserve.model.quantization import describe as describe_weights
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import cdiv
 from kvserve.core.request import Request, RequestStatus
@@ -69,6 +70,8 @@ class LLMEngine:
                     self.device,
                     time.perf_counter() - t0, self.num_kv_blocks, config.block_size, self.num_kv_pool_tokens)
         self.kernel_summary = kernels.summary(self.dtype, self.device)
+        self.weights_summary = describe_weights(self.model)
+        logger.info("kvserve: weights: %s", self.weights_summary)
         # a path the machine rules out (no compiler, no AVX-512 BF16) is a warning: users otherwise never know
         log = logger.warning if kernels.is_degraded(self.device) else logger.info
         log("kvserve: kernels: %s", self.kernel_summary)

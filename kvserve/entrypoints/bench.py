@@ -46,7 +46,8 @@ def random_workload(num_prompts: int, input_len: tuple[int, int], output_len: tu
 
 def _engine_kwargs(args) -> dict:
     kw = {"dtype": args.dtype, "seed": args.seed}
-    for name in ("model", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_threads"):
+    for name in ("model", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_threads", "quantization",
+                 "kv_cache_memory"):
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
     if getattr(args, "no_prefix_caching", False):
@@ -149,6 +150,9 @@ def _write_json(args, result: dict) -> None:
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: bundled SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
+    p.add_argument("--quantization", "-q", choices=["auto", "gguf", "none"], default=None,
+                   help="gguf: keep a .gguf file's quantized weights (default on the CPU); none: dequantize them")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 512MiB (default: 1 GiB on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -185,10 +189,14 @@ def add_latency_arguments(p: argparse.ArgumentParser) -> None:
 def add_bench_arguments(subparsers) -> argparse.ArgumentParser:
     """Register `bench` with its `throughput`, `latency` and `serve` subcommands on a CLI's subparsers."""
     from kvserve.entrypoints.bench_serve import add_serve_bench_arguments
+    from kvserve.entrypoints.perplexity import add_perplexity_arguments
     bench = subparsers.add_parser("bench", help="offline throughput and latency benchmarks, and a serving client")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     add_throughput_arguments(kinds.add_parser("throughput", help="many random requests at once"))
     add_latency_arguments(kinds.add_parser("latency", help="one request at a time: TTFT and TPOT"))
+    add_perplexity_arguments(kinds.add_parser(
+        "perplexity", help="perplexity over a text file, computed as llama.cpp's llama-perplexity"),
+        _add_engine_arguments)
     add_serve_bench_arguments(kinds.add_parser(
         "serve", help="a client for a running OpenAI-compatible server (vllm bench serve's random workload)"))
     bench.set_defaults(func=run_bench)

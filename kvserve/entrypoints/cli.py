@@ -48,6 +48,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--quantization", "-q", choices=["auto", "gguf", "none"], default=None,
+                   help="gguf: keep a .gguf file's quantized weights (the default on the CPU); none: dequantize "
+                        "them to --dtype")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -77,7 +80,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "seconds (default 10)")
 
 
-_ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+_ENGINE_FLAGS = ("tokenizer", "dtype", "device", "quantization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "block_size", "kv_cache_memory", "gpu_memory_utilization", "seed", "chat_template",
                  "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy", "priority_aging_s",
                  "num_threads", "speculative_config", "grammar_compile_timeout_s")

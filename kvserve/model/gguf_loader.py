@@ -10,6 +10,7 @@ import torch
 
 from kvserve.errors import ModelLoadError
 from kvserve.model.model_config import ModelConfig
+from kvserve.model.quantization import QuantizedTensor, is_kernel_format
 
 # per-layer GGUF tensor stem -> HF module path under model.layers.N
 _LAYER_NAMES = {
@@ -63,19 +64,39 @@ def hf_name(gguf_name: str) -> str:
     raise ModelLoadError(f"GGUF tensor {gguf_name!r} is not known to kvserve's GGUF loader")
 
 
-def iter_gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every GGUF tensor, dequantized and in HF layout."""
+def iter_gguf_weights(reader, cfg: ModelConfig,
+                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (HF name, float32 tensor) for every GGUF tensor, dequantized and in HF layout; with keep_quantized,
+    the matrices in a format the quantized kernels multiply come as QuantizedTensor (rows in HF order)."""
     is_llama = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue  # folded into cfg.rope_scaling
         name = hf_name(t.name)
-        weight = _dequantize(t)
+        heads = None
         if is_llama and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+        if keep_quantized and len(t.shape) == 2 and is_kernel_format(int(t.tensor_type), int(t.shape[0])):
+            yield name, _quantized(t, heads)
+            continue
+        weight = _dequantize(t)
+        if heads is not None:
             weight = unpermute_qk(weight, heads)
         # F32 tensors come back as read-only views of the mapped file; torch wants writable memory
         yield name, torch.from_numpy(np.require(weight, requirements=["C", "W"]))
+
+
+def _quantized(t, heads: int | None) -> QuantizedTensor:
+    """A GGUF matrix's blocks copied out of the mapped file, rows unpermuted where `heads` is given."""
+    rows, cols = int(t.shape[1]), int(t.shape[0])
+    data = np.array(t.data.view(np.ndarray), dtype=np.uint8, copy=True)
+    if data.size % rows:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} holds {data.size} bytes, not a whole number of its {rows} "
+                             "rows; the file is corrupt")
+    qt = QuantizedTensor(int(t.tensor_type), torch.from_numpy(data.reshape(rows, -1)), cols)
+    if heads is not None:
+        qt = qt.select_rows(unpermute_qk(np.arange(rows), heads))
+    return qt
 
 
 def _dequantize(t) -> np.ndarray:

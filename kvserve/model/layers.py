@@ -12,6 +12,7 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.errors import ModelLoadError
+from kvserve.model.quantization import QuantizedTensor, QuantizedWeight, embedding_rows, quantized_matmul
 from kvserve.module import InferenceModule
 
 
@@ -22,7 +23,12 @@ class Linear(InferenceModule):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: PackedWeight | None = None   # packed copies of weight, set by prepack_linears()
+        self.packed: PackedWeight | None = None   # packed copies of weight (prepack_linears), or its quantized form
+
+    @property
+    def quantized(self) -> QuantizedWeight | None:
+        """The GGUF-quantized weight this linear multiplies, when it kept one (then `weight` is shape-only)."""
+        return None if self.packed is None else self.packed.quant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -38,13 +44,15 @@ class PackedWeight:
     """A CPU weight [N, K] packed once in the layout a matmul kernel streams. bf16: kvserve/csrc/gemv.cpp's
     (16 output columns x 2 inputs per 64-byte line; a GEMV up to 8 rows, register-tiled GEMM beyond) where the
     C++ kernels build with AVX-512 BF16 and K is even, else oneDNN's blocked layout. float32: oneDNN's, which
-    reads a few rows' weights once (MKL's F.linear costs several single-row passes for 2-8 rows)."""
+    reads a few rows' weights once (MKL's F.linear costs several single-row passes for 2-8 rows). quant: a GGUF
+    weight kept in its block formats (kvserve/model/quantization.py), for any activation dtype."""
 
     out_features: int
     kernel: torch.Tensor | None = None   # the C++ kernels' layout
     kernel_ptr: int = 0
     lib: object = None
     onednn: torch.Tensor | None = None   # oneDNN's layout, where the C++ kernels are not available
+    quant: QuantizedWeight | None = None
 
 
 def _kernel_lib():
@@ -109,14 +117,17 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
         y = x.new_empty(x.shape[0], n)
         packed.lib.kvserve_packed_matmul_bf16(x.data_ptr(), x.stride(0), packed.kernel_ptr, y.data_ptr(), n, x.shape[0],
                                          n, x.shape[1])
+    elif packed.quant is not None:
+        y = quantized_matmul(x, packed.quant)
     else:
         y = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, None, "none", [], "")
     return y if bias is None else y + bias
 
 
 def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = ()) -> tuple[int, list[PackedWeight]]:
-    """Give every bf16 CPU Linear a packed weight; returns how many, and the packs of the `extra` weights."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    """Give every bf16 CPU Linear a packed weight (quantized ones keep theirs); returns how many, and the packs of
+    the `extra` weights."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is None]
     if not linears or not can_prepack(linears[0].weight):
         return 0, []
     packs = prepack_weights([m.weight for m in linears] + list(extra))
@@ -187,8 +198,11 @@ class VocabEmbedding(InferenceModule):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.quantized: QuantizedWeight | None = None   # a GGUF table kept quantized (then `weight` is shape-only)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return embedding_rows(self.quantized.segments[0], input_ids, self.weight.dtype)
         return F.embedding(input_ids, self.weight)
 
 
@@ -315,19 +329,32 @@ def rotate_heads_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: to
 
 def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                         packed: dict[str, tuple[str, str]], skip: Callable[[str], bool]) -> None:
-    """Load HF-named tensors, routing packed projections into their fused module's shard."""
+    """Load HF-named tensors, routing packed projections into their fused module's shard. Quantized GGUF tensors
+    (QuantizedTensor) become their module's quantized weight once all its shards are; a module whose shards mix
+    quantized and dense tensors gets them all dequantized."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[tuple[str, str | None]] = set()
+    quantized: dict[str, dict[str | None, QuantizedTensor]] = {}   # module name -> its quantized shards
+    dense: set[str] = set()   # modules with a dense weight shard
     for name, tensor in weights:
         if skip(name):
             continue
         target, shard = _route(name, packed, params)
+        owner = target.rsplit(".", 1)[0]
         dest = params[target]
         if shard is not None:
-            dest = modules[target.rsplit(".", 1)[0]].shard(dest, shard)
-        _copy_checked(name, dest, tensor)
+            dest = modules[owner].shard(dest, shard)
+        if isinstance(tensor, QuantizedTensor):
+            _check_shape(name, dest, tensor.shape)
+            quantized.setdefault(owner, {})[shard] = tensor
+        else:
+            _copy_checked(name, dest, tensor)
+            if target.endswith(".weight"):
+                dense.add(owner)
         loaded.add((target, shard))
+    for owner, shards in quantized.items():
+        _keep_quantized(modules[owner], shards, owner in dense)
     missing = sorted(_expected_slots(params, modules) - loaded, key=str)
     if missing:
         names = [t if s is None else f"{t}[{s}]" for t, s in missing]
@@ -349,10 +376,37 @@ def _route(name: str, packed: dict[str, tuple[str, str]], params: dict) -> tuple
     raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter in the model")
 
 
-def _copy_checked(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
-    if tuple(dest.shape) != tuple(tensor.shape):
-        raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+def _keep_quantized(module: nn.Module, shards: dict[str | None, QuantizedTensor], mixed: bool) -> None:
+    """Give `module` its quantized weight (its plain one made shape-only), or dequantize the shards into its plain
+    weight where some shards are dense or the module cannot hold a quantized weight."""
+    if isinstance(module, MergedLinear):
+        order = list(module.shard_sizes)
+        complete = set(order) == set(shards)
+    else:
+        order, complete = [None], True
+    if mixed or not complete or not isinstance(module, (Linear, VocabEmbedding)):
+        for shard, qt in shards.items():
+            dest = module.weight if shard is None else module.shard(module.weight, shard)
+            with torch.no_grad():
+                dest.copy_(qt.dequantize())
+        return
+    weight = QuantizedWeight([shards[s] for s in order])
+    if isinstance(module, Linear):
+        module.packed = PackedWeight(weight.out_features, quant=weight)
+    else:
+        module.quantized = weight
+    module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
+                                 requires_grad=False)
+
+
+def _check_shape(name: str, dest: torch.Tensor, shape: tuple) -> None:
+    if tuple(dest.shape) != tuple(shape):
+        raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, "
                              f"the model expects {tuple(dest.shape)}")
+
+
+def _copy_checked(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
+    _check_shape(name, dest, tensor.shape)
     with torch.no_grad():
         dest.copy_(tensor)
 

@@ -149,11 +149,17 @@ class LlamaForCausalLM(InferenceModule):
             return self.lm_head(hidden).float()
         if self.packed_lm_head is not None:
             return packed_linear(hidden, self.packed_lm_head).float()
+        if self.model.embed_tokens.quantized is not None:   # not prepacked (off the CPU path): the same kernel
+            return packed_linear(hidden, PackedWeight(self.config.vocab_size,
+                                                      quant=self.model.embed_tokens.quantized)).float()
         return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
 
     def prepack(self) -> int:
         """Pack the matmul weights for the CPU's bf16 kernels (after loading; no-op elsewhere)."""
-        tied = [self.model.embed_tokens.weight] if self.lm_head is None else []
+        embed = self.model.embed_tokens
+        if self.lm_head is None and embed.quantized is not None:   # a quantized table is its own pack
+            self.packed_lm_head = PackedWeight(embed.weight.shape[0], quant=embed.quantized)
+        tied = [embed.weight] if self.lm_head is None and embed.quantized is None else []
         num, extra = prepack_linears(self, tied)
         if extra:
             self.packed_lm_head = extra[0]
@@ -161,14 +167,15 @@ class LlamaForCausalLM(InferenceModule):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; unknown or missing names raise ModelLoadError."""
-        for m in self.modules():   # weights released after packing (release_unpacked_weights) get storage again
-            if isinstance(m, Linear) and m.weight.is_meta:
+        for m in self.modules():
+            if isinstance(m, (Linear, VocabEmbedding)) and m.weight.is_meta:   # released or quantized: storage again
                 m.weight = torch.nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype), requires_grad=False)
-        load_packed_weights(self, weights, PACKED_MODULES, self._skip)
-        for m in self.modules():   # packed copies of the old weights are stale now
-            if isinstance(m, Linear):
+            if isinstance(m, Linear):   # packed copies of the old weights are stale now
                 m.packed = None
+            elif isinstance(m, VocabEmbedding):
+                m.quantized = None
         self.packed_lm_head = None
+        load_packed_weights(self, weights, PACKED_MODULES, self._skip)
 
     def _skip(self, name: str) -> bool:
         # tied checkpoints may still carry lm_head.weight; old ones carry the rotary inv_freq buffer

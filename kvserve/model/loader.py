@@ -15,6 +15,7 @@ from torch import nn
 from kvserve.errors import ModelLoadError
 from kvserve.model import gguf_loader, weight_cache
 from kvserve.model.model_config import ModelConfig
+from kvserve.model.quantization import resolve_quantization
 from kvserve.model.registry import build_model
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,9 +85,10 @@ def load_model(config: Any) -> tuple[nn.Module, ModelConfig]:
     """Build and load the model named by an EngineConfig-like object (fields model, dtype, device)."""
     path = resolve_model_path(getattr(config, "model", None))
     device = resolve_device(getattr(config, "device", "auto"))
+    quantization = resolve_quantization(getattr(config, "quantization", "auto"), is_gguf(path), device)
     if is_gguf(path):
         dtype = resolve_dtype(getattr(config, "dtype", "auto"), device)   # a GGUF has no checkpoint dtype
-        cfg, weights = _load_gguf_weights(path, dtype)
+        cfg, weights = _load_gguf_weights(path, dtype, keep_quantized=quantization == "gguf")
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
@@ -97,8 +99,13 @@ def load_model(config: Any) -> tuple[nn.Module, ModelConfig]:
     return model.eval(), cfg
 
 
-def _load_gguf_weights(path: str, dtype: torch.dtype):
-    """ModelConfig and HF-named weights of a GGUF file, from the dequantized-weight cache when it has them."""
+def _load_gguf_weights(path: str, dtype: torch.dtype, keep_quantized: bool = False):
+    """ModelConfig and HF-named weights of a GGUF file: the quantized matrices kept as they are, or everything
+    dequantized (from the dequantized-weight cache when it has them)."""
+    if keep_quantized:
+        reader = gguf_loader.open_gguf(path)
+        cfg = gguf_loader.gguf_model_config(reader)
+        return cfg, gguf_loader.iter_gguf_weights(reader, cfg, keep_quantized=True)
     cache = weight_cache.cache_path(path, dtype)
     hit = weight_cache.read(cache) if cache is not None else None
     if hit is not None:

@@ -252,6 +252,7 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings, host: str, port
                 f"({str(llm.dtype).removeprefix('torch.')}, KV cache {llm.num_kv_blocks} blocks x {llm.block_size} "
                 f"tokens = {llm.num_kv_blocks * llm.block_size} tokens, max_model_len {llm.max_model_len})\n"
                 f"kernels: {llm.kernel_summary}\n"
+                f"weights: {llm.weights_summary}\n"
                 f"try: curl http://{bound_host}:{bound_port}/v1/chat/completions -H 'Content-Type: application/json'"
                 f"{key} -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
                 f"\"content\": \"Name three planets.\"}}], \"max_tokens\": 32}}'")

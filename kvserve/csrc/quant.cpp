@@ -1,0 +1,450 @@
+// Matmuls on GGUF-quantized weights kept in their block formats: y[M, N] = x[M, K] @ W[N, K]^T, W given as rows of
+// ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q4_K, Q5_K, Q6_K: 256 a block in 8 sub-blocks of
+// 32). As llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below);
+// each 32-value sub-block of W is unpacked in registers to 32 small integers q with a float scale s (and a min m
+// for the formats that have one: w = s q + m), and the 32 products come from integer dot products:
+//   sum_i w_i x_i ~= s dx sum_i q_i qx_i + m dx sum_i qx_i.
+// The integer sums are exact, so the AVX2 path (vpmaddubsw, or vpdpbusd with AVX-512 VNNI) and the scalar one
+// agree but for the order of the float additions. A step reads each quantized row once for up to QMR rows of x.
+#include "common.h"
+#if (defined(__AVX2__) || defined(__F16C__)) && !defined(KVSERVE_PORTABLE)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVSERVE_PORTABLE)
+#define KV_HAVE_QAVX2 1
+#endif
+
+// Each row's sums in a fixed order, whatever the row tile it shares (a request's result must not depend on its
+// batch): -ffast-math's reassociation would let the compiler reorder them differently in each instantiation.
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
+
+namespace {
+
+// ggml type ids (gguf's GGMLQuantizationType)
+enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+// one 32-value block of a quantized activation row: x_i ~= d q_i; sum = d * sum_i q_i
+struct QX {
+  float d, sum;
+  int8_t q[32];
+};
+
+inline float fp16_to_f32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__) && !defined(KVSERVE_PORTABLE)
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {   // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do { ++e; m <<= 1; } while (!(m & 0x400));
+    u = sign | uint32_t(112 - e) << 23 | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4)
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One sub-block of 32 weights: q[i] (0..63 unsigned with a min, or signed), scale s and min m (w = s q + m), and
+// for Q6_K the integer scales of its two halves (isc; 1 elsewhere) by which the halves' integer sums are weighted.
+struct Sub {
+  int8_t q[32];
+  float s, m;
+  int isc[2];
+};
+
+// the scalar unpacking of sub-block j (0..subs-1) of the block at b; the formats' definitions as in ggml-quants.c
+template <int T> void unpack_scalar(const uint8_t* b, int j, Sub& o);
+
+template <> void unpack_scalar<Q4_0>(const uint8_t* b, int, Sub& o) {
+  o.s = fp16_to_f32(b); o.m = 0; o.isc[0] = o.isc[1] = 1;
+  for (int i = 0; i < 16; ++i) { o.q[i] = int8_t((b[2 + i] & 0xF) - 8); o.q[i + 16] = int8_t((b[2 + i] >> 4) - 8); }
+}
+template <> void unpack_scalar<Q4_1>(const uint8_t* b, int, Sub& o) {
+  o.s = fp16_to_f32(b); o.m = fp16_to_f32(b + 2); o.isc[0] = o.isc[1] = 1;
+  for (int i = 0; i < 16; ++i) { o.q[i] = int8_t(b[4 + i] & 0xF); o.q[i + 16] = int8_t(b[4 + i] >> 4); }
+}
+inline void unpack5(const uint8_t* qh4, const uint8_t* qs, int offset, Sub& o) {
+  uint32_t qh;
+  std::memcpy(&qh, qh4, 4);
+  for (int i = 0; i < 16; ++i) {
+    o.q[i] = int8_t(((qs[i] & 0xF) | (((qh >> i) & 1) << 4)) - offset);
+    o.q[i + 16] = int8_t(((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - offset);
+  }
+}
+template <> void unpack_scalar<Q5_0>(const uint8_t* b, int, Sub& o) {
+  o.s = fp16_to_f32(b); o.m = 0; o.isc[0] = o.isc[1] = 1;
+  unpack5(b + 2, b + 6, 16, o);
+}
+template <> void unpack_scalar<Q5_1>(const uint8_t* b, int, Sub& o) {
+  o.s = fp16_to_f32(b); o.m = fp16_to_f32(b + 2); o.isc[0] = o.isc[1] = 1;
+  unpack5(b + 4, b + 8, 0, o);
+}
+template <> void unpack_scalar<Q8_0>(const uint8_t* b, int, Sub& o) {
+  o.s = fp16_to_f32(b); o.m = 0; o.isc[0] = o.isc[1] = 1;
+  std::memcpy(o.q, b + 2, 32);
+}
+inline void k4_scales(const uint8_t* b, int j, Sub& o) {
+  int sc, mn;
+  scale_min_k4(j, b + 4, sc, mn);
+  o.s = fp16_to_f32(b) * float(sc);
+  o.m = -(fp16_to_f32(b + 2) * float(mn));
+  o.isc[0] = o.isc[1] = 1;
+}
+template <> void unpack_scalar<Q4_K>(const uint8_t* b, int j, Sub& o) {
+  k4_scales(b, j, o);
+  const uint8_t* qs = b + 16 + 32 * (j / 2);
+  for (int i = 0; i < 32; ++i) o.q[i] = int8_t(j % 2 ? qs[i] >> 4 : qs[i] & 0xF);
+}
+template <> void unpack_scalar<Q5_K>(const uint8_t* b, int j, Sub& o) {
+  k4_scales(b, j, o);
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + 48 + 32 * (j / 2);
+  for (int i = 0; i < 32; ++i) o.q[i] = int8_t((j % 2 ? qs[i] >> 4 : qs[i] & 0xF) | (((qh[i] >> j) & 1) << 4));
+}
+template <> void unpack_scalar<Q6_K>(const uint8_t* b, int j, Sub& o) {
+  const int h = j / 4, i4 = j % 4;
+  const uint8_t* ql = b + 64 * h + 32 * (i4 & 1);
+  const uint8_t* qh = b + 128 + 32 * h;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * h);
+  o.s = fp16_to_f32(b + 208); o.m = 0;
+  o.isc[0] = sc[2 * i4]; o.isc[1] = sc[2 * i4 + 1];
+  for (int i = 0; i < 32; ++i)
+    o.q[i] = int8_t((((ql[i] >> (4 * (i4 >> 1))) & 0xF) | (((qh[i] >> (2 * i4)) & 3) << 4)) - 32);
+}
+
+template <int T> struct Format;
+template <> struct Format<Q4_0> { static constexpr int SUBS = 1, BYTES = 18; static constexpr bool MIN = false; };
+template <> struct Format<Q4_1> { static constexpr int SUBS = 1, BYTES = 20; static constexpr bool MIN = true; };
+template <> struct Format<Q5_0> { static constexpr int SUBS = 1, BYTES = 22; static constexpr bool MIN = false; };
+template <> struct Format<Q5_1> { static constexpr int SUBS = 1, BYTES = 24; static constexpr bool MIN = true; };
+template <> struct Format<Q8_0> { static constexpr int SUBS = 1, BYTES = 34; static constexpr bool MIN = false; };
+template <> struct Format<Q4_K> { static constexpr int SUBS = 8, BYTES = 144; static constexpr bool MIN = true; };
+template <> struct Format<Q5_K> { static constexpr int SUBS = 8, BYTES = 176; static constexpr bool MIN = true; };
+template <> struct Format<Q6_K> { static constexpr int SUBS = 8, BYTES = 210; static constexpr bool MIN = false; };
+
+constexpr int QMR = 4;   // rows of x per pass over a weight row
+
+// out[r] = dot(W row w, x row r) for R rows, scalar
+template <int T, int R>
+void row_dot_scalar(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
+  using F = Format<T>;
+  float acc[R] = {};
+  Sub sub;
+  for (int64_t j = 0; j < nsub; ++j) {
+    unpack_scalar<T>(w + (j / F::SUBS) * F::BYTES, int(j % F::SUBS), sub);
+    for (int r = 0; r < R; ++r) {
+      const QX& xb = x[r][j];
+      int32_t lo = 0, hi = 0;
+      for (int i = 0; i < 16; ++i) lo += int32_t(sub.q[i]) * xb.q[i];
+      for (int i = 16; i < 32; ++i) hi += int32_t(sub.q[i]) * xb.q[i];
+      acc[r] += float(lo * sub.isc[0] + hi * sub.isc[1]) * (sub.s * xb.d);
+      if (F::MIN) acc[r] += sub.m * xb.sum;
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+#ifdef KV_HAVE_QAVX2
+// 8 int32 sums of 4 products each of unsigned u and signed s bytes (no saturation: |u s| sums stay in int16)
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+// signed w: |w| times x with w's sign
+inline __m256i dot_s8s8(__m256i w, __m256i x) { return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+
+// 16 bytes of nibbles -> 32 bytes: low nibbles then high nibbles (ggml's order within a 32-value block)
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0xF);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+// bit i of the 32-bit word at p -> 0x10 in byte i
+inline __m256i bits_to_0x10(const uint8_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(x)), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+// The SIMD unpacking, in two parts: header() decodes a block's scales once (s[j], m[j] per sub-block j; Q6_K: s
+// per 16 values, d * its int8 scale), quants() gives sub-block j's 32 q as bytes (unsigned where there is a min).
+template <int T> void header(const uint8_t* b, float* s, float* m);
+template <int T> __m256i quants(const uint8_t* b, int j);
+template <> void header<Q4_0>(const uint8_t* b, float* s, float*) { s[0] = fp16_to_f32(b); }
+template <> __m256i quants<Q4_0>(const uint8_t* b, int) { return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8)); }
+template <> void header<Q4_1>(const uint8_t* b, float* s, float* m) { s[0] = fp16_to_f32(b); m[0] = fp16_to_f32(b + 2); }
+template <> __m256i quants<Q4_1>(const uint8_t* b, int) { return nibbles(b + 4); }
+template <> void header<Q5_0>(const uint8_t* b, float* s, float*) { s[0] = fp16_to_f32(b); }
+template <> __m256i quants<Q5_0>(const uint8_t* b, int) {
+  return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), bits_to_0x10(b + 2)), _mm256_set1_epi8(16));
+}
+template <> void header<Q5_1>(const uint8_t* b, float* s, float* m) { s[0] = fp16_to_f32(b); m[0] = fp16_to_f32(b + 2); }
+template <> __m256i quants<Q5_1>(const uint8_t* b, int) { return _mm256_or_si256(nibbles(b + 8), bits_to_0x10(b + 4)); }
+template <> void header<Q8_0>(const uint8_t* b, float* s, float*) { s[0] = fp16_to_f32(b); }
+template <> __m256i quants<Q8_0>(const uint8_t* b, int) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+}
+inline void k4_header(const uint8_t* b, float* s, float* m) {
+  const float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    scale_min_k4(j, b + 4, sc, mn);
+    s[j] = d * float(sc);
+    m[j] = -(dmin * float(mn));
+  }
+}
+inline __m256i k_nibbles(const uint8_t* qs, int j) {   // sub-block j's 32 nibbles of a Q4_K / Q5_K super-block
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 2)));
+  return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0xF));
+}
+template <> void header<Q4_K>(const uint8_t* b, float* s, float* m) { k4_header(b, s, m); }
+template <> __m256i quants<Q4_K>(const uint8_t* b, int j) { return k_nibbles(b + 16, j); }
+template <> void header<Q5_K>(const uint8_t* b, float* s, float* m) { k4_header(b, s, m); }
+template <> __m256i quants<Q5_K>(const uint8_t* b, int j) {
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+  const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)),
+                                                        _mm256_set1_epi8(1)), 4);
+  return _mm256_or_si256(k_nibbles(b + 48, j), hi);
+}
+template <> void header<Q6_K>(const uint8_t* b, float* s, float*) {
+  const float d = fp16_to_f32(b + 208);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  for (int i = 0; i < 16; ++i) s[i] = d * float(sc[i]);
+}
+template <> __m256i quants<Q6_K>(const uint8_t* b, int j) {
+  const int h = j / 4, i4 = j % 4;
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (i4 & 1)));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+  const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (i4 >> 1))), _mm256_set1_epi8(0xF));
+  const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i4)),
+                                                        _mm256_set1_epi8(3)), 4);
+  return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int T, int R>
+void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
+  using F = Format<T>;
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
+  float s[16], m[8];
+  for (int64_t blk = 0; blk < nsub / F::SUBS; ++blk) {
+    const uint8_t* b = w + blk * F::BYTES;
+    header<T>(b, s, m);
+    for (int j = 0; j < F::SUBS; ++j) {
+      const __m256i q = quants<T>(b, j);
+      // Q6_K: one scale per 16 values, i.e. per 4 of the 8 int32 lanes
+      const __m256 sv = T == Q6_K ? _mm256_set_m128(_mm_set1_ps(s[2 * j + 1]), _mm_set1_ps(s[2 * j]))
+                                  : _mm256_set1_ps(s[j]);
+      for (int r = 0; r < R; ++r) {
+        const QX& xb = x[r][blk * F::SUBS + j];
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
+        const __m256i p = F::MIN ? dot_u8s8(q, xq) : dot_s8s8(q, xq);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(xb.d)), acc[r]);
+        if (F::MIN) macc[r] += m[j] * xb.sum;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + macc[r];
+}
+#endif
+
+template <int T, int R>
+inline void row_dot(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
+#ifdef KV_HAVE_QAVX2
+  row_dot_simd<T, R>(w, x, nsub, out);
+#else
+  row_dot_scalar<T, R>(w, x, nsub, out);
+#endif
+}
+
+// x rows [M, K] (float32 or bf16, row stride xs) -> QX blocks [M, K / 32]
+template <typename X>
+void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
+  const int64_t nb = K / 32;
+  #pragma omp parallel for if (M * K >= 65536)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const X* p = x + m * xs + 32 * b;
+      float v[32], amax = 0.f;
+      for (int i = 0; i < 32; ++i) { v[i] = load(p, i); amax = std::max(amax, std::fabs(v[i])); }
+      QX& o = out[m * nb + b];
+      const float id = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int q = int(std::nearbyint(v[i] * id));
+        o.q[i] = int8_t(q);
+        sum += q;
+      }
+      o.d = amax / 127.f;
+      o.sum = o.d * float(sum);
+    }
+}
+
+template <int T, typename Y>
+void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const QX* xq, int64_t M, int64_t nsub, Y* y,
+                 int64_t ys) {
+  // each thread takes whole weight rows and runs every row tile of x over them, so a weight row is read from
+  // memory once per step; a row tile of QMR rows shares each unpacked sub-block
+  #pragma omp parallel for schedule(static) if (N * nsub * M >= 2048)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    const QX* xr[QMR];
+    float out[QMR];
+    int64_t m = 0;
+    for (; m + QMR <= M; m += QMR) {
+      for (int r = 0; r < QMR; ++r) xr[r] = xq + (m + r) * nsub;
+      row_dot<T, QMR>(wr, xr, nsub, out);
+      for (int r = 0; r < QMR; ++r) store(y + (m + r) * ys, n, out[r]);
+    }
+    const int left = int(M - m);
+    for (int r = 0; r < left; ++r) xr[r] = xq + (m + r) * nsub;
+    switch (left) {
+      case 3: row_dot<T, 3>(wr, xr, nsub, out); break;
+      case 2: row_dot<T, 2>(wr, xr, nsub, out); break;
+      case 1: row_dot<T, 1>(wr, xr, nsub, out); break;
+      default: break;
+    }
+    for (int r = 0; r < left; ++r) store(y + (m + r) * ys, n, out[r]);
+  }
+}
+
+template <typename Y>
+bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, const QX* xq, int64_t M,
+                  int64_t nsub, Y* y, int64_t ys) {
+  switch (type) {
+    case Q4_0: matmul_rows<Q4_0>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
+    case Q4_1: matmul_rows<Q4_1>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
+    case Q5_0: matmul_rows<Q5_0>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
+    case Q5_1: matmul_rows<Q5_1>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
+    case Q8_0: matmul_rows<Q8_0>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
+    case Q4_K: matmul_rows<Q4_K>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
+    case Q5_K: matmul_rows<Q5_K>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
+    case Q6_K: matmul_rows<Q6_K>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
+    default: return false;
+  }
+}
+
+template <int T, typename Y>
+void dequant_row(const uint8_t* w, int64_t nsub, Y* out) {
+  using F = Format<T>;
+  Sub sub;
+  for (int64_t j = 0; j < nsub; ++j) {
+    unpack_scalar<T>(w + (j / F::SUBS) * F::BYTES, int(j % F::SUBS), sub);
+    for (int i = 0; i < 32; ++i) {
+      const float s = sub.s * float(sub.isc[i / 16]);
+      store(out, 32 * j + i, s * float(sub.q[i]) + sub.m);
+    }
+  }
+}
+
+template <typename Y>
+bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
+  switch (type) {
+    case Q4_0: dequant_row<Q4_0>(w, nsub, out); return true;
+    case Q4_1: dequant_row<Q4_1>(w, nsub, out); return true;
+    case Q5_0: dequant_row<Q5_0>(w, nsub, out); return true;
+    case Q5_1: dequant_row<Q5_1>(w, nsub, out); return true;
+    case Q8_0: dequant_row<Q8_0>(w, nsub, out); return true;
+    case Q4_K: dequant_row<Q4_K>(w, nsub, out); return true;
+    case Q5_K: dequant_row<Q5_K>(w, nsub, out); return true;
+    case Q6_K: dequant_row<Q6_K>(w, nsub, out); return true;
+    default: return false;
+  }
+}
+
+// the quantized activations of one call, reused across calls (one engine thread calls at a time per library)
+thread_local std::vector<QX> qx_buffer;
+
+}  // namespace
+
+#pragma GCC pop_options
+
+extern "C" {
+// 1 when the quantized matmuls are vectorized (AVX2; AVX-512 VNNI's vpdpbusd where present)
+int kvserve_quant_simd() {
+#ifdef KV_HAVE_QAVX2
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return 2;
+#else
+  return 1;
+#endif
+#else
+  return 0;
+#endif
+}
+
+// A quantized linear: desc = [num_segments, then per segment: ggml type, data pointer, rows, bytes per row]; the
+// segments' rows stack into the N output columns (a fused q|k|v may mix formats). y[M, N] = x[M, K] @ W^T with
+// x and y float32 (x_bf16 = 0) or bf16 (1), rows strided by xs / ys elements; K a multiple of 256 for K-quant
+// segments, of 32 otherwise. Returns 0, or -1 for a type it does not know (nothing written).
+int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t x_bf16, void* y, int64_t ys,
+                         int64_t M, int64_t K) {
+  const int64_t nseg = desc[0], nsub = K / 32;
+  std::vector<QX>& xq = qx_buffer;
+  if (int64_t(xq.size()) < M * nsub) xq.resize(M * nsub);
+  if (x_bf16)
+    quantize_rows(static_cast<const uint16_t*>(x), xs, M, K, xq.data());
+  else
+    quantize_rows(static_cast<const float*>(x), xs, M, K, xq.data());
+  int64_t col = 0;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t* seg = desc + 1 + 4 * s;
+    const auto* w = reinterpret_cast<const uint8_t*>(seg[1]);
+    const bool ok = x_bf16 ? matmul_typed(seg[0], w, seg[2], seg[3], xq.data(), M, nsub,
+                                          static_cast<uint16_t*>(y) + col, ys)
+                           : matmul_typed(seg[0], w, seg[2], seg[3], xq.data(), M, nsub,
+                                          static_cast<float*>(y) + col, ys);
+    if (!ok) return -1;
+    col += seg[2];
+  }
+  return 0;
+}
+
+// out[i, :] = row ids[i] of a quantized [rows, K] matrix, dequantized (float32 or bf16): embedding lookups
+int kvserve_quant_rows(int64_t type, const uint8_t* w, int64_t row_bytes, const int64_t* ids, int64_t n, int64_t K,
+                       void* out, int64_t out_bf16) {
+  bool ok = true;
+  #pragma omp parallel for if (n * K >= 65536) reduction(&& : ok)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = w + ids[i] * row_bytes;
+    ok = out_bf16 ? dequant_typed(type, row, K / 32, static_cast<uint16_t*>(out) + i * K)
+                  : dequant_typed(type, row, K / 32, static_cast<float*>(out) + i * K);
+  }
+  return ok ? 0 : -1;
+}
+}

@@ -1,0 +1,167 @@
+"""GGUF weights kept in their quantized block formats, and the linear method that multiplies them.
+
+A quantized linear holds a QuantizedWeight (rows of ggml blocks, one segment per format: a fused q|k|v may mix
+Q4_K and Q6_K) inside its PackedWeight; the matmul is kvserve/csrc/quant.cpp's, for the modules path and the
+fused layer stack alike. Formats without a kernel here are dequantized at load, as before.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve import kernels
+from kvserve.errors import ModelLoadError
+
+# ggml type id -> (name, values per block, bytes per block): the formats kvserve/csrc/quant.cpp multiplies
+KERNEL_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+                  8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+FORMAT_IDS = {name: tid for tid, (name, _, _) in KERNEL_FORMATS.items()}
+QUANTIZATION_CHOICES = ("auto", "gguf", "none")
+
+
+def resolve_quantization(name: str | None, is_gguf_file: bool, device: torch.device) -> str:
+    """'gguf' (keep a GGUF file's quantized weights) or 'none' (dequantize); auto keeps them where kernels run."""
+    name = name or "auto"
+    if name not in QUANTIZATION_CHOICES:
+        raise ModelLoadError(f"unknown quantization {name!r}; choose from {', '.join(QUANTIZATION_CHOICES)}")
+    if name == "gguf" and not is_gguf_file:
+        raise ModelLoadError("quantization 'gguf' needs a .gguf model file")
+    if name == "gguf" and device.type != "cpu":
+        raise ModelLoadError(f"quantized GGUF weights run on the CPU only; on {device.type} pass "
+                             "--quantization none to dequantize them")
+    if name == "auto":
+        return "gguf" if is_gguf_file and device.type == "cpu" and _kernels_lib() is not None else "none"
+    if name == "gguf" and _kernels_lib() is None:
+        raise ModelLoadError("quantized GGUF weights need the C++ kernels, which did not build "
+                             f"({kernels.status().reason}); pass --quantization none")
+    return name
+
+
+def _kernels_lib():
+    return kernels.load()
+
+
+@dataclass
+class QuantizedTensor:
+    """A [rows, cols] matrix as rows of ggml blocks: data uint8 [rows, bytes per row]."""
+
+    ggml_type: int
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def format(self) -> str:
+        return KERNEL_FORMATS[self.ggml_type][0]
+
+    def select_rows(self, order: np.ndarray) -> QuantizedTensor:
+        """The rows in `order` (a row permutation such as the llama q/k unpermute)."""
+        return QuantizedTensor(self.ggml_type, self.data[torch.from_numpy(order)].contiguous(), self.cols)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols] by gguf-py's reference dequantization (tests and --quantization none)."""
+        from gguf import GGMLQuantizationType, dequantize
+        out = dequantize(self.data.numpy(), GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(out.reshape(self.rows, self.cols)))
+
+
+def is_kernel_format(ggml_type: int, cols: int) -> bool:
+    """Whether a GGUF matrix of this type and row length can stay quantized."""
+    return ggml_type in KERNEL_FORMATS and cols % KERNEL_FORMATS[ggml_type][1] == 0
+
+
+class QuantizedWeight:
+    """The packed weight of a quantized linear: its segments' rows stacked into one buffer, and the descriptor
+    that kvserve_quant_matmul reads ([segments, then type, data pointer, rows, bytes per row per segment])."""
+
+    def __init__(self, segments: list[QuantizedTensor]):
+        cols = {s.cols for s in segments}
+        if len(cols) != 1:
+            raise ModelLoadError(f"fused quantized projections disagree on their input size: {sorted(cols)}")
+        self.in_features = cols.pop()
+        merged: list[QuantizedTensor] = []
+        for s in segments:   # neighbours of one format share a segment (q|k of a Q4_K_M file)
+            if merged and merged[-1].ggml_type == s.ggml_type:
+                merged[-1] = QuantizedTensor(s.ggml_type, torch.cat([merged[-1].data, s.data]), s.cols)
+            else:
+                merged.append(s)
+        nbytes = [s.data.numel() for s in merged]
+        self.buffer = kernels.huge_page_buffer(sum(nbytes))   # streamed every step: huge pages read faster
+        self.segments = []
+        for s, part in zip(merged, self.buffer.split(nbytes)):
+            part.copy_(s.data.reshape(-1))
+            self.segments.append(QuantizedTensor(s.ggml_type, part.view(s.rows, -1), s.cols))
+        self.out_features = sum(s.rows for s in self.segments)
+        desc = [len(self.segments)]
+        for s in self.segments:
+            desc += [s.ggml_type, s.data.data_ptr(), s.rows, s.data.shape[1]]
+        self.desc = torch.tensor(desc, dtype=torch.int64)
+        self.desc_ptr = self.desc.data_ptr()
+        self.lib = _kernels_lib()
+        if self.lib is None:
+            raise ModelLoadError("quantized weights need the C++ kernels, which did not build")
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def formats(self) -> list[str]:
+        return [s.format for s in self.segments]
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([s.dequantize() for s in self.segments])
+
+
+def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] (float32 or bf16) @ W^T -> [M, N] in x's dtype, by kvserve_quant_matmul."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        return quantized_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight).view(*x.shape[:-1], -1)
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    y = x.new_empty(x.shape[0], weight.out_features)
+    if x.shape[0]:
+        weight.lib.kvserve_quant_matmul(weight.desc_ptr, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
+                                        y.data_ptr(), y.stride(0), x.shape[0], weight.in_features)
+    return y
+
+
+def embedding_rows(table: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of a quantized embedding table, dequantized into `dtype` (float32 or bf16)."""
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    out = torch.empty(ids.numel(), table.cols, dtype=out_dtype)
+    if ids.numel():
+        if int(ids.min()) < 0 or int(ids.max()) >= table.rows:
+            raise IndexError(f"token id out of range for an embedding table of {table.rows} rows")
+        kernels.load().kvserve_quant_rows(table.ggml_type, table.data.data_ptr(), table.data.shape[1],
+                                          ids.data_ptr(), ids.numel(), table.cols, out.data_ptr(),
+                                          int(out_dtype == torch.bfloat16))
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def describe(model: torch.nn.Module) -> str:
+    """'Q4_K x169, Q6_K x29; 0.93 GiB quantized, 0.01 GiB dense': what a model's weights are, for the logs."""
+    formats: Counter = Counter()
+    qbytes = dense = 0
+    for name, mod in model.named_modules():
+        q = getattr(mod, "quantized", None)
+        if q is not None:
+            formats.update(q.formats())
+            qbytes += q.nbytes
+    for p in model.parameters():
+        if not p.is_meta:
+            dense += p.numel() * p.element_size()
+    if not formats:
+        return f"not quantized; {dense / 2**30:.2f} GiB weights"
+    kinds = ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
+    return f"GGUF kept quantized ({kinds}): {qbytes / 2**30:.2f} GiB quantized + {dense / 2**30:.2f} GiB dense"

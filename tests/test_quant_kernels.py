@@ -1,0 +1,112 @@
+"""The quantized GGUF matmul kernels (kvserve/csrc/quant.cpp) against gguf-py's dequantization then a matmul, on
+random blocks of every format, odd shapes and 1..300 rows, on the native and the portable build."""
+import numpy as np
+import pytest
+import torch
+
+from kvserve import kernels
+from kvserve.model.quantization import (KERNEL_FORMATS, FORMAT_IDS, QuantizedTensor, QuantizedWeight,
+                                        embedding_rows, quantized_matmul)
+
+# byte offsets of each format's fp16 fields (scales and mins): random bytes there would be NaN or huge
+_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_quantized(fmt: str, rows: int, cols: int, seed: int = 0) -> QuantizedTensor:
+    """A [rows, cols] matrix of random blocks of `fmt`, with scales of the size real weights have."""
+    tid = FORMAT_IDS[fmt]
+    _, per_block, nbytes = KERNEL_FORMATS[tid]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // per_block, nbytes), dtype=np.uint8)
+    for off in _FP16_FIELDS[fmt]:
+        scale = 0.05 if fmt in ("Q4_K", "Q5_K", "Q6_K") else 0.2   # K-quants multiply by 6/8-bit sub-scales
+        d = (rng.uniform(-1, 1, size=blocks.shape[:2]) * scale / (32 if fmt.endswith("K") else 8))
+        blocks[:, :, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return QuantizedTensor(tid, torch.from_numpy(blocks.reshape(rows, -1)), cols)
+
+
+def reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    return (x.double() @ weight.dequantize().double().T)
+
+
+def check_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
+    # quantizing x to int8 per 32 values moves each value by at most half a step (its block's max |x| / 254)
+    amax = x.abs().double().reshape(x.shape[0], -1, 32).amax(-1, keepdim=True)
+    step = (amax / 254).expand(-1, -1, 32).reshape(x.shape)
+    bound = step @ w.abs().double().T * 1.001 + 1e-5
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"max error {err.max():.3g}, bound {bound.min():.3g}"
+    rel = err.norm() / ref.norm()
+    assert rel < 0.02, rel
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_IDS))
+@pytest.mark.parametrize("variant", ["native", "portable"])
+def test_every_format_against_dequantized_matmul(fmt, variant):
+    k = 512 if fmt.endswith("K") else 96
+    with kernels.variant(variant) as lib:
+        if lib is None:
+            pytest.skip("no C++ kernels")
+        w = QuantizedWeight([random_quantized(fmt, 37, k, seed=1)])
+        dense = w.dequantize()
+        for rows in (1, 2, 3, 4, 5, 7, 64, 300):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            y = quantized_matmul(x, w)
+            assert y.dtype == torch.float32 and y.shape == (rows, 37)
+            check_close(y, reference(x, w), x, dense)
+
+
+def test_rows_of_a_step_are_independent():
+    # a row's result does not depend on which other rows share its step (row tiles of 4 and the remainders)
+    w = QuantizedWeight([random_quantized("Q4_K", 20, 256)])
+    x = torch.randn(11, 256)
+    whole = quantized_matmul(x, w)
+    for i in range(11):
+        assert torch.equal(quantized_matmul(x[i:i + 1], w), whole[i:i + 1])
+
+
+def test_native_and_portable_agree_on_the_integer_sums():
+    # same quantized activations and exact integer dot products: only the float summation order differs
+    x = torch.randn(6, 512)
+    outs = []
+    for variant in ("native", "portable"):
+        with kernels.variant(variant) as lib:
+            if lib is None:
+                pytest.skip("no C++ kernels")
+            outs.append(quantized_matmul(x, QuantizedWeight([random_quantized("Q6_K", 33, 512, seed=3)])))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_segments_stack_their_outputs():
+    # a fused q|k|v of a Q4_K_M file: Q4_K, Q4_K, Q6_K; the neighbours of one format share one segment
+    parts = [random_quantized("Q4_K", 16, 256, 1), random_quantized("Q4_K", 8, 256, 2),
+             random_quantized("Q6_K", 8, 256, 3)]
+    w = QuantizedWeight(parts)
+    assert w.formats() == ["Q4_K", "Q6_K"] and w.out_features == 32
+    x = torch.randn(3, 256)
+    y = quantized_matmul(x, w)
+    for part, cols in zip(parts, (slice(0, 16), slice(16, 24), slice(24, 32))):
+        torch.testing.assert_close(y[:, cols], quantized_matmul(x, QuantizedWeight([part])))
+
+
+def test_bf16_activations_and_strided_rows():
+    w = QuantizedWeight([random_quantized("Q8_0", 24, 128)])
+    x = torch.randn(5, 256)[:, ::2]   # strided: copied to contiguous rows first
+    y32 = quantized_matmul(x, w)
+    yb = quantized_matmul(x.bfloat16(), w)
+    assert yb.dtype == torch.bfloat16
+    check_close(yb.float(), reference(x.bfloat16().float(), w), x, w.dequantize())
+    check_close(y32, reference(x, w), x, w.dequantize())
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_IDS))
+def test_embedding_rows_equal_gguf_dequantization(fmt):
+    k = 256 if fmt.endswith("K") else 64
+    table = random_quantized(fmt, 50, k, seed=5)
+    ids = torch.tensor([0, 49, 7, 7, 13])
+    rows = embedding_rows(table, ids, torch.float32)
+    torch.testing.assert_close(rows, table.dequantize()[ids], rtol=1e-6, atol=1e-7)
+    assert embedding_rows(table, ids, torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(IndexError):
+        embedding_rows(table, torch.tensor([50]), torch.float32)

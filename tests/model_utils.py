@@ -48,8 +48,8 @@ def _randomize_norms(model) -> None:
 
 
 def load_ours(path: str | None, dtype: str = "float32"):
-    """(model, ModelConfig) loaded by kvserve on the CPU."""
-    return load_model(EngineConfig(model=path, dtype=dtype, device="cpu"))
+    """(model, ModelConfig) loaded by kvserve on the CPU, GGUF weights dequantized (as transformers loads them)."""
+    return load_model(EngineConfig(model=path, dtype=dtype, device="cpu", quantization="none"))
 
 
 def run_single_sequence(model, input_ids: list[int], block_size: int = 16) -> torch.Tensor:

@@ -368,7 +368,7 @@ def test_float32_serving_keeps_one_copy_of_the_weights():
     from model_utils import load_ours
     if not onednn_available(torch.float32):
         pytest.skip("this torch has no oneDNN")
-    llm = LLM(dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", max_model_len=256, enable_prefix_caching=False, quantization="none")
     model = llm.llm_engine.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.weight.is_meta and m.packed.onednn is not None for m in linears)

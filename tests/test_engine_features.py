@@ -9,7 +9,7 @@ PROMPT = "Write a short poem about the sea:"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", max_model_len=256, max_num_seqs=16)
+    return LLM(dtype="float32", max_model_len=256, max_num_seqs=16, quantization="none")   # as transformers
 
 
 def gen(llm, prompts, params):

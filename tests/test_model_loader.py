@@ -309,7 +309,7 @@ def test_gguf_weight_cache_is_written_then_hit_and_a_damaged_entry_is_rebuilt(tm
     from kvserve.config import EngineConfig
     from kvserve.model import gguf_loader, load_model, weight_cache
     monkeypatch.setattr(weight_cache, "cache_root", lambda: tmp_path)
-    config = EngineConfig(dtype="bfloat16")
+    config = EngineConfig(dtype="bfloat16", quantization="none")   # the cache holds dequantized weights
     cold, cfg = load_model(config)
     [entry] = tmp_path.glob("*.safetensors")
     monkeypatch.setattr(gguf_loader, "open_gguf", lambda path: pytest.fail("the cache should have been used"))

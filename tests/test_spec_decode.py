@@ -26,8 +26,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 METHODS = {"ngram": NGRAM, "suffix": SUFFIX}
 # small steps and a small pool: budgets cut drafts, prompts run in chunks, requests are preempted; every prompt
-# runs twice (the second time from the prefix cache)
-STRESS = dict(max_num_batched_tokens=24, num_kv_blocks=24, block_size=8, max_num_seqs=4)
+# runs twice (the second time from the prefix cache). The reference's block size: the attention kernels sum each
+# KV block's share in turn, so another block size rounds differently and may flip a near-tie
+STRESS = dict(max_num_batched_tokens=24, num_kv_blocks=12, block_size=16, max_num_seqs=4)
 
 
 def make_llm(spec=None, **kwargs):

@@ -362,6 +362,31 @@ bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, 
 template <int T, typename Y>
 void dequant_row(const uint8_t* w, int64_t nsub, Y* out) {
   using F = Format<T>;
+#ifdef KV_HAVE_QAVX2
+  float s[16], m[8] = {};
+  for (int64_t blk = 0; blk < nsub / F::SUBS; ++blk) {
+    const uint8_t* b = w + blk * F::BYTES;
+    header<T>(b, s, m);
+    for (int j = 0; j < F::SUBS; ++j) {
+      alignas(32) int8_t q[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), quants<T>(b, j));
+      Y* o = out + 32 * (blk * F::SUBS + j);
+      for (int g = 0; g < 4; ++g) {
+        const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * g));
+        const __m256 qf = _mm256_cvtepi32_ps(F::MIN ? _mm256_cvtepu8_epi32(b8) : _mm256_cvtepi8_epi32(b8));
+        const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(T == Q6_K ? s[2 * j + g / 2] : s[j]), qf,
+                                         _mm256_set1_ps(F::MIN ? m[j] : 0.f));
+        if constexpr (std::is_same_v<Y, float>) {
+          _mm256_storeu_ps(o + 8 * g, v);
+        } else {
+          alignas(32) float t[8];
+          _mm256_store_ps(t, v);
+          for (int i = 0; i < 8; ++i) store(o, 8 * g + i, t[i]);
+        }
+      }
+    }
+  }
+#else
   Sub sub;
   for (int64_t j = 0; j < nsub; ++j) {
     unpack_scalar<T>(w + (j / F::SUBS) * F::BYTES, int(j % F::SUBS), sub);
@@ -370,6 +395,7 @@ void dequant_row(const uint8_t* w, int64_t nsub, Y* out) {
       store(out, 32 * j + i, s * float(sub.q[i]) + sub.m);
     }
   }
+#endif
 }
 
 template <typename Y>

@@ -68,6 +68,11 @@ class QuantizedTensor:
         """The rows in `order` (a row permutation such as the llama q/k unpermute)."""
         return QuantizedTensor(self.ggml_type, self.data[torch.from_numpy(order)].contiguous(), self.cols)
 
+    def lib_rows(self, ids_ptr: int, n: int, out_ptr: int, out_bf16: int) -> int:
+        """kvserve_quant_rows on this matrix: rows ids[:n] dequantized to out."""
+        return kernels.load().kvserve_quant_rows(self.ggml_type, self.data.data_ptr(), self.data.shape[1], ids_ptr,
+                                                 n, self.cols, out_ptr, out_bf16)
+
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols] by gguf-py's reference dequantization (tests and --quantization none)."""
         from gguf import GGMLQuantizationType, dequantize
@@ -123,7 +128,10 @@ class QuantizedWeight:
 
 
 def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x [M, K] (float32 or bf16) @ W^T -> [M, N] in x's dtype, by kvserve_quant_matmul."""
+    """x [M, K] (float32 or bf16) @ W^T -> [M, N] in x's dtype, by kvserve_quant_matmul's int8 dot products on the
+    blocks, for every M: each row's result is the same whatever else is in its step (batching, chunked prefill and
+    preemption do not change a request's tokens; a dense GEMM on dequantized tiles would give prefill rows other
+    roundings than decode rows)."""
     if x.dim() != 2 or x.stride(1) != 1:
         return quantized_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight).view(*x.shape[:-1], -1)
     if x.dtype not in (torch.float32, torch.bfloat16):
@@ -143,9 +151,7 @@ def embedding_rows(table: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype
     if ids.numel():
         if int(ids.min()) < 0 or int(ids.max()) >= table.rows:
             raise IndexError(f"token id out of range for an embedding table of {table.rows} rows")
-        kernels.load().kvserve_quant_rows(table.ggml_type, table.data.data_ptr(), table.data.shape[1],
-                                          ids.data_ptr(), ids.numel(), table.cols, out.data_ptr(),
-                                          int(out_dtype == torch.bfloat16))
+        table.lib_rows(ids.data_ptr(), ids.numel(), out.data_ptr(), int(out_dtype == torch.bfloat16))
     return out if out.dtype == dtype else out.to(dtype)
 
 

@@ -1,0 +1,156 @@
+"""GGUF models served with their quantized weights kept (quantization="gguf"): what is kept, accuracy against the
+dequantized model (logits, greedy tokens, perplexity), the engine's equivalences on the quantized path, and bad
+inputs."""
+import numpy as np
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.entrypoints.perplexity import chunk_nll, chunk_tokens, perplexity
+from kvserve.errors import InvalidRequestError, ModelLoadError
+from kvserve.model import load_model
+from kvserve.model.layers import Linear
+from kvserve.model.quantization import quantized_matmul
+from model_utils import run_single_sequence, save_tiny_model, write_tiny_gguf
+
+TEXT = "tests/data/gpl-3.0.txt"
+INT8_STEP = 48   # small steps: the equivalence tests see chunked prefill
+
+
+def load(path, quantization, dtype="float32"):
+    return load_model(EngineConfig(model=path, dtype=dtype, device="cpu", quantization=quantization))[0]
+
+
+@pytest.fixture(scope="module")
+def quantized_llm():
+    return LLM(quantization="gguf", dtype="float32", kv_cache_memory="96MiB", max_num_batched_tokens=INT8_STEP)
+
+
+@pytest.fixture(scope="module")
+def dense_llm():
+    return LLM(quantization="none", dtype="float32", kv_cache_memory="96MiB", max_num_batched_tokens=INT8_STEP)
+
+
+def test_bundled_model_keeps_its_quantized_weights(quantized_llm):
+    engine = quantized_llm.llm_engine
+    model = engine.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.quantized is not None and m.weight.is_meta for m in linears)
+    assert {f for m in linears for f in m.quantized.formats()} == {"Q4_1"}
+    embed = model.model.embed_tokens
+    assert embed.quantized.formats() == ["Q8_0"] and embed.weight.is_meta
+    assert model.packed_lm_head.quant is embed.quantized   # tied: the lm_head multiplies the same blocks
+    assert "Q4_1 x120" in engine.weights_summary and "Q8_0 x1" in engine.weights_summary
+    quantized_bytes = sum(m.quantized.nbytes for m in linears) + embed.quantized.nbytes
+    dense_bytes = sum(p.numel() * 4 for m in linears for p in [m.weight]) + embed.weight.numel() * 4
+    assert quantized_bytes < dense_bytes / 5   # 4.5-8.5 bits a weight against 32
+
+
+def test_default_keeps_gguf_quantized_and_none_dequantizes(gguf_path):
+    assert load(gguf_path, "auto").model.layers[0].mlp.down_proj.quantized is not None
+    dense = load(gguf_path, "none")
+    assert dense.model.layers[0].mlp.down_proj.quantized is None
+    assert not dense.model.embed_tokens.weight.is_meta
+
+
+def test_logits_close_to_the_dequantized_model(gguf_path):
+    ids = (list(range(100, 100 + 40)) + [2, 28, 9, 444, 1005, 20]) * 3
+    q = run_single_sequence(load(gguf_path, "gguf"), ids)
+    d = run_single_sequence(load(gguf_path, "none"), ids)
+    cos = torch.nn.functional.cosine_similarity(q, d, dim=-1)
+    assert cos.min() > 0.99, cos.min()
+    assert (q.argmax(-1) == d.argmax(-1)).float().mean() > 0.9
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
+           "List three prime numbers:", "The GNU General Public License is", "import numpy as np\n",
+           "Water boils at", "My favourite colour is"]
+
+
+def greedy(llm, prompts, n=24):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0),
+                                                        use_tqdm=False)]
+
+
+def test_greedy_tokens_mostly_agree_with_the_dequantized_model(quantized_llm, dense_llm):
+    q, d = greedy(quantized_llm, PROMPTS), greedy(dense_llm, PROMPTS)
+    first = sum(a[0] == b[0] for a, b in zip(q, d))
+    common = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(q, d)]
+    print(f"greedy agreement: first token {first}/{len(PROMPTS)}, common prefix {np.mean(common):.1f} of 24")
+    assert first >= len(PROMPTS) - 1
+    assert np.mean(common) >= 8
+
+
+def test_quantized_engine_equivalences(quantized_llm, gguf_path):
+    # the int8 kernels give each row the same result whatever shares its step: batching, chunked prefill,
+    # prefix caching and preemption change nothing
+    alone = [greedy(quantized_llm, [p])[0] for p in PROMPTS]
+    assert greedy(quantized_llm, PROMPTS) == alone
+    assert greedy(quantized_llm, PROMPTS) == alone   # again, from the prefix cache
+    # 96 tokens of KV for 8 sequences: preemption (the block size stays: it sets the attention's summation order)
+    tight = LLM(quantization="gguf", dtype="float32", num_kv_blocks=6, max_num_batched_tokens=16,
+                enable_prefix_caching=False)
+    assert greedy(tight, PROMPTS) == alone
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_perplexity_within_one_percent_of_the_dequantized_model(quantized_llm, dense_llm):
+    text = open(TEXT, encoding="utf-8").read()[:5000]   # two chunks of 512 tokens
+    pq = perplexity(quantized_llm, text, 512)
+    pd = perplexity(dense_llm, text, 512)
+    assert pq["num_chunks"] == pd["num_chunks"] == 2 and pq["num_scored_tokens"] == 2 * 255
+    assert abs(pq["ppl"] / pd["ppl"] - 1) < 0.01, (pq["ppl"], pd["ppl"])
+
+
+def test_perplexity_scores_the_second_half_of_each_chunk():
+    chunks = chunk_tokens(list(range(10, 31)), 8, bos_id=1)   # 21 tokens: two whole chunks, the rest dropped
+    assert chunks == [[1, 11, 12, 13, 14, 15, 16, 17], [1, 19, 20, 21, 22, 23, 24, 25]]
+
+    class LP:
+        def __init__(self, v):
+            self.logprob = v
+    # position p predicts chunk[p] from the tokens before it; llama-perplexity scores positions n/2+1 .. n-1
+    logprobs = [None] + [{tok: LP(-float(pos))} for pos, tok in enumerate(chunks[0]) if pos > 0]
+    nll, count = chunk_nll(logprobs, chunks[0])
+    assert count == 3 and nll == 5 + 6 + 7
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_1"])
+def test_tiny_llama_gguf_kept_quantized_matches_its_dequantized_self(tmp_path, qtype):
+    # llama files permute q/k rows: the kept blocks are unpermuted by rows, as the dequantized weights are
+    hf = save_tiny_model("llama", tmp_path / "hf")
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype=qtype))
+    kept, dense = load(path, "gguf"), load(path, "none")
+    assert kept.model.layers[0].self_attn.qkv_proj.quantized.formats() == [qtype]
+    ids = [5, 9, 200, 31, 7, 77, 120, 3]
+    q, d = run_single_sequence(kept, ids), run_single_sequence(dense, ids)
+    assert torch.nn.functional.cosine_similarity(q, d, dim=-1).min() > 0.995
+
+
+def test_real_blocks_of_every_format_in_the_qwen_files(qwen_05b_path):
+    # Q5_0, Q8_0, Q4_K and Q6_K blocks as llama.cpp's quantizer wrote them, against gguf-py's dequantization
+    from kvserve.model.gguf_loader import _quantized, open_gguf
+    from kvserve.model.quantization import QuantizedWeight
+    reader = open_gguf(qwen_05b_path)
+    seen = set()
+    for t in reader.tensors:
+        fmt = t.tensor_type.name
+        if fmt in seen or len(t.shape) != 2 or int(t.shape[1]) > 8192:   # not the 151936-row vocab matrices
+            continue
+        seen.add(fmt)
+        w = QuantizedWeight([_quantized(t, None)])
+        x = torch.randn(3, w.in_features, generator=torch.Generator().manual_seed(0))
+        ref = x.double() @ w.dequantize().double().T
+        rel = (quantized_matmul(x, w).double() - ref).norm() / ref.norm()
+        assert rel < 0.01, (t.name, fmt, rel)
+    assert {"Q5_0", "Q8_0", "Q4_K", "Q6_K"} <= seen, seen
+
+
+def test_bad_quantization_settings(tmp_path):
+    with pytest.raises(InvalidRequestError, match="quantization"):
+        EngineConfig(quantization="int4")
+    save_tiny_model("llama", tmp_path / "hf")
+    with pytest.raises(ModelLoadError, match="needs a .gguf"):
+        load(str(tmp_path / "hf"), "gguf")
+    assert load(str(tmp_path / "hf"), "auto").model.layers[0].mlp.down_proj.quantized is None

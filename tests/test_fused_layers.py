@@ -7,7 +7,9 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve import kernels
 from kvserve.attention import TorchPagedAttention, bind_kv_cache, build_attention_metadata, kv_layout
-from model_utils import load_ours, save_tiny_model
+from kvserve.config import EngineConfig
+from kvserve.model import load_model
+from model_utils import load_ours, save_tiny_model, write_tiny_gguf
 
 _lib = kernels.load()
 pytestmark = pytest.mark.skipif(_lib is None or not (_lib.kvserve_has_packed_matmul() and _lib.silu_mul_fast),
@@ -63,6 +65,40 @@ def test_fused_stack_is_bit_identical_to_the_modules(tmp_path, head_dim, block_s
         assert got.dtype == torch.float32 and torch.equal(got, want) and torch.equal(twice, want)
     for got, want, twice in zip(fused_pools, module_pools, again_pools):
         assert torch.equal(got, want) and torch.equal(twice, want)
+
+
+def _tiny_quantized_bf16(tmp_path, qtype: str, **overrides):
+    """A tiny llama written as a GGUF of `qtype` blocks, loaded with them kept, bf16 activations."""
+    hf = save_tiny_model("llama", tmp_path / "hf", **overrides)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype=qtype)
+    model, _ = load_model(EngineConfig(model=str(path), dtype="bfloat16", device="cpu", quantization="gguf"))
+    model.prepack()
+    assert model.model.layers[0].mlp.down_proj.quantized.formats() == [qtype]
+    return model
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0"])
+def test_fused_stack_runs_quantized_linears_bit_identical_to_the_modules(tmp_path, qtype):
+    """GGUF-quantized linears enter the stack through their linear method (kvserve_quant_matmul, as the modules
+    call it): chunked prefill, a mixed step and decodes, then a split decode batch, all bit-identical."""
+    model = _tiny_quantized_bf16(tmp_path, qtype, hidden_size=128, intermediate_size=96)
+    fused, fused_pools = _run_steps(model, 16)
+    assert model.model._fused is not None
+    model.model.use_fused_layers = False
+    modules, module_pools = _run_steps(model, 16)
+    for got, want in zip(fused + fused_pools, modules + module_pools):
+        assert torch.equal(got, want)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for fused_on, split in ((True, True), (False, False)):
+            model.model.use_fused_layers, model.model.split_decode_batches = fused_on, split
+            runs.append(_run_batch_decodes(model, [1, 70, 3, 40, 2, 9, 110, 5] * 5, 2))
+    finally:
+        torch.set_num_threads(threads)
+    (a_logits, a_pools), (b_logits, b_pools) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a_logits + a_pools, b_logits + b_pools))
 
 
 def _run_batch_decodes(model, lens: list[int], steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

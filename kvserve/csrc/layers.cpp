@@ -18,11 +18,23 @@ void kvserve_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t*
                              float scale, int64_t tiled);
 void kvserve_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t Hkv,
                  int64_t D, int64_t es, int64_t bs, int64_t tiled, char* kc, char* vc);
+int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t x_bf16, void* y, int64_t ys,
+                         int64_t M, int64_t K);
 
 // What one layer reads, as raw pointers (kvserve/model/fused.py fills one row per layer):
 // input norm weight, packed qkv, packed o_proj, post-attention norm weight, packed gate|up, packed down,
-// K pool, V pool.
-enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_PTRS };
+// K pool, V pool, and a bit mask of the linears that are quantized (bit i for L_QKV + i: their pointer is then a
+// quantized weight's descriptor for kvserve_quant_matmul, the function the modules' linears call).
+enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_QUANT, L_PTRS };
+
+// y[M, N] = x[M, K] @ W^T by the linear method of layer row p's linear in slot `slot`
+static inline void linear(const int64_t* p, int slot, const uint16_t* x, int64_t xs, uint16_t* y, int64_t ys,
+                          int64_t M, int64_t N, int64_t K) {
+  if ((p[L_QUANT] >> (slot - L_QKV)) & 1)
+    kvserve_quant_matmul(reinterpret_cast<const int64_t*>(p[slot]), x, xs, 1, y, ys, M, K);
+  else
+    kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(p[slot]), y, ys, M, N, K);
+}
 
 // dims: T tokens, H hidden, NH / NKV heads, D head dim, I intermediate size, BS block size, TILED pool layout.
 // residual [T, H]: the embedding output on entry (layer 0 normalizes it without an add), the residual stream on
@@ -46,7 +58,7 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
       kvserve_rmsnorm_bf16(residual, nullptr, w(L_IN_NORM), normed, T, H, eps);
     else
       kvserve_rmsnorm_bf16(hidden, residual, w(L_IN_NORM), normed, T, H, eps);
-    kvserve_packed_matmul_bf16(normed, H, w(L_QKV), qkv, nqkv, T, nqkv, H);
+    linear(p, L_QKV, normed, H, qkv, nqkv, T, nqkv, H);
     kvserve_rope_bf16(qkv, nqkv, cos, sin, T, NH + NKV, D);
     const uint16_t* k = qkv + NH * D;
     const uint16_t* v = k + NKV * D;
@@ -54,11 +66,11 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
                 2, BS, TILED, reinterpret_cast<char*>(p[L_K_CACHE]), reinterpret_cast<char*>(p[L_V_CACHE]));
     kvserve_paged_attention_bf16(qkv, nqkv, w(L_K_CACHE), w(L_V_CACHE), attn, tables, table_stride, seq_lens,
                             query_start, B, NH, NKV, D, BS, scale, TILED);
-    kvserve_packed_matmul_bf16(attn, NH * D, w(L_O), hidden, H, T, H, NH * D);
+    linear(p, L_O, attn, NH * D, hidden, H, T, H, NH * D);
     kvserve_rmsnorm_bf16(hidden, residual, w(L_POST_NORM), normed, T, H, eps);
-    kvserve_packed_matmul_bf16(normed, H, w(L_GATE_UP), gate_up, 2 * I, T, 2 * I, H);
+    linear(p, L_GATE_UP, normed, H, gate_up, 2 * I, T, 2 * I, H);
     kvserve_silu_mul_bf16(gate_up, 2 * I, act, T, I);
-    kvserve_packed_matmul_bf16(act, I, w(L_DOWN), hidden, H, T, H, I);
+    linear(p, L_DOWN, act, I, hidden, H, T, H, I);
   }
 }
 

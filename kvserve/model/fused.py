@@ -3,8 +3,9 @@
 The call runs the kernels the per-layer modules call, in their order, on the same shapes, so its output is
 bit-identical to theirs; it saves their Python: ~10 calls per layer that each allocate a tensor and convert
 ctypes arguments (docs/benchmarks.md measures it).
-It applies where every piece has its C++ kernel: packed bf16 weights, the C++ attention backend on bf16 pools,
-no biases, no q/k norm; anywhere else the model runs its modules.
+It applies where every piece has its C++ kernel: packed bf16 or GGUF-quantized weights (each linear's method, as
+the modules call it), the C++ attention backend on bf16 pools, no biases, no q/k norm; anywhere else the model
+runs its modules.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from kvserve import kernels
 from kvserve.attention import kv_layout
 from kvserve.attention.backends import CpuPagedAttention
 
-_LAYER_PTRS = 8   # per layer: input norm, qkv, o, post norm, gate|up, down, K pool, V pool (layers.cpp's L_*)
+# per layer: input norm, qkv, o, post norm, gate|up, down, K pool, V pool, quantized-linear bits (layers.cpp's L_*)
+_LAYER_PTRS = 9
 
 
 class FusedLayers:
@@ -76,6 +78,15 @@ def is_same_binding(key: tuple, layers) -> bool:
     return all(ref() is x for ref, x in zip(key, (attn.attn.k_cache, attn.attn.v_cache, attn.qkv_proj.packed)))
 
 
+def _linear_weight(m) -> tuple[int, int] | None:
+    """(pointer, 1 if quantized) of what the stack multiplies for Linear m, or None where it cannot."""
+    if m.quantized is not None:
+        return m.quantized.desc_ptr, 1
+    if m.packed is not None and m.packed.kernel is not None:
+        return m.packed.kernel_ptr, 0
+    return None
+
+
 def build_fused_layers(layers) -> FusedLayers | None:
     """The fused stack for these LlamaDecoderLayers, or None where one of its kernels does not apply."""
     lib = kernels.load()
@@ -87,8 +98,8 @@ def build_fused_layers(layers) -> FusedLayers | None:
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         cache = attn.attn.k_cache
-        if (attn.q_norm is not None or any(m.bias is not None or m.packed is None or m.packed.kernel is None
-                                           for m in linears)
+        weights = [_linear_weight(m) for m in linears]
+        if (attn.q_norm is not None or any(m.bias is not None or w is None for m, w in zip(linears, weights))
                 or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms)
                 or not isinstance(attn.attn.backend, CpuPagedAttention) or cache.dtype != torch.bfloat16
                 or not cache.is_cpu
@@ -96,9 +107,9 @@ def build_fused_layers(layers) -> FusedLayers | None:
                 or norms[0].weight.shape[0] > 8192):
             return None
         tiled.add(kv_layout.is_tiled(cache))
-        ptrs.append([norms[0].weight.data_ptr(), attn.qkv_proj.packed.kernel_ptr, attn.o_proj.packed.kernel_ptr,
-                     norms[1].weight.data_ptr(), mlp.gate_up_proj.packed.kernel_ptr,
-                     mlp.down_proj.packed.kernel_ptr, cache.data_ptr(), attn.attn.v_cache.data_ptr()])
+        (qkv, q0), (o, q1), (gate_up, q2), (down, q3) = weights
+        ptrs.append([norms[0].weight.data_ptr(), qkv, o, norms[1].weight.data_ptr(), gate_up, down,
+                     cache.data_ptr(), attn.attn.v_cache.data_ptr(), q0 | q1 << 1 | q2 << 2 | q3 << 3])
     eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
     if len(tiled) != 1 or len(eps) != 1:   # the kernel takes one pool layout and one eps
         return None

@@ -1,0 +1,114 @@
+"""GGUF kept quantized against dequantized, and against llama.cpp on the same file, side by side in one run:
+single-stream TPOT and TTFT (prompt 256, output 128, greedy, EOS ignored) and resident memory.
+
+    python benchmarks/quantization.py [--models smollm2 qwen1.5b] [--llama-cpp ~/peers/llama.cpp-src/build/bin]
+        [--iters 3] [--skip-dense] [--output-json benchmarks/results/quantization.json]
+
+kvserve runs in a subprocess per configuration (`kvserve bench latency`), with a 256 MiB KV pool; its memory is
+the process's resident set after the engine started and its peak (/usr/bin/time). llama.cpp runs llama-bench
+(-p 256 -n 128 -t 2; its figures are tokens/s of a prompt batch and of generation) and its peak resident set.
+Machines of this kind differ from day to day: read the ratios, measured in one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODELS = {"smollm2": None, "qwen1.5b": "qwen2.5-coder-1.5b", "qwen0.5b": "qwen2.5-coder-0.5b"}
+
+
+def model_file(name: str) -> str:
+    from kvserve.model import default_model_path
+    from kvserve.model.fetch import model_path
+    if MODELS[name] is None:
+        return default_model_path()
+    path = model_path(MODELS[name])
+    if path is None:
+        sys.exit(f"{name} is not fetched: run `make models`")
+    return str(path)
+
+
+def peak_rss_mib(time_output: str) -> float:
+    m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_output)
+    return int(m.group(1)) / 1024 if m else float("nan")
+
+
+# run in the child: the engine, its resident set once started, then the latency loop
+_CHILD = """
+import json, sys
+from kvserve.entrypoints.bench import main as bench_main
+import kvserve.entrypoints.bench as b
+orig = b._make_llm
+def make(args):
+    llm, load_s = orig(args)
+    rss = int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) / 1024
+    print(json.dumps({"rss_at_start_mib": rss, "weights": llm.llm_engine.weights_summary}), flush=True)
+    return llm, load_s
+b._make_llm = make
+bench_main(sys.argv[1:])
+"""
+
+
+def run_kvserve(path: str, quantization: str, iters: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = ["/usr/bin/time", "-v", sys.executable, "-c", _CHILD, "latency", "--model", path, "--quantization",
+               quantization, "--kv-cache-memory", "256MiB", "--input-len", "256", "--output-len", "128",
+               "--num-iters", str(iters), "--num-iters-warmup", "1", "--output-json", out.name]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"kvserve failed:\n{proc.stderr[-3000:]}")
+        result = json.loads(Path(out.name).read_text())
+    start = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"rss_at_start')))
+    return {"engine": f"kvserve --quantization {quantization}", "tpot_ms": result["tpot_ms"]["mean"],
+            "ttft_ms": result["ttft_ms"]["mean"], "dtype": result["dtype"], **start,
+            "peak_rss_mib": peak_rss_mib(proc.stderr)}
+
+
+def run_llama_cpp(bin_dir: str, path: str, iters: int) -> dict:
+    cmd = ["/usr/bin/time", "-v", os.path.join(bin_dir, "llama-bench"), "-m", path, "-p", "256", "-n", "128",
+           "-t", "2", "-r", str(iters), "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"llama-bench failed:\n{proc.stderr[-3000:]}")
+    rows = json.loads(proc.stdout)
+    tg = next(r for r in rows if r["n_gen"] > 0)
+    pp = next(r for r in rows if r["n_prompt"] > 0)
+    return {"engine": "llama.cpp llama-bench", "tpot_ms": round(1000 / tg["avg_ts"], 2),
+            "ttft_ms": round(1000 * 256 / pp["avg_ts"], 2), "peak_rss_mib": peak_rss_mib(proc.stderr)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["smollm2", "qwen1.5b"], choices=list(MODELS))
+    p.add_argument("--llama-cpp", default=os.path.expanduser("~/peers/llama.cpp-src/build/bin"))
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--skip-dense", action="store_true", help="leave out --quantization none")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    results = {}
+    for name in args.models:
+        path = model_file(name)
+        rows = [run_kvserve(path, "gguf", args.iters)]
+        if not args.skip_dense:
+            rows.append(run_kvserve(path, "none", args.iters))
+        if os.path.exists(os.path.join(args.llama_cpp, "llama-bench")):
+            rows.append(run_llama_cpp(args.llama_cpp, path, args.iters))
+        results[name] = {"file": os.path.basename(path), "rows": rows}
+        base = rows[0]["tpot_ms"]
+        print(f"\n{name} ({os.path.basename(path)})")
+        for r in rows:
+            print(f"  {r['engine']:34s} TPOT {r['tpot_ms']:8.2f} ms ({r['tpot_ms'] / base:.2f}x)  TTFT "
+                  f"{r['ttft_ms']:8.1f} ms  RSS at start {r.get('rss_at_start_mib', float('nan')):7.0f} MiB  "
+                  f"peak {r['peak_rss_mib']:7.0f} MiB")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -23,14 +23,17 @@ int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t
 
 // What one layer reads, as raw pointers (kvserve/model/fused.py fills one row per layer):
 // input norm weight, packed qkv, packed o_proj, post-attention norm weight, packed gate|up, packed down,
-// K pool, V pool, and a bit mask of the linears that are quantized (bit i for L_QKV + i: their pointer is then a
-// quantized weight's descriptor for kvserve_quant_matmul, the function the modules' linears call).
+// K pool, V pool, and a bit mask of the linears that are quantized (Q_BIT: their pointer is then a quantized
+// weight's descriptor for kvserve_quant_matmul, the function the modules' linears call).
 enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_QUANT, L_PTRS };
+
+// the bit of each linear in L_QUANT, by slot: qkv 1, o 2, gate|up 4, down 8
+constexpr int64_t Q_BIT[L_PTRS] = {0, 1, 2, 0, 4, 8, 0, 0, 0};
 
 // y[M, N] = x[M, K] @ W^T by the linear method of layer row p's linear in slot `slot`
 static inline void linear(const int64_t* p, int slot, const uint16_t* x, int64_t xs, uint16_t* y, int64_t ys,
                           int64_t M, int64_t N, int64_t K) {
-  if ((p[L_QUANT] >> (slot - L_QKV)) & 1)
+  if (p[L_QUANT] & Q_BIT[slot])
     kvserve_quant_matmul(reinterpret_cast<const int64_t*>(p[slot]), x, xs, 1, y, ys, M, K);
   else
     kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(p[slot]), y, ys, M, N, K);

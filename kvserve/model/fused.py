@@ -109,7 +109,7 @@ def build_fused_layers(layers) -> FusedLayers | None:
         tiled.add(kv_layout.is_tiled(cache))
         (qkv, q0), (o, q1), (gate_up, q2), (down, q3) = weights
         ptrs.append([norms[0].weight.data_ptr(), qkv, o, norms[1].weight.data_ptr(), gate_up, down,
-                     cache.data_ptr(), attn.attn.v_cache.data_ptr(), q0 | q1 << 1 | q2 << 2 | q3 << 3])
+                     cache.data_ptr(), attn.attn.v_cache.data_ptr(), q0 | q1 << 1 | q2 << 2 | q3 << 3])   # Q_BIT
     eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
     if len(tiled) != 1 or len(eps) != 1:   # the kernel takes one pool layout and one eps
         return None

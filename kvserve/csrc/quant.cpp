@@ -315,31 +315,33 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
     }
 }
 
+constexpr int64_t QNB = 16;   // weight rows per work unit: they stay in L1/L2 while every row tile of x passes
+
 template <int T, typename Y>
 void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const QX* xq, int64_t M, int64_t nsub, Y* y,
                  int64_t ys) {
-  // each thread takes whole weight rows and runs every row tile of x over them, so a weight row is read from
-  // memory once per step; a row tile of QMR rows shares each unpacked sub-block
+  // each thread takes units of QNB whole weight rows, read from memory once per step, and runs every row tile of
+  // x over them (a tile of QMR rows shares each unpacked sub-block; its activations stay in L1 across the unit)
+  const int64_t units = (N + QNB - 1) / QNB;
   #pragma omp parallel for schedule(static) if (N * nsub * M >= 2048)
-  for (int64_t n = 0; n < N; ++n) {
-    const uint8_t* wr = w + n * row_bytes;
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t n1 = std::min(N, (u + 1) * QNB);
     const QX* xr[QMR];
     float out[QMR];
-    int64_t m = 0;
-    for (; m + QMR <= M; m += QMR) {
-      for (int r = 0; r < QMR; ++r) xr[r] = xq + (m + r) * nsub;
-      row_dot<T, QMR>(wr, xr, nsub, out);
-      for (int r = 0; r < QMR; ++r) store(y + (m + r) * ys, n, out[r]);
+    for (int64_t m = 0; m < M; m += QMR) {
+      const int rows = int(std::min<int64_t>(QMR, M - m));
+      for (int r = 0; r < rows; ++r) xr[r] = xq + (m + r) * nsub;
+      for (int64_t n = u * QNB; n < n1; ++n) {
+        const uint8_t* wr = w + n * row_bytes;
+        switch (rows) {
+          case 4: row_dot<T, 4>(wr, xr, nsub, out); break;
+          case 3: row_dot<T, 3>(wr, xr, nsub, out); break;
+          case 2: row_dot<T, 2>(wr, xr, nsub, out); break;
+          default: row_dot<T, 1>(wr, xr, nsub, out); break;
+        }
+        for (int r = 0; r < rows; ++r) store(y + (m + r) * ys, n, out[r]);
+      }
     }
-    const int left = int(M - m);
-    for (int r = 0; r < left; ++r) xr[r] = xq + (m + r) * nsub;
-    switch (left) {
-      case 3: row_dot<T, 3>(wr, xr, nsub, out); break;
-      case 2: row_dot<T, 2>(wr, xr, nsub, out); break;
-      case 1: row_dot<T, 1>(wr, xr, nsub, out); break;
-      default: break;
-    }
-    for (int r = 0; r < left; ++r) store(y + (m + r) * ys, n, out[r]);
   }
 }
 

@@ -1,6 +1,10 @@
 """The Attention module every model layer calls; it owns a view of its layer's KV cache."""
 from __future__ import annotations
 
+import math
+import mmap
+import warnings
+
 import torch
 from torch import nn
 
@@ -60,7 +64,21 @@ def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: tor
             layer.backend = backend
         k_shape, v_shape = layer.backend.cache_shapes(num_blocks, block_size, layer.num_heads, layer.num_kv_heads,
                                                       layer.head_dim, dtype, device)
-        layer.k_cache = torch.zeros(k_shape, dtype=dtype, device=device)
-        layer.v_cache = torch.zeros(v_shape, dtype=dtype, device=device)
+        layer.k_cache = zeros_on_demand(k_shape, dtype, device)
+        layer.v_cache = zeros_on_demand(v_shape, dtype, device)
         caches.append((layer.k_cache, layer.v_cache))
     return caches
+
+
+def zeros_on_demand(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero tensor whose CPU memory the OS supplies page by page as it is first written (an anonymous mapping,
+    page-aligned): a KV pool costs resident memory only for the blocks requests have used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)   # anonymous: zero-filled, writable, freed with the last tensor that views it
+    with warnings.catch_warnings():   # "not writable" is about buffers torch cannot tell: this one is
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)

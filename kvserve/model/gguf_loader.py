@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,13 +88,16 @@ def iter_gguf_weights(reader, cfg: ModelConfig,
 
 
 def _quantized(t, heads: int | None) -> QuantizedTensor:
-    """A GGUF matrix's blocks copied out of the mapped file, rows unpermuted where `heads` is given."""
+    """A GGUF matrix's blocks as a view of the mapped file (QuantizedWeight copies them into its own buffer once,
+    so loading holds no second copy), rows unpermuted where `heads` is given."""
     rows, cols = int(t.shape[1]), int(t.shape[0])
-    data = np.array(t.data.view(np.ndarray), dtype=np.uint8, copy=True)
-    if data.size % rows:
-        raise ModelLoadError(f"GGUF tensor {t.name!r} holds {data.size} bytes, not a whole number of its {rows} "
+    data = t.data.view(np.ndarray)
+    if data.dtype != np.uint8 or data.size % rows:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} holds {data.nbytes} bytes, not a whole number of its {rows} "
                              "rows; the file is corrupt")
-    qt = QuantizedTensor(int(t.tensor_type), torch.from_numpy(data.reshape(rows, -1)), cols)
+    with warnings.catch_warnings():   # the mapping is read-only, and only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        qt = QuantizedTensor(int(t.tensor_type), torch.from_numpy(data.reshape(rows, -1)), cols)
     if heads is not None:
         qt = qt.select_rows(unpermute_qk(np.arange(rows), heads))
     return qt

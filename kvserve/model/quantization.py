@@ -94,18 +94,19 @@ class QuantizedWeight:
         if len(cols) != 1:
             raise ModelLoadError(f"fused quantized projections disagree on their input size: {sorted(cols)}")
         self.in_features = cols.pop()
-        merged: list[QuantizedTensor] = []
+        groups: list[list[QuantizedTensor]] = []
         for s in segments:   # neighbours of one format share a segment (q|k of a Q4_K_M file)
-            if merged and merged[-1].ggml_type == s.ggml_type:
-                merged[-1] = QuantizedTensor(s.ggml_type, torch.cat([merged[-1].data, s.data]), s.cols)
+            if groups and groups[-1][0].ggml_type == s.ggml_type:
+                groups[-1].append(s)
             else:
-                merged.append(s)
-        nbytes = [s.data.numel() for s in merged]
+                groups.append([s])
+        nbytes = [sum(s.data.numel() for s in g) for g in groups]
         self.buffer = kernels.huge_page_buffer(sum(nbytes))   # streamed every step: huge pages read faster
         self.segments = []
-        for s, part in zip(merged, self.buffer.split(nbytes)):
-            part.copy_(s.data.reshape(-1))
-            self.segments.append(QuantizedTensor(s.ggml_type, part.view(s.rows, -1), s.cols))
+        for g, part in zip(groups, self.buffer.split(nbytes)):
+            for s, piece in zip(g, part.split([s.data.numel() for s in g])):
+                piece.copy_(s.data.reshape(-1))
+            self.segments.append(QuantizedTensor(g[0].ggml_type, part.view(-1, g[0].data.shape[1]), g[0].cols))
         self.out_features = sum(s.rows for s in self.segments)
         desc = [len(self.segments)]
         for s in self.segments:

@@ -211,14 +211,25 @@ template <> void header<Q8_0>(const uint8_t* b, float* s, float*) { s[0] = fp16_
 template <> __m256i quants<Q8_0>(const uint8_t* b, int) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
 }
+// 8 bytes -> 8 floats times f, stored to out
+inline void bytes_times(const void* p, bool is_signed, float f, float* out) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i i = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(f)));
+}
+// all 8 scales and mins of a Q4_K / Q5_K super-block at once: the 12 packed bytes rearranged into 8 scale bytes
+// then 8 min bytes (llama.cpp's kmask trick; scale_min_k4 per sub-block, unrolled)
 inline void k4_header(const uint8_t* b, float* s, float* m) {
-  const float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
-  for (int j = 0; j < 8; ++j) {
-    int sc, mn;
-    scale_min_k4(j, b + 4, sc, mn);
-    s[j] = d * float(sc);
-    m[j] = -(dmin * float(mn));
-  }
+  uint32_t u[4];
+  std::memcpy(u, b + 4, 12);
+  const uint32_t mask6 = 0x3f3f3f3f, mask4 = 0x0f0f0f0f, mask2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & mask4) | (((u[1] >> 6) & mask2) << 4);
+  const uint32_t mins_lo = u[1] & mask6;
+  u[1] = (u[2] & mask4) | (((u[0] >> 6) & mask2) << 4);
+  u[2] = mins_lo;
+  u[0] &= mask6;
+  bytes_times(u, false, fp16_to_f32(b), s);
+  bytes_times(u + 2, false, -fp16_to_f32(b + 2), m);
 }
 inline __m256i k_nibbles(const uint8_t* qs, int j) {   // sub-block j's 32 nibbles of a Q4_K / Q5_K super-block
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 2)));
@@ -235,8 +246,8 @@ template <> __m256i quants<Q5_K>(const uint8_t* b, int j) {
 }
 template <> void header<Q6_K>(const uint8_t* b, float* s, float*) {
   const float d = fp16_to_f32(b + 208);
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  for (int i = 0; i < 16; ++i) s[i] = d * float(sc[i]);
+  bytes_times(b + 192, true, d, s);
+  bytes_times(b + 200, true, d, s + 8);
 }
 template <> __m256i quants<Q6_K>(const uint8_t* b, int j) {
   const int h = j / 4, i4 = j % 4;

@@ -160,14 +160,14 @@ def describe(model: torch.nn.Module) -> str:
     """'Q4_K x169, Q6_K x29; 0.93 GiB quantized, 0.01 GiB dense': what a model's weights are, for the logs."""
     formats: Counter = Counter()
     qbytes = dense = 0
-    for name, mod in model.named_modules():
+    for mod in model.modules():
         q = getattr(mod, "quantized", None)
         if q is not None:
             formats.update(q.formats())
             qbytes += q.nbytes
-    for p in model.parameters():
-        if not p.is_meta:
-            dense += p.numel() * p.element_size()
+        for name, p in mod.named_parameters(recurse=False):
+            if not (q is not None and name == "weight"):   # a packed copy's plain weight is shape-only: same size
+                dense += p.numel() * p.element_size()
     if not formats:
         return f"not quantized; {dense / 2**30:.2f} GiB weights"
     kinds = ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))

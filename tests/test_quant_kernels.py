@@ -110,3 +110,21 @@ def test_embedding_rows_equal_gguf_dequantization(fmt):
     assert embedding_rows(table, ids, torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(IndexError):
         embedding_rows(table, torch.tensor([50]), torch.float32)
+
+
+def test_float16_input_wrong_width_and_auto_on_the_scalar_build():
+    from kvserve.model.quantization import resolve_quantization
+    w = QuantizedWeight([random_quantized("Q4_0", 8, 64)])
+    x = torch.randn(2, 64)
+    y16 = quantized_matmul(x.half(), w)
+    assert y16.dtype == torch.float16
+    torch.testing.assert_close(y16.float(), quantized_matmul(x.half().float(), w), rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="features"):
+        quantized_matmul(torch.randn(2, 96), w)
+    cpu = torch.device("cpu")
+    with kernels.variant("native") as lib:
+        assert resolve_quantization("auto", True, cpu) == ("gguf" if lib and lib.kvserve_quant_simd() else "none")
+    with kernels.variant("portable"):   # scalar kernels: slower than the dequantized model, so auto dequantizes
+        assert resolve_quantization("auto", True, cpu) == "none"
+        assert resolve_quantization("gguf", True, cpu) == "gguf"
+    assert resolve_quantization("auto", False, cpu) == "none"

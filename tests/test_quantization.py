@@ -101,11 +101,15 @@ def test_perplexity_within_one_percent_of_the_dequantized_model(quantized_llm, d
     pd = perplexity(dense_llm, text, 512)
     assert pq["num_chunks"] == pd["num_chunks"] == 2 and pq["num_scored_tokens"] == 2 * 255
     assert abs(pq["ppl"] / pd["ppl"] - 1) < 0.01, (pq["ppl"], pd["ppl"])
+    with pytest.raises(InvalidRequestError, match="at least 2"):   # as llama-perplexity: two chunks at least
+        perplexity(quantized_llm, text[:3000], 512)
 
 
 def test_perplexity_scores_the_second_half_of_each_chunk():
-    chunks = chunk_tokens(list(range(10, 31)), 8, bos_id=1)   # 21 tokens: two whole chunks, the rest dropped
-    assert chunks == [[1, 11, 12, 13, 14, 15, 16, 17], [1, 19, 20, 21, 22, 23, 24, 25]]
+    # 21 tokens and BOS: two whole chunks, the rest dropped; each chunk's first token is BOS
+    chunks = chunk_tokens(list(range(10, 31)), 8, bos_id=1)
+    assert chunks == [[1, 10, 11, 12, 13, 14, 15, 16], [1, 18, 19, 20, 21, 22, 23, 24]]
+    assert chunk_tokens(list(range(10, 31)), 8, bos_id=None) == [list(range(10, 18)), list(range(18, 26))]
 
     class LP:
         def __init__(self, v):

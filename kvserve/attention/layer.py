@@ -78,7 +78,8 @@ def zeros_on_demand(shape, dtype: torch.dtype, device: torch.device | str = "cpu
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes)   # anonymous: zero-filled, writable, freed with the last tensor that views it
+    # anonymous and private (as malloc's own large blocks): zero-filled, writable, freed with the last tensor viewing it
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     with warnings.catch_warnings():   # "not writable" is about buffers torch cannot tell: this one is
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)

@@ -450,7 +450,7 @@ int kvserve_quant_simd() {
 // A quantized linear: desc = [num_segments, then per segment: ggml type, data pointer, rows, bytes per row]; the
 // segments' rows stack into the N output columns (a fused q|k|v may mix formats). y[M, N] = x[M, K] @ W^T with
 // x and y float32 (x_bf16 = 0) or bf16 (1), rows strided by xs / ys elements; K a multiple of 256 for K-quant
-// segments, of 32 otherwise. Returns 0, or -1 for a type it does not know (nothing written).
+// segments, of 32 otherwise. Returns 0, or -1 for a type it does not know (the segments before it are written).
 int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t x_bf16, void* y, int64_t ys,
                          int64_t M, int64_t K) {
   const int64_t nseg = desc[0], nsub = K / 32;
@@ -481,8 +481,9 @@ int kvserve_quant_rows(int64_t type, const uint8_t* w, int64_t row_bytes, const 
   #pragma omp parallel for if (n * K >= 65536) reduction(&& : ok)
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t* row = w + ids[i] * row_bytes;
-    ok = out_bf16 ? dequant_typed(type, row, K / 32, static_cast<uint16_t*>(out) + i * K)
-                  : dequant_typed(type, row, K / 32, static_cast<float*>(out) + i * K);
+    const bool done = out_bf16 ? dequant_typed(type, row, K / 32, static_cast<uint16_t*>(out) + i * K)
+                               : dequant_typed(type, row, K / 32, static_cast<float*>(out) + i * K);
+    ok = ok && done;
   }
   return ok ? 0 : -1;
 }

@@ -120,8 +120,10 @@ class LLMEngine:
         vocabulary and is smaller."""
         spec = self.spec_config
         try:
-            draft, draft_config = load_model(dataclasses.replace(self.config, model=spec.model,
-                                                                 speculative_config=None))
+            # "gguf" is the target file's: an HF draft beside a GGUF target loads dequantized
+            quantization = "auto" if self.config.quantization == "gguf" else self.config.quantization
+            draft, draft_config = load_model(dataclasses.replace(self.config, model=spec.model, speculative_config=None,
+                                                                 quantization=quantization))
         except KVServeError as e:
             raise InvalidRequestError(f"speculative_config: the draft model {spec.model!r} could not be loaded: {e}",
                                       "speculative_config") from e

@@ -1,7 +1,8 @@
 """`kvserve bench perplexity MODEL --text FILE`: perplexity over a text, computed as llama.cpp's llama-perplexity
-does, so the figures compare with its: the text split into chunks of --ctx-size tokens (the first token of each
-replaced by BOS where the tokenizer adds one), each chunk run alone, and only the predictions of its second half
-scored (positions ctx/2 .. ctx-2 predicting the next token). It runs through the engine (prompt logprobs), so
+does, so the figures compare with its: the text tokenized with BOS first where the tokenizer adds one, split into
+chunks of --ctx-size tokens (the first token of each replaced by BOS there), each chunk run alone, and only the
+predictions of its second half scored (positions ctx/2 .. ctx-2 predicting the next token). As llama-perplexity,
+it needs at least two chunks of text. It runs through the engine (prompt logprobs), so
 it measures what serving computes: quantized kernels, the KV cache dtype, chunked prefill.
 """
 from __future__ import annotations
@@ -10,9 +11,14 @@ import argparse
 import math
 import time
 
+from kvserve.errors import InvalidRequestError
+
 
 def chunk_tokens(token_ids: list[int], n_ctx: int, bos_id: int | None) -> list[list[int]]:
-    """Whole chunks of n_ctx tokens (the remainder dropped, as llama-perplexity does); BOS first if given."""
+    """Whole chunks of n_ctx tokens of the text's tokens (BOS first if given: the tokenization llama-perplexity
+    scores), the remainder dropped; each chunk's first token then replaced by BOS, as llama-perplexity does."""
+    if bos_id is not None:
+        token_ids = [bos_id] + token_ids
     chunks = [token_ids[i:i + n_ctx] for i in range(0, len(token_ids) - n_ctx + 1, n_ctx)]
     if bos_id is not None:
         chunks = [[bos_id] + c[1:] for c in chunks]
@@ -32,15 +38,16 @@ def perplexity(llm, text: str, n_ctx: int = 512, batch: int = 4) -> dict:
     """Perplexity of `llm` over `text` (see the module docstring); the figures as a dict."""
     from kvserve import SamplingParams
     if n_ctx < 4:
-        raise ValueError(f"ctx size must be at least 4, got {n_ctx}")
+        raise InvalidRequestError(f"ctx size must be at least 4, got {n_ctx}", "ctx_size")
     tokenizer = llm.get_tokenizer()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None and with_special[:1] == [
         tokenizer.bos_token_id] else None
     chunks = chunk_tokens(ids, n_ctx, bos)
-    if not chunks:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than one chunk of {n_ctx}")
+    if len(chunks) < 2:
+        raise InvalidRequestError(f"the text has {len(ids)} tokens: perplexity needs at least 2 * ctx size "
+                                  f"({2 * n_ctx}), as llama-perplexity does", "text")
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     nll, count = 0.0, 0
     start = time.perf_counter()
@@ -51,7 +58,6 @@ def perplexity(llm, text: str, n_ctx: int = 512, batch: int = 4) -> dict:
             n, c = chunk_nll(out.prompt_logprobs, chunk)
             nll, count = nll + n, count + c
     mean = nll / count
-    # llama-perplexity's error estimate: the standard error of the mean NLL, carried through exp
     return {"ppl": math.exp(mean), "mean_nll": mean, "num_chunks": len(chunks), "num_scored_tokens": count,
             "num_text_tokens": len(ids), "n_ctx": n_ctx, "bos": bos, "seconds": time.perf_counter() - start}
 

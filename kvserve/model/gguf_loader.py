@@ -88,8 +88,8 @@ def iter_gguf_weights(reader, cfg: ModelConfig,
 
 
 def _quantized(t, heads: int | None) -> QuantizedTensor:
-    """A GGUF matrix's blocks as a view of the mapped file (QuantizedWeight copies them into its own buffer once,
-    so loading holds no second copy), rows unpermuted where `heads` is given."""
+    """A GGUF matrix's blocks as a view of the mapped file (QuantizedWeight copies them into its own buffer once),
+    rows unpermuted where `heads` is given (a copy, of the q/k rows only)."""
     rows, cols = int(t.shape[1]), int(t.shape[0])
     data = t.data.view(np.ndarray)
     if data.dtype != np.uint8 or data.size % rows:

@@ -128,9 +128,10 @@ def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = ()) -> tuple[i
     """Give every bf16 CPU Linear a packed weight (quantized ones keep theirs); returns how many, and the packs of
     the `extra` weights."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is None]
-    if not linears or not can_prepack(linears[0].weight):
+    weights = [m.weight for m in linears] + list(extra)
+    if not weights or not can_prepack(weights[0]):
         return 0, []
-    packs = prepack_weights([m.weight for m in linears] + list(extra))
+    packs = prepack_weights(weights)
     for m, pack in zip(linears, packs):
         m.packed = pack
     return len(linears), packs[len(linears):]

@@ -32,8 +32,10 @@ def resolve_quantization(name: str | None, is_gguf_file: bool, device: torch.dev
     if name == "gguf" and device.type != "cpu":
         raise ModelLoadError(f"quantized GGUF weights run on the CPU only; on {device.type} pass "
                              "--quantization none to dequantize them")
-    if name == "auto":
-        return "gguf" if is_gguf_file and device.type == "cpu" and _kernels_lib() is not None else "none"
+    if name == "auto":   # where the kernels are vectorized (AVX2); their scalar build is slower than dequantized
+        lib = _kernels_lib()
+        return "gguf" if is_gguf_file and device.type == "cpu" and lib is not None and lib.kvserve_quant_simd() else \
+            "none"
     if name == "gguf" and _kernels_lib() is None:
         raise ModelLoadError("quantized GGUF weights need the C++ kernels, which did not build "
                              f"({kernels.status().reason}); pass --quantization none")
@@ -133,14 +135,19 @@ def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     blocks, for every M: each row's result is the same whatever else is in its step (batching, chunked prefill and
     preemption do not change a request's tokens; a dense GEMM on dequantized tiles would give prefill rows other
     roundings than decode rows)."""
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the quantized weight takes {weight.in_features}")
     if x.dim() != 2 or x.stride(1) != 1:
         return quantized_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight).view(*x.shape[:-1], -1)
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.float()
+    if x.dtype not in (torch.float32, torch.bfloat16):   # float16: computed from float32, returned as float16
+        return quantized_matmul(x.float(), weight).to(x.dtype)
     y = x.new_empty(x.shape[0], weight.out_features)
     if x.shape[0]:
-        weight.lib.kvserve_quant_matmul(weight.desc_ptr, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
-                                        y.data_ptr(), y.stride(0), x.shape[0], weight.in_features)
+        rc = weight.lib.kvserve_quant_matmul(weight.desc_ptr, x.data_ptr(), x.stride(0),
+                                             int(x.dtype == torch.bfloat16), y.data_ptr(), y.stride(0), x.shape[0],
+                                             weight.in_features)
+        if rc != 0:
+            raise RuntimeError(f"kvserve_quant_matmul does not know one of the formats {weight.formats()}")
     return y
 
 
@@ -152,7 +159,8 @@ def embedding_rows(table: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype
     if ids.numel():
         if int(ids.min()) < 0 or int(ids.max()) >= table.rows:
             raise IndexError(f"token id out of range for an embedding table of {table.rows} rows")
-        table.lib_rows(ids.data_ptr(), ids.numel(), out.data_ptr(), int(out_dtype == torch.bfloat16))
+        if table.lib_rows(ids.data_ptr(), ids.numel(), out.data_ptr(), int(out_dtype == torch.bfloat16)) != 0:
+            raise RuntimeError(f"kvserve_quant_rows does not know the format {table.format}")
     return out if out.dtype == dtype else out.to(dtype)
 
 

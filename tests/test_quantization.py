@@ -47,11 +47,12 @@ def test_bundled_model_keeps_its_quantized_weights(quantized_llm):
     assert quantized_bytes < dense_bytes / 5   # 4.5-8.5 bits a weight against 32
 
 
-def test_default_keeps_gguf_quantized_and_none_dequantizes(gguf_path):
-    assert load(gguf_path, "auto").model.layers[0].mlp.down_proj.quantized is not None
-    dense = load(gguf_path, "none")
-    assert dense.model.layers[0].mlp.down_proj.quantized is None
-    assert not dense.model.embed_tokens.weight.is_meta
+def test_default_keeps_gguf_quantized_and_none_dequantizes(gguf_path, dense_llm):
+    from kvserve import kernels
+    kept = load(gguf_path, "auto").model.layers[0].mlp.down_proj.quantized is not None
+    assert kept == bool(kernels.load() is not None and kernels.load().kvserve_quant_simd())
+    dense = dense_llm.llm_engine.model
+    assert dense.model.layers[0].mlp.down_proj.quantized is None and dense.model.embed_tokens.quantized is None
 
 
 def test_logits_close_to_the_dequantized_model(gguf_path):
@@ -143,7 +144,8 @@ def test_real_blocks_of_every_format_in_the_qwen_files(qwen_05b_path):
         if fmt in seen or len(t.shape) != 2 or int(t.shape[1]) > 8192:   # not the 151936-row vocab matrices
             continue
         seen.add(fmt)
-        w = QuantizedWeight([_quantized(t, None)])
+        part = _quantized(t, None)   # its first 96 rows: gguf-py's dequantization of the whole is slow
+        w = QuantizedWeight([type(part)(part.ggml_type, part.data[:96], part.cols)])
         x = torch.randn(3, w.in_features, generator=torch.Generator().manual_seed(0))
         ref = x.double() @ w.dequantize().double().T
         rel = (quantized_matmul(x, w).double() - ref).norm() / ref.norm()

@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--single-stream", action="store_true",
                    help="decode TPOT of one 256-token request instead of W1 throughput (lower is better)")
     args = p.parse_args()
-    llm = LLM(dtype="bfloat16", num_threads=args.num_threads, enable_prefix_caching=False)
+    llm = LLM(dtype="bfloat16", num_threads=args.num_threads, enable_prefix_caching=False, quantization="none")
     engine = llm.llm_engine
     model = engine.model
     restore_unpacked_weights(model)   # the configurations without packs run F.linear on them

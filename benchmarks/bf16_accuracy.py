@@ -46,7 +46,7 @@ def teacher_forced(llm: LLM, prompts: list[list[int]], continuations: list[list[
 
 
 def main() -> None:
-    fp32 = LLM(dtype="float32")
+    fp32 = LLM(dtype="float32", quantization="none")
     prompts = prompt_ids(fp32)
     outs = fp32.generate([{"prompt_token_ids": p} for p in prompts],
                          SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
@@ -54,7 +54,7 @@ def main() -> None:
     ref, _ = teacher_forced(fp32, prompts, continuations)
     del fp32
 
-    llm = LLM(dtype="bfloat16")
+    llm = LLM(dtype="bfloat16", quantization="none")
     model = llm.llm_engine.model
     layers.restore_unpacked_weights(model)   # for oneDNN's packs and the unpacked configurations
     linears = [m for m in model.modules() if isinstance(m, layers.Linear)]

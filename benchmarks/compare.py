@@ -93,7 +93,7 @@ def kvserve_offline(args, work_path: Path, tmp: Path) -> dict | None:
     out = tmp / "kvserve.json"
     cmd = [PY, "-m", "kvserve.entrypoints.bench", "throughput", "--num-prompts", args.num_prompts,
            "--input-len", "64:512", "--output-len", "32:256", "--seed", args.seed, "--dtype", "bfloat16",
-           "--no-tqdm", "--output-json", out]
+           "--quantization", "none", "--no-tqdm", "--output-json", out]
     return run_json(cmd, out)
 
 
@@ -256,8 +256,9 @@ def bench_serve(server: Server, tmp: Path, tag: str, num_prompts: int, concurren
 
 def serve_all(args, tmp: Path) -> dict:
     results = {}
+    # the weights vLLM and transformers get: the GGUF dequantized (docs/quantization.md compares kept quantized)
     engines = [("kvserve", [PY, "-m", "kvserve", "serve", "--host", "127.0.0.1", "--dtype", "bfloat16",
-                            "--served-model-name", "smollm2"], {})]
+                            "--quantization", "none", "--served-model-name", "smollm2"], {})]
     engines.append(("vllm", [VLLM_BIN, "serve", HF_DIR, "--host", "127.0.0.1", "--dtype", "bfloat16",
                              "--max-model-len", "2048", "--served-model-name", "smollm2"], VLLM_ENV))
     for name, cmd, env in engines:

@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    llm = LLM(model=args.model, dtype="float32", enable_prefix_caching=False, max_model_len=2048)
+    llm = LLM(model=args.model, dtype="float32", enable_prefix_caching=False, max_model_len=2048, quantization="none")
     model = llm.llm_engine.model
     restore_unpacked_weights(model)   # F.linear needs the plain weights back
     packs = {m: m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None}

@@ -22,7 +22,7 @@ from kvserve.entrypoints.bench import random_workload
 
 def measure(dtype: str, variant: str, work: list[dict], single_len: int) -> dict:
     with kernels.variant(variant):
-        llm = LLM(dtype=dtype, max_model_len=1024, kv_cache_memory="1GiB")
+        llm = LLM(dtype=dtype, max_model_len=1024, kv_cache_memory="1GiB", quantization="none")
         summary = llm.llm_engine.kernel_summary
         prompts = [{"prompt_token_ids": w["prompt_token_ids"]} for w in work]
         params = [SamplingParams(temperature=0, max_tokens=w["output_len"], ignore_eos=True) for w in work]

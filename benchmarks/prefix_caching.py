@@ -83,8 +83,8 @@ def main():
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--json")
     args = ap.parse_args()
-    on = LLM(dtype=args.dtype, enable_prefix_caching=True, max_model_len=2048)
-    off = LLM(dtype=args.dtype, enable_prefix_caching=False, max_model_len=2048)
+    on = LLM(dtype=args.dtype, enable_prefix_caching=True, max_model_len=2048, quantization="none")
+    off = LLM(dtype=args.dtype, enable_prefix_caching=False, max_model_len=2048, quantization="none")
     sys_ids = system_prompt(on.get_tokenizer(), args.system_len)
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "system_len": len(sys_ids), "dtype": str(on.llm_engine.dtype)}
     res["ttft"] = bench_ttft(on, sys_ids)

@@ -216,7 +216,7 @@ def first_difference(tok, ref: list[int], got: list[int]) -> dict | None:
 
 def make_llm(model: str | None, spec: dict | None, args, **kwargs) -> LLM:
     llm = LLM(model=model, speculative_config=spec, enable_prefix_caching=False, num_threads=args.num_threads,
-              **kwargs)
+              quantization="none", **kwargs)
     llm.generate([{"prompt_token_ids": chat_ids(llm, ["Say hello."])[0]}], greedy(8), use_tqdm=False)   # warm up
     return llm
 

@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/structured_outputs.json"))
     args = ap.parse_args()
-    llm = LLM(dtype=args.dtype, enable_prefix_caching=False)
+    llm = LLM(dtype=args.dtype, enable_prefix_caching=False, quantization="none")
     llm.generate(PROMPTS, SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
     result = {"dtype": args.dtype, "torch_threads": torch.get_num_threads(), "compile": compile_times(llm),
               "bitmask": {"string": bitmask_cost(llm, LONG_ARRAY),

@@ -9,6 +9,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import MAX_SEED, MIN_SEED
 from kvserve.spec_decode.config import SpeculativeConfig
 
+QUANTIZATION_CHOICES = ("auto", "gguf", "none")   # EngineConfig.quantization (kvserve/model/quantization.py)
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -66,8 +67,9 @@ class EngineConfig:
                 setattr(self, name, os.fspath(getattr(self, name)))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float"):
             bad(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}", "dtype")
-        if self.quantization not in ("auto", "gguf", "none"):
-            bad(f"quantization must be auto, gguf or none, got {self.quantization!r}", "quantization")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            bad(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}",
+                "quantization")
         if self.block_size < 1 or self.block_size > 1024:
             bad(f"block_size must be in [1, 1024], got {self.block_size}", "block_size")
         if self.max_num_seqs < 1:

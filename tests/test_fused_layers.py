@@ -81,7 +81,12 @@ def _tiny_quantized_bf16(tmp_path, qtype: str, **overrides):
 def test_fused_stack_runs_quantized_linears_bit_identical_to_the_modules(tmp_path, qtype):
     """GGUF-quantized linears enter the stack through their linear method (kvserve_quant_matmul, as the modules
     call it): chunked prefill, a mixed step and decodes, then a split decode batch, all bit-identical."""
-    model = _tiny_quantized_bf16(tmp_path, qtype, hidden_size=128, intermediate_size=96)
+    check_quantized_stack(_tiny_quantized_bf16(tmp_path, qtype, hidden_size=128, intermediate_size=96))
+
+
+def check_quantized_stack(model) -> None:
+    """The stack against the modules on `model` (quantized linears): STEPS, then a split decode batch against
+    the unsplit modules; logits and pools bit-identical."""
     fused, fused_pools = _run_steps(model, 16)
     assert model.model._fused is not None
     model.model.use_fused_layers = False

@@ -174,20 +174,5 @@ def test_fused_stack_code_on_a_cpu_without_avx512_bf16(tmp_path, monkeypatch):
     monkeypatch.setattr(lib, "kvserve_has_packed_matmul", lambda: 1)
     monkeypatch.setattr(lib, "silu_mul_fast", True)
     import test_fused_layers as fused_tests
-    model = fused_tests._tiny_quantized_bf16(tmp_path, "Q4_1", hidden_size=128, intermediate_size=96)
-    stack, stack_pools = fused_tests._run_steps(model, 16)
-    assert model.model._fused is not None
-    model.model.use_fused_layers = False
-    modules, module_pools = fused_tests._run_steps(model, 16)
-    assert all(torch.equal(a, b) for a, b in zip(stack + stack_pools, modules + module_pools))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        runs = []
-        for on in (True, False):
-            model.model.use_fused_layers = model.model.split_decode_batches = on
-            runs.append(fused_tests._run_batch_decodes(model, [1, 70, 3, 40, 2, 9, 110, 5] * 5, 2))
-    finally:
-        torch.set_num_threads(threads)
-    (a, a_pools), (b, b_pools) = runs
-    assert all(torch.equal(x, y) for x, y in zip(a + a_pools, b + b_pools))
+    fused_tests.check_quantized_stack(
+        fused_tests._tiny_quantized_bf16(tmp_path, "Q4_1", hidden_size=128, intermediate_size=96))

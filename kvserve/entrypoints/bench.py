@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+from kvserve.config import QUANTIZATION_CHOICES
+
 DEFAULT_INPUT_LEN = "64:512"
 DEFAULT_OUTPUT_LEN = "32:256"
 
@@ -150,7 +152,7 @@ def _write_json(args, result: dict) -> None:
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: bundled SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
-    p.add_argument("--quantization", "-q", choices=["auto", "gguf", "none"], default=None,
+    p.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
                    help="gguf: keep a .gguf file's quantized weights (default on the CPU); none: dequantize them")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 512MiB (default: 1 GiB on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=None)

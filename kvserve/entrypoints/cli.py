@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.config import QUANTIZATION_CHOICES   # plain Python, as the next
 from kvserve.entrypoints.openai.tool_parsers import TOOL_PARSERS   # plain Python: keeps --help fast
 from kvserve.errors import KVServeError
 
@@ -48,7 +49,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument("--quantization", "-q", choices=["auto", "gguf", "none"], default=None,
+    g.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
                    help="gguf: keep a .gguf file's quantized weights (the default on the CPU); none: dequantize "
                         "them to --dtype")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

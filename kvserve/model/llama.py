@@ -137,7 +137,8 @@ class LlamaForCausalLM(InferenceModule):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.packed_lm_head: PackedWeight | None = None   # tied embeddings, packed by prepack()
+        # tied embeddings: packed by prepack(), or the quantized table itself (load_weights)
+        self.packed_lm_head: PackedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
         """input_ids, positions: [T] over all sequences of the step -> hidden states [T, hidden]."""
@@ -149,16 +150,11 @@ class LlamaForCausalLM(InferenceModule):
             return self.lm_head(hidden).float()
         if self.packed_lm_head is not None:
             return packed_linear(hidden, self.packed_lm_head).float()
-        if self.model.embed_tokens.quantized is not None:   # not prepacked (off the CPU path): the same kernel
-            return packed_linear(hidden, PackedWeight(self.config.vocab_size,
-                                                      quant=self.model.embed_tokens.quantized)).float()
         return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
 
     def prepack(self) -> int:
         """Pack the matmul weights for the CPU's bf16 kernels (after loading; no-op elsewhere)."""
         embed = self.model.embed_tokens
-        if self.lm_head is None and embed.quantized is not None:   # a quantized table is its own pack
-            self.packed_lm_head = PackedWeight(embed.weight.shape[0], quant=embed.quantized)
         tied = [embed.weight] if self.lm_head is None and embed.quantized is None else []
         num, extra = prepack_linears(self, tied)
         if extra:
@@ -176,6 +172,9 @@ class LlamaForCausalLM(InferenceModule):
                 m.quantized = None
         self.packed_lm_head = None
         load_packed_weights(self, weights, PACKED_MODULES, self._skip)
+        embed = self.model.embed_tokens
+        if self.lm_head is None and embed.quantized is not None:   # tied: the quantized table is the head's pack
+            self.packed_lm_head = PackedWeight(embed.weight.shape[0], quant=embed.quantized)
 
     def _skip(self, name: str) -> bool:
         # tied checkpoints may still carry lm_head.weight; old ones carry the rotary inv_freq buffer

@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from kvserve import kernels
+from kvserve.config import QUANTIZATION_CHOICES
 from kvserve.errors import ModelLoadError
 
 # ggml type id -> (name, values per block, bytes per block): the formats kvserve/csrc/quant.cpp multiplies
 KERNEL_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
                   8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 FORMAT_IDS = {name: tid for tid, (name, _, _) in KERNEL_FORMATS.items()}
-QUANTIZATION_CHOICES = ("auto", "gguf", "none")
 
 
 def resolve_quantization(name: str | None, is_gguf_file: bool, device: torch.device) -> str:
@@ -33,17 +33,13 @@ def resolve_quantization(name: str | None, is_gguf_file: bool, device: torch.dev
         raise ModelLoadError(f"quantized GGUF weights run on the CPU only; on {device.type} pass "
                              "--quantization none to dequantize them")
     if name == "auto":   # where the kernels are vectorized (AVX2); their scalar build is slower than dequantized
-        lib = _kernels_lib()
+        lib = kernels.load()
         return "gguf" if is_gguf_file and device.type == "cpu" and lib is not None and lib.kvserve_quant_simd() else \
             "none"
-    if name == "gguf" and _kernels_lib() is None:
+    if name == "gguf" and kernels.load() is None:
         raise ModelLoadError("quantized GGUF weights need the C++ kernels, which did not build "
                              f"({kernels.status().reason}); pass --quantization none")
     return name
-
-
-def _kernels_lib():
-    return kernels.load()
 
 
 @dataclass
@@ -115,7 +111,7 @@ class QuantizedWeight:
             desc += [s.ggml_type, s.data.data_ptr(), s.rows, s.data.shape[1]]
         self.desc = torch.tensor(desc, dtype=torch.int64)
         self.desc_ptr = self.desc.data_ptr()
-        self.lib = _kernels_lib()
+        self.lib = kernels.load()
         if self.lib is None:
             raise ModelLoadError("quantized weights need the C++ kernels, which did not build")
 
@@ -165,7 +161,8 @@ def embedding_rows(table: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype
 
 
 def describe(model: torch.nn.Module) -> str:
-    """'Q4_K x169, Q6_K x29; 0.93 GiB quantized, 0.01 GiB dense': what a model's weights are, for the logs."""
+    """What a model's weights are, for the logs: 'GGUF kept quantized (Q4_K x99, Q6_K x29): 1.03 GiB quantized +
+    0.00 GiB dense' (a format counted once per linear segment), or 'not quantized; 0.50 GiB weights'."""
     formats: Counter = Counter()
     qbytes = dense = 0
     for mod in model.modules():

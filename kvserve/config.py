@@ -10,6 +10,7 @@ from kvserve.sampling_params import MAX_SEED, MIN_SEED
 from kvserve.spec_decode.config import SpeculativeConfig
 
 QUANTIZATION_CHOICES = ("auto", "gguf", "none")   # EngineConfig.quantization (kvserve/model/quantization.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")   # EngineConfig.kv_cache_dtype (kvserve/attention/fp8.py)
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -40,6 +41,9 @@ class EngineConfig:
     max_model_len: int | None = None    # defaults to the model's context length
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes or "2GiB"; default: 1 GiB on CPU
+    # auto: the model's dtype; fp8 (= fp8_e4m3) | fp8_e5m2: one byte per value (kvserve/attention/fp8.py)
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False   # FP8 KV: per-layer scales from the first step's K/V, else 1.0
     gpu_memory_utilization: float = 0.9       # CUDA only, used when kv_cache_memory is not set
     num_kv_blocks: int | None = None    # overrides the memory budget (tests)
     max_num_seqs: int = 128
@@ -67,6 +71,9 @@ class EngineConfig:
                 setattr(self, name, os.fspath(getattr(self, name)))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float"):
             bad(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}", "dtype")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+                "kv_cache_dtype")
         if self.quantization not in QUANTIZATION_CHOICES:
             bad(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}",
                 "quantization")

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.attention import kv_layout
+from kvserve.attention import fp8, kv_layout
 
 logger = logging.getLogger("kvserve")
 
@@ -147,6 +147,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kvserve_paged_attention_f32": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f],
         "kvserve_paged_attention_bf16": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64],
         "kvserve_write_kv": [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, p, p],
+        "kvserve_paged_attention_fp8": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64, i64, p],
+        "kvserve_write_kv_fp8": [p, i64, p, i64, p, i64, i64, i64, i64, i64, p, p, p],
         "kvserve_rmsnorm_bf16": [p, p, p, p, i64, i64, f],
         "kvserve_rope_bf16": [p, i64, p, p, i64, i64, i64],
         "kvserve_silu_mul_bf16": [p, i64, p, i64, i64],
@@ -155,7 +157,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kvserve_apply_bitmask_f32": [p, i64, p, i64, p, i64, i64],
         "kvserve_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
         "kvserve_llama_layers_bf16": [p, p, p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64,
-                                      i64, f, f, p, i64],
+                                      i64, i64, f, f, p, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -285,23 +287,34 @@ def main() -> int:
 
 
 def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    out: torch.Tensor, kernel_args: tuple, num_heads: int, scale: float) -> None:
+                    out: torch.Tensor, kernel_args: tuple, num_heads: int, scale: float,
+                    kv_scales: torch.Tensor | None = None) -> None:
     """out[T, H*D] = causal attention of q[T, H*D] (rows may be strided) over each sequence's paged K/V (either
-    layout for bf16, standard for float32); kernel_args: AttentionMetadata.kernel_args."""
+    layout for bf16, standard for float32 and FP8 pools, whose values kv_scales [K's, V's] multiply);
+    kernel_args: AttentionMetadata.kernel_args."""
     bs, hkv, d = kv_layout.geometry(k_cache)
     _, tables, table_stride, seq_lens, query_start, num_seqs = kernel_args
     args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables, table_stride,
             seq_lens, query_start, num_seqs, num_heads, hkv, d, bs, scale)
-    if q.dtype == torch.bfloat16:
+    if k_cache.dtype in fp8.FORMATS:
+        lib.kvserve_paged_attention_fp8(*args, q.dtype == torch.bfloat16, fp8.FORMATS[k_cache.dtype],
+                                        kv_scales.data_ptr())
+    elif q.dtype == torch.bfloat16:
         lib.kvserve_paged_attention_bf16(*args, kv_layout.is_tiled(k_cache))
     else:
         lib.kvserve_paged_attention_f32(*args)
 
 
 def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             kernel_args: tuple) -> None:
-    """k_cache/v_cache rows [slot_mapping[t]] = k/v [t] (k, v: [T, Hkv*D], rows may be strided; either layout)."""
+             kernel_args: tuple, kv_scales: torch.Tensor | None = None) -> None:
+    """k_cache/v_cache rows [slot_mapping[t]] = k/v [t] (k, v: [T, Hkv*D], rows may be strided; either layout);
+    FP8 pools take fp8(k / K's scale), fp8(v / V's scale) (kv_scales, kvserve/attention/fp8.py)."""
     bs, hkv, d = kv_layout.geometry(k_cache)
+    if k_cache.dtype in fp8.FORMATS:
+        lib.kvserve_write_kv_fp8(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kernel_args[0], k.shape[0],
+                                 hkv, d, k.dtype == torch.bfloat16, fp8.FORMATS[k_cache.dtype],
+                                 kv_scales.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+        return
     lib.kvserve_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kernel_args[0], k.shape[0], hkv, d,
                     k.element_size(), bs, kv_layout.is_tiled(k_cache), k_cache.data_ptr(), v_cache.data_ptr())
 

@@ -6,7 +6,8 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve import kernels
-from kvserve.attention import TorchPagedAttention, bind_kv_cache, build_attention_metadata, kv_layout
+from kvserve.attention import (TorchPagedAttention, attention_layers, bind_kv_cache, build_attention_metadata, fp8,
+                               kv_layout)
 from kvserve.config import EngineConfig
 from kvserve.model import load_model
 from model_utils import load_ours, save_tiny_model, write_tiny_gguf
@@ -20,9 +21,13 @@ A, B = list(range(3, 43)), [7, 9, 11, 13, 200, 3]
 STEPS = [((0, 17), (0, 5)), ((17, 40), (5, 6)), ((40, 41), None), ((41, 42), (6, 7))]
 
 
-def _run_steps(model, block_size: int, backend=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Logits of every step of STEPS (fresh pools, scattered blocks) and the first layer's pools afterwards."""
-    (k, v), *_ = bind_kv_cache(model, num_blocks=16, block_size=block_size, dtype=torch.bfloat16, backend=backend)
+def _run_steps(model, block_size: int, backend=None, kv_dtype=torch.bfloat16,
+               kv_scales=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Logits of every step of STEPS (fresh pools, scattered blocks) and the first layer's pools afterwards.
+    kv_scales: FP8 pools' [K, V] scales, the same in every layer."""
+    (k, v), *_ = bind_kv_cache(model, num_blocks=16, block_size=block_size, dtype=kv_dtype, backend=backend)
+    for layer in attention_layers(model):
+        layer.kv_scales.copy_(kv_scales if kv_scales is not None else torch.ones(2))
     tables = [[5, 0, 7, 2, 1, 6, 9, 10, 11, 12, 13, 14, 15, 8][:-(-42 // block_size)], [3, 4]]
     a_tokens, b_tokens = A + [50, 51], B + [60]
     out = []
@@ -38,7 +43,7 @@ def _run_steps(model, block_size: int, backend=None) -> tuple[list[torch.Tensor]
         meta = build_attention_metadata(qlens, slens, used, block_size=block_size)
         with torch.inference_mode():
             out.append(model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta)))
-    return out, [k.clone(), v.clone()]
+    return out, [k.view(torch.uint8).clone(), v.view(torch.uint8).clone()]
 
 
 def _tiny_bf16(tmp_path, family: str = "llama", **overrides):
@@ -84,13 +89,20 @@ def test_fused_stack_runs_quantized_linears_bit_identical_to_the_modules(tmp_pat
     check_quantized_stack(_tiny_quantized_bf16(tmp_path, qtype, hidden_size=128, intermediate_size=96))
 
 
-def check_quantized_stack(model) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fused_stack_on_fp8_pools_is_bit_identical_to_the_modules(tmp_path, kv_dtype):
+    """FP8 pools (layer scales folded into the attention as the backend does for the modules)."""
+    model = _tiny_bf16(tmp_path, hidden_size=128, intermediate_size=96)
+    check_quantized_stack(model, kv_dtype, torch.tensor([0.05, 0.01]))
+
+
+def check_quantized_stack(model, kv_dtype=torch.bfloat16, kv_scales=None) -> None:
     """The stack against the modules on `model` (quantized linears): STEPS, then a split decode batch against
-    the unsplit modules; logits and pools bit-identical."""
-    fused, fused_pools = _run_steps(model, 16)
-    assert model.model._fused is not None
+    the unsplit modules; logits and pools bit-identical. kv_dtype, kv_scales: the pools' (FP8 ones)."""
+    fused, fused_pools = _run_steps(model, 16, kv_dtype=kv_dtype, kv_scales=kv_scales)
+    assert model.model._fused is not None and model.model._fused.kv_format == fp8.FORMATS.get(kv_dtype, 0)
     model.model.use_fused_layers = False
-    modules, module_pools = _run_steps(model, 16)
+    modules, module_pools = _run_steps(model, 16, kv_dtype=kv_dtype, kv_scales=kv_scales)
     for got, want in zip(fused + fused_pools, modules + module_pools):
         assert torch.equal(got, want)
     threads = torch.get_num_threads()
@@ -99,20 +111,23 @@ def check_quantized_stack(model) -> None:
         runs = []
         for fused_on, split in ((True, True), (False, False)):
             model.model.use_fused_layers, model.model.split_decode_batches = fused_on, split
-            runs.append(_run_batch_decodes(model, [1, 70, 3, 40, 2, 9, 110, 5] * 5, 2))
+            runs.append(_run_batch_decodes(model, [1, 70, 3, 40, 2, 9, 110, 5] * 5, 2, kv_dtype, kv_scales))
     finally:
         torch.set_num_threads(threads)
     (a_logits, a_pools), (b_logits, b_pools) = runs
     assert all(torch.equal(x, y) for x, y in zip(a_logits + a_pools, b_logits + b_pools))
 
 
-def _run_batch_decodes(model, lens: list[int], steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _run_batch_decodes(model, lens: list[int], steps: int, kv_dtype=torch.bfloat16,
+                       kv_scales=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Prefill len(lens) sequences of the given lengths in one step, then decode all of them `steps` times."""
     bs = 16
     blocks = [-(-(n + steps) // bs) for n in lens]
     perm = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(0)).tolist()   # scattered blocks
     tables = [perm[sum(blocks[:i]):sum(blocks[:i + 1])] for i in range(len(lens))]
-    (k, v), *_ = bind_kv_cache(model, num_blocks=sum(blocks), block_size=bs, dtype=torch.bfloat16)
+    (k, v), *_ = bind_kv_cache(model, num_blocks=sum(blocks), block_size=bs, dtype=kv_dtype)
+    for layer in attention_layers(model):
+        layer.kv_scales.copy_(kv_scales if kv_scales is not None else torch.ones(2))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 60, (sum(lens),), generator=gen)
     pos = torch.cat([torch.arange(n) for n in lens])
@@ -124,7 +139,7 @@ def _run_batch_decodes(model, lens: list[int], steps: int) -> tuple[list[torch.T
             meta = build_attention_metadata([1] * len(lens), ctx, tables, block_size=bs)
             ids = torch.randint(3, 60, (len(lens),), generator=gen)
             out.append(model.compute_logits(model(ids, torch.tensor(ctx) - 1, meta)))
-    return out, [k.clone(), v.clone()]
+    return out, [k.view(torch.uint8).clone(), v.view(torch.uint8).clone()]
 
 
 def test_fused_stack_splitting_a_decode_batch_between_threads_is_bit_identical(tmp_path):

@@ -166,7 +166,8 @@ def test_fused_stack_code_on_a_cpu_without_avx512_bf16(tmp_path, monkeypatch):
     """The fused stack's quantized-linear dispatch and batch split, where the stack itself does not run: without
     AVX-512 BF16 it is gated off (its bf16 GEMM and fast SiLU are missing), yet with every linear quantized it
     never calls that GEMM. Opening the gate (and giving the modules the stack's own scalar SiLU) runs the real
-    C++ stack; tests/test_fused_layers.py checks the same on CPUs where it runs for real."""
+    C++ stack, on bf16 pools and on FP8 ones; tests/test_fused_layers.py checks the same on CPUs where it runs
+    for real."""
     from kvserve import kernels
     lib = kernels.load()
     if lib is None or lib.kvserve_has_packed_matmul():
@@ -174,5 +175,7 @@ def test_fused_stack_code_on_a_cpu_without_avx512_bf16(tmp_path, monkeypatch):
     monkeypatch.setattr(lib, "kvserve_has_packed_matmul", lambda: 1)
     monkeypatch.setattr(lib, "silu_mul_fast", True)
     import test_fused_layers as fused_tests
-    fused_tests.check_quantized_stack(
-        fused_tests._tiny_quantized_bf16(tmp_path, "Q4_1", hidden_size=128, intermediate_size=96))
+    model = fused_tests._tiny_quantized_bf16(tmp_path, "Q4_1", hidden_size=128, intermediate_size=96)
+    fused_tests.check_quantized_stack(model)
+    model.model.use_fused_layers = True
+    fused_tests.check_quantized_stack(model, torch.float8_e4m3fn, torch.tensor([0.05, 0.01]))

@@ -1,7 +1,7 @@
 """The two layouts of a layer's K and V pools, and slot-level reads and writes that work on both.
 
 standard: K and V are [num_blocks, block_size, num_kv_heads, head_dim]; slot s = block * block_size + offset is
-    one contiguous row of num_kv_heads * head_dim elements. The torch backend, float32 and CUDA use it.
+    one contiguous row of num_kv_heads * head_dim elements. The torch backend, float32, FP8 and CUDA use it.
 tiled: the bf16 layout of the C++ kernel (kvserve/csrc/attention.cpp). Each block holds block_size / 16 groups
     of 16 keys; per group and kv head, a K tile [head_dim / 2][16][2] (dim pair k of the 16 keys in one 64-byte
     vector) and a V tile [8][head_dim][2] (key pairs interleaved per dim): the operands vdpbf16ps takes, so the
@@ -66,6 +66,8 @@ def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tenso
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     if not is_tiled(k_cache):
         hkv, d = k_cache.shape[-2:]
+        if k_cache.element_size() == 1:   # torch has no index_copy_ for float8: copy the bytes
+            k_cache, v_cache, k, v = (x.view(torch.uint8) for x in (k_cache, v_cache, k, v))
         k_cache.view(-1, hkv, d).index_copy_(0, slots, k)
         v_cache.view(-1, hkv, d).index_copy_(0, slots, v)
         return

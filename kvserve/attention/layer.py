@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from kvserve.attention import fp8
 from kvserve.attention.backends import get_backend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.module import InferenceModule
@@ -25,12 +26,19 @@ class Attention(InferenceModule):
         # bound by bind_kv_cache(), in the backend's layout (kvserve/attention/kv_layout.py)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # FP8 pools: [K's scale, V's scale] (kvserve/attention/fp8.py); set from the next step's K/V when
+        # calibrate_kv_scales (bind_kv_cache's calculate_kv_scales)
+        self.kv_scales = torch.ones(2)
+        self.calibrate_kv_scales = False
         self.backend = default_backend()
 
     def forward(self, q, k, v, attn_metadata: AttentionMetadata):
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
+        if self.calibrate_kv_scales:
+            self.kv_scales.copy_(fp8.calibrated_scales(k, v, self.k_cache.dtype))
+            self.calibrate_kv_scales = False
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata,
-                                    self.num_heads, self.scale)
+                                    self.num_heads, self.scale, self.kv_scales)
 
 
 _default_backend = None
@@ -56,12 +64,17 @@ def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dty
 
 
 def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device | str = "cpu", backend=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Allocate one K and one V pool per layer and bind them to the model's Attention modules."""
+                  device: torch.device | str = "cpu", backend=None,
+                  calculate_kv_scales: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Allocate one K and one V pool per layer and bind them to the model's Attention modules. dtype: the pools'
+    (an FP8 dtype stores scaled values: kvserve/attention/fp8.py; calculate_kv_scales sets each layer's scales
+    from the next step, else they are 1.0)."""
     caches = []
     for layer in attention_layers(model):
         if backend is not None:
             layer.backend = backend
+        layer.kv_scales = torch.ones(2, device=device)
+        layer.calibrate_kv_scales = calculate_kv_scales and fp8.is_fp8(dtype)
         k_shape, v_shape = layer.backend.cache_shapes(num_blocks, block_size, layer.num_heads, layer.num_kv_heads,
                                                       layer.head_dim, dtype, device)
         layer.k_cache = zeros_on_demand(k_shape, dtype, device)

@@ -11,19 +11,21 @@ constexpr int MAX_KV_ROW = 1024;  // kv heads x head_dim of the SIMD path
 
 // One work item: sequence b, kv head g, query tokens [t0, t0 + nt) of that sequence.
 // Rows are (token, q head of this kv head) pairs; every row runs its own online softmax.
-template <typename T>
-void attend_item(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table, int64_t ctx_len,
+// KV: the pools' element type (T, or an FP8 format whose values are scaled by k_scale / v_scale).
+template <typename T, typename KV = T>
+void attend_item(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* table, int64_t ctx_len,
                  int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H, int64_t Hkv,
-                 int64_t D, int64_t bs, float scale) {  // one kv head g
+                 int64_t D, int64_t bs, float scale, float k_scale = 1.f, float v_scale = 1.f) {  // one kv head g
   const int64_t G = H / Hkv, R = nt * G;
   float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D], m[MAX_ROWS], l[MAX_ROWS];
   int64_t limit[MAX_ROWS];
   alignas(64) float kf[KC][MAX_D];
   alignas(64) float vf[KC][MAX_D];
+  const float qscale = scale * k_scale;   // K's scale folded into the queries, V's into the output
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / G, h = g * G + r % G;
     const T* src = q + (q_row0 + t) * qs + h * D;
-    for (int64_t d = 0; d < D; ++d) { qf[r][d] = load(src, d) * scale; acc[r][d] = 0.f; }
+    for (int64_t d = 0; d < D; ++d) { qf[r][d] = load(src, d) * qscale; acc[r][d] = 0.f; }
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;   // causal: the last key position this token sees
   }
@@ -64,7 +66,7 @@ void attend_item(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / G, h = g * G + r % G;
     T* dst = out + ((q_row0 + t) * H + h) * D;
-    const float inv = 1.f / l[r];
+    const float inv = v_scale / l[r];
     for (int64_t d = 0; d < D; ++d) store(dst, d, acc[r][d] * inv);
   }
 }
@@ -393,15 +395,17 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
 #endif
 
 // tiled: K/V are in the bf16 kernel layout (bf16 only, bs % 16 == 0, D % 32 == 0), else [blocks, bs, Hkv, D]
-template <typename T>
-void paged_attention(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* block_tables, int64_t table_stride,
-                     const int32_t* seq_lens, const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv,
-                     int64_t D, int64_t bs, float scale, bool tiled) {
+// KV: the pools' element type: T, or an FP8 format (standard layout, the portable kernel; kv_scales: K's, V's)
+template <typename T, typename KV = T>
+void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* block_tables,
+                     int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start, int64_t B, int64_t H,
+                     int64_t Hkv, int64_t D, int64_t bs, float scale, bool tiled, const float* kv_scales = nullptr) {
   const int64_t G = H / Hkv;
   bool simd = false;
 #ifdef KV_HAVE_AVX512
-  simd = D % 32 == 0 && Hkv * D <= MAX_KV_ROW && H <= MAX_ROWS;
+  simd = std::is_same<T, KV>::value && D % 32 == 0 && Hkv * D <= MAX_KV_ROW && H <= MAX_ROWS;
 #endif
+  const float k_scale = kv_scales ? kv_scales[0] : 1.f, v_scale = kv_scales ? kv_scales[1] : 1.f;
   // A work item is (sequence, query tile, kv heads). With many sequences an item takes all kv heads, so it
   // reads whole contiguous KV rows; with few (single-stream decode) it takes one kv head, for parallelism.
   // The tiled kernel decides per sequence: all kv heads when every row of the sequence fits one item
@@ -425,7 +429,7 @@ void paged_attention(const T* q, int64_t qs, const T* kc, const T* vc, T* out, c
     const int64_t t0 = tile_idx * tile, nt = std::min(tile, q_len - t0);
     const int32_t* table = block_tables + b * table_stride;
 #ifdef KV_HAVE_BF16_TILE
-    if constexpr (std::is_same<T, uint16_t>::value) {
+    if constexpr (std::is_same<T, uint16_t>::value && std::is_same<KV, uint16_t>::value) {
       if (tiled) {
         attend_item_tiled(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D,
                           bs, scale);
@@ -434,13 +438,16 @@ void paged_attention(const T* q, int64_t qs, const T* kc, const T* vc, T* out, c
     }
 #endif
 #ifdef KV_HAVE_AVX512
-    if (simd) {
-      attend_item_simd<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D, bs,
-                          scale);
-      continue;
+    if constexpr (std::is_same<T, KV>::value) {
+      if (simd) {
+        attend_item_simd<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D,
+                            bs, scale);
+        continue;
+      }
     }
 #endif
-    attend_item<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D, bs, scale);
+    attend_item<T, KV>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D, bs, scale,
+                       k_scale, v_scale);
   }
 }
 
@@ -471,6 +478,21 @@ void write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_
       uint16_t* vt = vc16 + base + (j / 2) * 2 * D + j % 2;    // V[j / 2][d][j % 2]
       for (int64_t d = 0; d < D; d += 2) { kt[16 * d] = kr[d]; kt[16 * d + 1] = kr[d + 1]; }
       for (int64_t d = 0; d < D; ++d) vt[2 * d] = vr[d];
+    }
+  }
+}
+
+// FP8 pools (standard layout): rows [slots[t]] = fp8(k[t] / k_scale), fp8(v[t] / v_scale); k/v float32 or bf16
+template <typename T>
+void write_kv_fp8(const T* k, int64_t ks, const T* v, int64_t vs, const int64_t* slots, int64_t T_, int64_t n,
+                  int fmt, const float* kv_scales, uint8_t* kc, uint8_t* vc) {
+  const float kinv = 1.f / kv_scales[0], vinv = 1.f / kv_scales[1];   // torch multiplies by the reciprocal too
+  for (int64_t t = 0; t < T_; ++t) {
+    uint8_t* kd = kc + slots[t] * n;
+    uint8_t* vd = vc + slots[t] * n;
+    for (int64_t i = 0; i < n; ++i) {
+      kd[i] = fp8_encode(load(k + t * ks, i) * kinv, fmt);
+      vd[i] = fp8_encode(load(v + t * vs, i) * vinv, fmt);
     }
   }
 }
@@ -506,6 +528,34 @@ void kvserve_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t*
                              float scale, int64_t tiled) {
   paged_attention<uint16_t>(q, qs, kc, vc, out, tables, table_stride, seq_lens, query_start, B, H, Hkv, D, bs,
                             scale, tiled != 0);
+}
+// q, out: float32 or bf16 (q_bf16); kc, vc: FP8 pools of format fmt (FP8_E4M3, FP8_E5M2) in the standard layout
+void kvserve_paged_attention_fp8(const void* q, int64_t qs, const uint8_t* kc, const uint8_t* vc, void* out,
+                                 const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
+                                 const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                                 float scale, int64_t q_bf16, int64_t fmt, const float* kv_scales) {
+  auto run = [&](auto q_t, auto kv_t) {
+    using TQ = std::remove_pointer_t<decltype(q_t)>;
+    using KV = std::remove_pointer_t<decltype(kv_t)>;
+    paged_attention<TQ, KV>(static_cast<const TQ*>(q), qs, reinterpret_cast<const KV*>(kc),
+                            reinterpret_cast<const KV*>(vc), static_cast<TQ*>(out), tables, table_stride, seq_lens,
+                            query_start, B, H, Hkv, D, bs, scale, false, kv_scales);
+  };
+  if (q_bf16) {
+    if (fmt == FP8_E4M3) run((uint16_t*)nullptr, (fp8_e4m3*)nullptr); else run((uint16_t*)nullptr, (fp8_e5m2*)nullptr);
+  } else {
+    if (fmt == FP8_E4M3) run((float*)nullptr, (fp8_e4m3*)nullptr); else run((float*)nullptr, (fp8_e5m2*)nullptr);
+  }
+}
+void kvserve_write_kv_fp8(const void* k, int64_t ks, const void* v, int64_t vs, const int64_t* slots, int64_t T,
+                          int64_t Hkv, int64_t D, int64_t x_bf16, int64_t fmt, const float* kv_scales, uint8_t* kc,
+                          uint8_t* vc) {
+  if (x_bf16)
+    write_kv_fp8(static_cast<const uint16_t*>(k), ks, static_cast<const uint16_t*>(v), vs, slots, T, Hkv * D,
+                 int(fmt), kv_scales, kc, vc);
+  else
+    write_kv_fp8(static_cast<const float*>(k), ks, static_cast<const float*>(v), vs, slots, T, Hkv * D, int(fmt),
+                 kv_scales, kc, vc);
 }
 void kvserve_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t Hkv,
                  int64_t D, int64_t es, int64_t bs, int64_t tiled, char* kc, char* vc) {

@@ -26,6 +26,50 @@ template <typename T> inline void store(T* p, int64_t i, float v);
 template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
 template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
 
+// FP8 KV cache values (kvserve/attention/fp8.py): one byte per value, e4m3 (OCP "fn": no infinities, largest
+// 448) or e5m2 (largest 57344). A pool stores x / scale, saturated to the largest finite value and rounded to
+// nearest even, as torch's conversion of the clamped value; reads multiply the scale back in.
+enum Fp8Format { FP8_E4M3 = 1, FP8_E5M2 = 2 };
+struct fp8_e4m3 { uint8_t bits; };
+struct fp8_e5m2 { uint8_t bits; };
+
+inline int fp8_mbits(int fmt) { return fmt == FP8_E4M3 ? 3 : 2; }
+inline int fp8_bias(int fmt) { return fmt == FP8_E4M3 ? 7 : 15; }
+inline float fp8_max(int fmt) { return fmt == FP8_E4M3 ? 448.f : 57344.f; }
+
+inline uint8_t fp8_encode(float x, int fmt) {
+  const int M = fp8_mbits(fmt), bias = fp8_bias(fmt);
+  uint32_t u;
+  std::memcpy(&u, &x, 4);   // the sign bit itself: -ffast-math may treat -0.0 as 0.0
+  const uint8_t sign = uint8_t((u >> 24) & 0x80);
+  if (std::isnan(x)) return sign | (fmt == FP8_E4M3 ? 0x7f : 0x7e);
+  const float a = std::min(std::fabs(x), fp8_max(fmt));
+  if (a == 0.f) return sign;
+  int e;
+  std::frexp(a, &e);                               // a in [2^(e-1), 2^e)
+  const int ex = std::max(e - 1, 1 - bias);        // subnormals share the smallest normal exponent
+  const int q = int(std::nearbyint(std::ldexp(a, M - ex)));   // 2^M + mantissa (normal) or mantissa
+  return uint8_t(sign | (((ex + bias - 1) << M) + q));        // q = 2^(M+1) carries into the exponent
+}
+
+inline float fp8_decode(uint8_t c, int fmt) {
+  const int M = fp8_mbits(fmt), bias = fp8_bias(fmt);
+  const int field = (c & 0x7f) >> M, m = c & ((1 << M) - 1);
+  float v;
+  if (fmt == FP8_E4M3 && (c & 0x7f) == 0x7f) v = NAN;
+  else if (fmt == FP8_E5M2 && field == 31) v = m ? NAN : INFINITY;
+  else v = field == 0 ? std::ldexp(float(m), 1 - bias - M) : std::ldexp(float((1 << M) + m), field - bias - M);
+  return c & 0x80 ? -v : v;
+}
+
+struct Fp8Table {
+  float v[256];
+  explicit Fp8Table(int fmt) { for (int c = 0; c < 256; ++c) v[c] = fp8_decode(uint8_t(c), fmt); }
+};
+const Fp8Table kE4M3(FP8_E4M3), kE5M2(FP8_E5M2);
+template <> inline float load<fp8_e4m3>(const fp8_e4m3* p, int64_t i) { return kE4M3.v[p[i].bits]; }
+template <> inline float load<fp8_e5m2>(const fp8_e5m2* p, int64_t i) { return kE5M2.v[p[i].bits]; }
+
 #if defined(__AVX512F__) && !defined(KVSERVE_PORTABLE)
 #include <immintrin.h>
 #define KV_HAVE_AVX512 1

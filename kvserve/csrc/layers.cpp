@@ -18,17 +18,25 @@ void kvserve_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t*
                              float scale, int64_t tiled);
 void kvserve_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t Hkv,
                  int64_t D, int64_t es, int64_t bs, int64_t tiled, char* kc, char* vc);
+void kvserve_paged_attention_fp8(const void* q, int64_t qs, const uint8_t* kc, const uint8_t* vc, void* out,
+                                 const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
+                                 const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                                 float scale, int64_t q_bf16, int64_t fmt, const float* kv_scales);
+void kvserve_write_kv_fp8(const void* k, int64_t ks, const void* v, int64_t vs, const int64_t* slots, int64_t T,
+                          int64_t Hkv, int64_t D, int64_t x_bf16, int64_t fmt, const float* kv_scales, uint8_t* kc,
+                          uint8_t* vc);
 int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t x_bf16, void* y, int64_t ys,
                          int64_t M, int64_t K);
 
 // What one layer reads, as raw pointers (kvserve/model/fused.py fills one row per layer):
 // input norm weight, packed qkv, packed o_proj, post-attention norm weight, packed gate|up, packed down,
-// K pool, V pool, and a bit mask of the linears that are quantized (Q_BIT: their pointer is then a quantized
-// weight's descriptor for kvserve_quant_matmul, the function the modules' linears call).
-enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_QUANT, L_PTRS };
+// K pool, V pool, a bit mask of the linears that are quantized (Q_BIT: their pointer is then a quantized
+// weight's descriptor for kvserve_quant_matmul, the function the modules' linears call), and the layer's FP8 KV
+// scales (float32 [K's, V's], read when the pools are FP8).
+enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_QUANT, L_KV_SCALES, L_PTRS };
 
 // the bit of each linear in L_QUANT, by slot: qkv 1, o 2, gate|up 4, down 8
-constexpr int64_t Q_BIT[L_PTRS] = {0, 1, 2, 0, 4, 8, 0, 0, 0};
+constexpr int64_t Q_BIT[L_PTRS] = {0, 1, 2, 0, 4, 8, 0, 0, 0, 0};
 
 // y[M, N] = x[M, K] @ W^T by the linear method of layer row p's linear in slot `slot`
 static inline void linear(const int64_t* p, int slot, const uint16_t* x, int64_t xs, uint16_t* y, int64_t ys,
@@ -39,14 +47,39 @@ static inline void linear(const int64_t* p, int slot, const uint16_t* x, int64_t
     kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(p[slot]), y, ys, M, N, K);
 }
 
-// dims: T tokens, H hidden, NH / NKV heads, D head dim, I intermediate size, BS block size, TILED pool layout.
+// writes the step's K/V into layer row p's pools and attends over them, as the attention backend does for the
+// modules: bf16 pools (TILED: the kernel layout), or FP8 pools of format KV_FMT (kvserve/attention/fp8.py)
+static inline void attend(const int64_t* p, const uint16_t* qkv, int64_t nqkv, uint16_t* attn, const int64_t* slots,
+                          const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
+                          const int32_t* query_start, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t D,
+                          int64_t BS, int64_t TILED, int64_t KV_FMT, float scale) {
+  const uint16_t* k = qkv + NH * D;
+  const uint16_t* v = k + NKV * D;
+  if (KV_FMT) {
+    const float* sc = reinterpret_cast<const float*>(p[L_KV_SCALES]);
+    uint8_t* kc = reinterpret_cast<uint8_t*>(p[L_K_CACHE]);
+    uint8_t* vc = reinterpret_cast<uint8_t*>(p[L_V_CACHE]);
+    kvserve_write_kv_fp8(k, nqkv, v, nqkv, slots, T, NKV, D, 1, KV_FMT, sc, kc, vc);
+    kvserve_paged_attention_fp8(qkv, nqkv, kc, vc, attn, tables, table_stride, seq_lens, query_start, B, NH, NKV, D,
+                                BS, scale, 1, KV_FMT, sc);
+    return;
+  }
+  kvserve_write_kv(reinterpret_cast<const char*>(k), nqkv, reinterpret_cast<const char*>(v), nqkv, slots, T, NKV, D,
+                   2, BS, TILED, reinterpret_cast<char*>(p[L_K_CACHE]), reinterpret_cast<char*>(p[L_V_CACHE]));
+  kvserve_paged_attention_bf16(qkv, nqkv, reinterpret_cast<const uint16_t*>(p[L_K_CACHE]),
+                               reinterpret_cast<const uint16_t*>(p[L_V_CACHE]), attn, tables, table_stride, seq_lens,
+                               query_start, B, NH, NKV, D, BS, scale, TILED);
+}
+
+// dims: T tokens, H hidden, NH / NKV heads, D head dim, I intermediate size, BS block size, TILED pool layout,
+// KV_FMT the pools' FP8 format (0: bf16 pools).
 // residual [T, H]: the embedding output on entry (layer 0 normalizes it without an add), the residual stream on
 // return. hidden [T, H]: the last layer's MLP output on return. scratch: T * (H + (NH + 2 NKV) D + NH D + 3 I) bf16.
 static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* layer_ptrs,
                         int64_t L, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
                         const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                         const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
-                        int64_t D, int64_t I, int64_t BS, int64_t TILED, float eps, float scale,
+                        int64_t D, int64_t I, int64_t BS, int64_t TILED, int64_t KV_FMT, float eps, float scale,
                         uint16_t* scratch) {
   const int64_t nqkv = (NH + 2 * NKV) * D;
   uint16_t* normed = scratch;
@@ -63,12 +96,8 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
       kvserve_rmsnorm_bf16(hidden, residual, w(L_IN_NORM), normed, T, H, eps);
     linear(p, L_QKV, normed, H, qkv, nqkv, T, nqkv, H);
     kvserve_rope_bf16(qkv, nqkv, cos, sin, T, NH + NKV, D);
-    const uint16_t* k = qkv + NH * D;
-    const uint16_t* v = k + NKV * D;
-    kvserve_write_kv(reinterpret_cast<const char*>(k), nqkv, reinterpret_cast<const char*>(v), nqkv, slots, T, NKV, D,
-                2, BS, TILED, reinterpret_cast<char*>(p[L_K_CACHE]), reinterpret_cast<char*>(p[L_V_CACHE]));
-    kvserve_paged_attention_bf16(qkv, nqkv, w(L_K_CACHE), w(L_V_CACHE), attn, tables, table_stride, seq_lens,
-                            query_start, B, NH, NKV, D, BS, scale, TILED);
+    attend(p, qkv, nqkv, attn, slots, tables, table_stride, seq_lens, query_start, B, T, NH, NKV, D, BS, TILED,
+           KV_FMT, scale);
     linear(p, L_O, attn, NH * D, hidden, H, T, H, NH * D);
     kvserve_rmsnorm_bf16(hidden, residual, w(L_POST_NORM), normed, T, H, eps);
     linear(p, L_GATE_UP, normed, H, gate_up, 2 * I, T, 2 * I, H);
@@ -88,14 +117,14 @@ void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64
                           int64_t L, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
                           const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                           const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
-                          int64_t D, int64_t I, int64_t BS, int64_t TILED, float eps, float scale,
+                          int64_t D, int64_t I, int64_t BS, int64_t TILED, int64_t KV_FMT, float eps, float scale,
                           uint16_t* scratch, int64_t split) {
   const int nt = omp_get_max_threads();
   bool decode_only = T == B;   // one query token per sequence: sequence b is row b
   for (int64_t b = 0; decode_only && b < B; ++b) decode_only = query_start[b + 1] - query_start[b] == 1;
   if (!split || !decode_only || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel()) {
     layers_rows(hidden, residual, layer_ptrs, L, cos, sin, slots, tables, table_stride, seq_lens, query_start, B, T,
-                H, NH, NKV, D, I, BS, TILED, eps, scale, scratch);
+                H, NH, NKV, D, I, BS, TILED, KV_FMT, eps, scale, scratch);
     return;
   }
   // Shares balanced on the estimated time of each sequence on one core: its row through the matmuls (~200
@@ -116,7 +145,7 @@ void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64
       for (int64_t i = 0; i <= b1 - b0; ++i) qs[i] = int32_t(i);
       layers_rows(hidden + b0 * H, residual + b0 * H, layer_ptrs, L, cos + b0 * D, sin + b0 * D, slots + b0,
                   tables + b0 * table_stride, table_stride, seq_lens + b0, qs.data(), b1 - b0, b1 - b0, H, NH, NKV,
-                  D, I, BS, TILED, eps, scale, scratch + b0 * per_row);
+                  D, I, BS, TILED, KV_FMT, eps, scale, scratch + b0 * per_row);
     }
   }
 }

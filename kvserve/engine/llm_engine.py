@@ -11,6 +11,7 @@ import time
 import torch
 
 from kvserve import kernels
+from kvserve.attention import fp8
 from kvserve.model.quantization import describe as describe_weights
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import cdiv
@@ -53,7 +54,9 @@ class LLMEngine:
         self.spec_config = config.speculative_config
         draft_model = self._load_draft_model() if self.spec_config and self.spec_config.model else None
         self.runner = ModelRunner(self.model, self.vocab_size, self.device, config.seed, draft_model)
-        self.kv = self.runner.init_kv_cache(config, self.dtype, self.max_model_len, self.max_num_batched_tokens)
+        self.kv_cache_dtype = fp8.kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv = self.runner.init_kv_cache(config, self.kv_cache_dtype, self.max_model_len,
+                                            self.max_num_batched_tokens)
         self.num_kv_blocks = self.kv.pool.num_blocks
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                    config.scheduling_policy, config.enable_chunked_prefill, config.priority_aging_s)
@@ -65,10 +68,11 @@ class LLMEngine:
                                                          config.grammar_compile_timeout_s)
         self._ids = itertools.count()
         self._failed: dict[str, KVServeError] = {}   # parent request id -> why it failed, until taken
-        logger.info("kvserve: loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens = %d tokens",
+        logger.info("kvserve: loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens = %d tokens%s",
                     config.model or "SmolLM2-135M-Instruct (bundled)", str(self.dtype).removeprefix("torch."),
                     self.device,
-                    time.perf_counter() - t0, self.num_kv_blocks, config.block_size, self.num_kv_pool_tokens)
+                    time.perf_counter() - t0, self.num_kv_blocks, config.block_size, self.num_kv_pool_tokens,
+                    self.kv_cache_description())
         self.kernel_summary = kernels.summary(self.dtype, self.device)
         self.weights_summary = describe_weights(self.model)
         logger.info("kvserve: weights: %s", self.weights_summary)
@@ -85,6 +89,14 @@ class LLMEngine:
                            "that fits has %d tokens (prompt + output); larger ones are refused. Raise "
                            "kv_cache_memory (--kv-cache-memory) or lower max_model_len (--max-model-len)",
                            self.num_kv_pool_tokens, self.max_model_len, self.num_kv_pool_tokens)
+
+    def kv_cache_description(self) -> str:
+        """' in fp8_e4m3 (scales 1.0)' for an FP8 KV cache, else ''."""
+        if not fp8.is_fp8(self.kv_cache_dtype):
+            return ""
+        name = str(self.kv_cache_dtype).removeprefix("torch.float8_").removesuffix("fn")
+        scales = "calibrated on the first step" if self.config.calculate_kv_scales else "1.0"
+        return f" in fp8_{name} (scales {scales})"
 
     @property
     def num_kv_pool_tokens(self) -> int:

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from kvserve.config import QUANTIZATION_CHOICES
+from kvserve.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 
 DEFAULT_INPUT_LEN = "64:512"
 DEFAULT_OUTPUT_LEN = "32:256"
@@ -49,7 +49,7 @@ def random_workload(num_prompts: int, input_len: tuple[int, int], output_len: tu
 def _engine_kwargs(args) -> dict:
     kw = {"dtype": args.dtype, "seed": args.seed}
     for name in ("model", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_threads", "quantization",
-                 "kv_cache_memory"):
+                 "kv_cache_memory", "kv_cache_dtype", "calculate_kv_scales"):
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
     if getattr(args, "no_prefix_caching", False):
@@ -155,6 +155,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
                    help="gguf: keep a .gguf file's quantized weights (default on the CPU); none: dequantize them")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 512MiB (default: 1 GiB on CPU)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2: one byte per K/V value")
+    p.add_argument("--calculate-kv-scales", action="store_true", default=None,
+                   help="FP8 KV: set each layer's K and V scales from the first step (default: 1.0)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import QUANTIZATION_CHOICES   # plain Python, as the next
+from kvserve.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES   # plain Python, as the next
 from kvserve.entrypoints.openai.tool_parsers import TOOL_PARSERS   # plain Python: keeps --help fast
 from kvserve.errors import KVServeError
 
@@ -58,6 +58,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (default: 1024 on CPU, 8192 on CUDA)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: 1 GiB on CPU)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2: one byte per K/V value, twice "
+                        "bf16's tokens in the same memory (docs/quantization.md)")
+    g.add_argument("--calculate-kv-scales", action="store_true", default=None,
+                   help="FP8 KV: set each layer's K and V scales from the first step (default: 1.0)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="CUDA memory fraction when --kv-cache-memory is not given")
     g.add_argument("--seed", type=int, default=None,
@@ -82,7 +87,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_FLAGS = ("tokenizer", "dtype", "device", "quantization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                 "block_size", "kv_cache_memory", "gpu_memory_utilization", "seed", "chat_template",
+                 "block_size", "kv_cache_memory", "kv_cache_dtype", "calculate_kv_scales", "gpu_memory_utilization", "seed", "chat_template",
                  "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy", "priority_aging_s",
                  "num_threads", "speculative_config", "grammar_compile_timeout_s")
 

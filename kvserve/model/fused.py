@@ -4,8 +4,8 @@ The call runs the kernels the per-layer modules call, in their order, on the sam
 bit-identical to theirs; it saves their Python: ~10 calls per layer that each allocate a tensor and convert
 ctypes arguments (docs/benchmarks.md measures it).
 It applies where every piece has its C++ kernel: packed bf16 or GGUF-quantized weights (each linear's method, as
-the modules call it), the C++ attention backend on bf16 pools, no biases, no q/k norm; anywhere else the model
-runs its modules.
+the modules call it), the C++ attention backend on bf16 or FP8 pools, no biases, no q/k norm; anywhere else the
+model runs its modules (and for the one step that calibrates FP8 KV scales, kvserve/attention/fp8.py).
 """
 from __future__ import annotations
 
@@ -14,23 +14,25 @@ import weakref
 import torch
 
 from kvserve import kernels
-from kvserve.attention import kv_layout
+from kvserve.attention import fp8, kv_layout
 from kvserve.attention.backends import CpuPagedAttention
 
-# per layer: input norm, qkv, o, post norm, gate|up, down, K pool, V pool, quantized-linear bits (layers.cpp's L_*)
-_LAYER_PTRS = 9
+# per layer: input norm, qkv, o, post norm, gate|up, down, K pool, V pool, quantized-linear bits, FP8 KV scales
+# (layers.cpp's L_*)
+_LAYER_PTRS = 10
 
 
 class FusedLayers:
     """The layer stack of one LlamaModel bound to its packed weights and KV pools; rebuilt when either changes."""
 
-    def __init__(self, lib, layers, ptrs: torch.Tensor, tiled: bool):
+    def __init__(self, lib, layers, ptrs: torch.Tensor, tiled: bool, kv_format: int):
         first = layers[0]
         attn = first.self_attn
         self.lib = lib
         self.ptrs = ptrs
         self.num_layers = len(layers)
         self.tiled = tiled
+        self.kv_format = kv_format   # 0: bf16 pools, else their FP8 format (kvserve/attention/fp8.py FORMATS)
         self.hidden_size = first.input_layernorm.weight.shape[0]
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.intermediate_size = first.mlp.down_proj.weight.shape[1]
@@ -58,7 +60,7 @@ class FusedLayers:
             hidden.data_ptr(), residual.data_ptr(), self.ptrs.data_ptr(), self.num_layers, cos.data_ptr(),
             sin.data_ptr(), slots, tables, table_stride, seq_lens, query_start, num_seqs, t, self.hidden_size,
             self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.block_size, self.tiled,
-            self.eps, self.scale, scratch.data_ptr(), int(split))
+            self.kv_format, self.eps, self.scale, scratch.data_ptr(), int(split))
         return hidden, residual
 
 
@@ -92,7 +94,7 @@ def build_fused_layers(layers) -> FusedLayers | None:
     lib = kernels.load()
     if not layers or lib is None or not (lib.kvserve_has_packed_matmul() and lib.silu_mul_fast):
         return None
-    ptrs, tiled = [], set()
+    ptrs, tiled, kv_formats = [], set(), set()
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -101,16 +103,20 @@ def build_fused_layers(layers) -> FusedLayers | None:
         weights = [_linear_weight(m) for m in linears]
         if (attn.q_norm is not None or any(m.bias is not None or w is None for m, w in zip(linears, weights))
                 or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms)
-                or not isinstance(attn.attn.backend, CpuPagedAttention) or cache.dtype != torch.bfloat16
+                or not isinstance(attn.attn.backend, CpuPagedAttention)
+                or not (cache.dtype == torch.bfloat16 or fp8.is_fp8(cache.dtype))
                 or not cache.is_cpu
                 or cache.numel() == 0 or attn.head_dim > kernels.MAX_HEAD_DIM
                 or norms[0].weight.shape[0] > 8192):
             return None
         tiled.add(kv_layout.is_tiled(cache))
+        kv_formats.add(fp8.FORMATS.get(cache.dtype, 0))
         (qkv, q0), (o, q1), (gate_up, q2), (down, q3) = weights
         ptrs.append([norms[0].weight.data_ptr(), qkv, o, norms[1].weight.data_ptr(), gate_up, down,
-                     cache.data_ptr(), attn.attn.v_cache.data_ptr(), q0 | q1 << 1 | q2 << 2 | q3 << 3])   # Q_BIT
+                     cache.data_ptr(), attn.attn.v_cache.data_ptr(), q0 | q1 << 1 | q2 << 2 | q3 << 3,   # Q_BIT
+                     attn.attn.kv_scales.data_ptr()])
     eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
-    if len(tiled) != 1 or len(eps) != 1:   # the kernel takes one pool layout and one eps
+    if len(tiled) != 1 or len(eps) != 1 or len(kv_formats) != 1:   # one pool layout and format, one eps
         return None
-    return FusedLayers(lib, layers, torch.tensor(ptrs, dtype=torch.int64).reshape(-1, _LAYER_PTRS), tiled.pop())
+    return FusedLayers(lib, layers, torch.tensor(ptrs, dtype=torch.int64).reshape(-1, _LAYER_PTRS), tiled.pop(),
+                       kv_formats.pop())

@@ -107,7 +107,9 @@ class LlamaModel(InferenceModule):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         residual = None
-        fused = self._fused_layers() if hidden.dtype == torch.bfloat16 else None
+        # the step that calibrates FP8 KV scales runs the modules, whose Attention sets them (kvserve/attention/fp8.py)
+        calibrating = self.layers and self.layers[0].self_attn.attn.calibrate_kv_scales
+        fused = self._fused_layers() if hidden.dtype == torch.bfloat16 and not calibrating else None
         if fused is not None:
             hidden, residual = fused.forward(hidden, cos, sin, attn_metadata, self.split_decode_batches)
         else:

@@ -68,10 +68,12 @@ class ModelRunner:
     # ----- the KV cache: the runner owns all device memory -----
     def init_kv_cache(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
                       max_num_batched_tokens: int) -> KVCacheManager:
-        """Size the KV cache (on CUDA after profiling a full step), bind the model's pools, return their manager."""
+        """Size the KV cache (on CUDA after profiling a full step), bind the model's pools, return their manager.
+        dtype: the pools' (the model's, or FP8: kvserve/attention/fp8.py)."""
         num_blocks = self._num_kv_blocks(config, dtype, max_model_len, max_num_batched_tokens)
         for m in self.models:
-            bind_kv_cache(m, num_blocks, config.block_size, dtype, self.device)
+            bind_kv_cache(m, num_blocks, config.block_size, dtype, self.device,
+                          calculate_kv_scales=config.calculate_kv_scales)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         return self.kv
 

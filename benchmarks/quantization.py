@@ -1,8 +1,9 @@
-"""GGUF kept quantized against dequantized, and against llama.cpp on the same file, side by side in one run:
-single-stream TPOT and TTFT (prompt 256, output 128, greedy, EOS ignored) and resident memory.
+"""GGUF kept quantized, int8 (W8A8) and dequantized, and llama.cpp on the same file, side by side in one run:
+single-stream TPOT and TTFT (prompt 256, output 128, greedy, EOS ignored) and resident memory; with --throughput,
+offline throughput of 16 requests (prompts 64-256, outputs 32-128 tokens) per kvserve configuration.
 
     python benchmarks/quantization.py [--models smollm2 qwen1.5b] [--llama-cpp ~/peers/llama.cpp-src/build/bin]
-        [--iters 3] [--skip-dense] [--output-json benchmarks/results/quantization.json]
+        [--configs gguf int8 none] [--iters 3] [--throughput] [--output-json benchmarks/results/quantization.json]
 
 kvserve runs in a subprocess per configuration (`kvserve bench latency`), with a 256 MiB KV pool; its memory is
 the process's resident set after the engine started and its peak (/usr/bin/time). llama.cpp runs llama-bench
@@ -70,6 +71,17 @@ def run_kvserve(path: str, quantization: str, iters: int) -> dict:
             "peak_rss_mib": peak_rss_mib(proc.stderr)}
 
 
+def run_throughput(path: str, quantization: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, "-m", "kvserve", "bench", "throughput", "--model", path, "--quantization",
+               quantization, "--kv-cache-memory", "512MiB", "--num-prompts", "16", "--input-len", "64:256",
+               "--output-len", "32:128", "--no-tqdm", "--output-json", out.name]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"kvserve bench throughput failed:\n{proc.stderr[-3000:]}")
+        return json.loads(Path(out.name).read_text())
+
+
 def run_llama_cpp(bin_dir: str, path: str, iters: int) -> dict:
     cmd = ["/usr/bin/time", "-v", os.path.join(bin_dir, "llama-bench"), "-m", path, "-p", "256", "-n", "128",
            "-t", "2", "-r", str(iters), "-o", "json"]
@@ -88,15 +100,19 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["smollm2", "qwen1.5b"], choices=list(MODELS))
     p.add_argument("--llama-cpp", default=os.path.expanduser("~/peers/llama.cpp-src/build/bin"))
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--skip-dense", action="store_true", help="leave out --quantization none")
+    p.add_argument("--configs", nargs="+", default=["gguf", "int8", "none"], choices=["gguf", "int8", "none"],
+                   help="kvserve --quantization values to run (the first is the ratios' base)")
+    p.add_argument("--throughput", action="store_true", help="also offline throughput per configuration")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     results = {}
     for name in args.models:
         path = model_file(name)
-        rows = [run_kvserve(path, "gguf", args.iters)]
-        if not args.skip_dense:
-            rows.append(run_kvserve(path, "none", args.iters))
+        rows = [run_kvserve(path, q, args.iters) for q in args.configs]
+        if args.throughput:
+            for row, q in zip(rows, args.configs):
+                t = run_throughput(path, q)
+                row["throughput_tok_s"] = round(t["output_tokens_per_s"], 2)
         if os.path.exists(os.path.join(args.llama_cpp, "llama-bench")):
             rows.append(run_llama_cpp(args.llama_cpp, path, args.iters))
         results[name] = {"file": os.path.basename(path), "rows": rows}
@@ -105,7 +121,8 @@ def main() -> None:
         for r in rows:
             print(f"  {r['engine']:34s} TPOT {r['tpot_ms']:8.2f} ms ({r['tpot_ms'] / base:.2f}x)  TTFT "
                   f"{r['ttft_ms']:8.1f} ms  RSS at start {r.get('rss_at_start_mib', float('nan')):7.0f} MiB  "
-                  f"peak {r['peak_rss_mib']:7.0f} MiB")
+                  f"peak {r['peak_rss_mib']:7.0f} MiB"
+                  + (f"  throughput {r['throughput_tok_s']:7.1f} output tok/s" if "throughput_tok_s" in r else ""))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=2))
 

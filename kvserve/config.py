@@ -9,7 +9,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import MAX_SEED, MIN_SEED
 from kvserve.spec_decode.config import SpeculativeConfig
 
-QUANTIZATION_CHOICES = ("auto", "gguf", "none")   # EngineConfig.quantization (kvserve/model/quantization.py)
+QUANTIZATION_CHOICES = ("auto", "gguf", "int8", "none")   # EngineConfig.quantization (kvserve/model/quantization.py)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")   # EngineConfig.kv_cache_dtype (kvserve/attention/fp8.py)
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -35,7 +35,8 @@ class EngineConfig:
     tokenizer: str | None = None        # defaults to the model's own tokenizer
     dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
     device: str = "auto"                # auto | cpu | cuda
-    # auto: a .gguf file's quantized weights stay quantized on the CPU (gguf); none: dequantized to dtype
+    # auto: a .gguf file's quantized weights stay quantized on the CPU (gguf); int8: W8A8, the linears quantized
+    # at load (CPU); none: dequantized to dtype
     quantization: str = "auto"
     seed: int = 0                       # seeds the sampling of requests without their own seed (reproducible runs)
     max_model_len: int | None = None    # defaults to the model's context length

@@ -97,12 +97,13 @@ def test_fused_stack_on_fp8_pools_is_bit_identical_to_the_modules(tmp_path, kv_d
 
 
 def check_quantized_stack(model, kv_dtype=torch.bfloat16, kv_scales=None) -> None:
-    """The stack against the modules on `model` (quantized linears): STEPS, then a split decode batch against
+    """The stack against the modules on `model` (quantized linears, or dense): STEPS, then a split decode batch against
     the unsplit modules; logits and pools bit-identical. kv_dtype, kv_scales: the pools' (FP8 ones)."""
     fused, fused_pools = _run_steps(model, 16, kv_dtype=kv_dtype, kv_scales=kv_scales)
     assert model.model._fused is not None and model.model._fused.kv_format == fp8.FORMATS.get(kv_dtype, 0)
     model.model.use_fused_layers = False
     modules, module_pools = _run_steps(model, 16, kv_dtype=kv_dtype, kv_scales=kv_scales)
+    assert all(torch.isfinite(x).all() and x.abs().max() < 1e3 for x in fused)   # a model, not stray memory
     for got, want in zip(fused + fused_pools, modules + module_pools):
         assert torch.equal(got, want)
     threads = torch.get_num_threads()

@@ -153,7 +153,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: bundled SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
     p.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
-                   help="gguf: keep a .gguf file's quantized weights (default on the CPU); none: dequantize them")
+                   help="gguf: keep a .gguf file's quantized weights (the default on the CPU); int8: W8A8, any "
+                        "checkpoint's linears quantized to int8 at load (CPU); none: weights in --dtype")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 512MiB (default: 1 GiB on CPU)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2: one byte per K/V value")

@@ -50,8 +50,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
-                   help="gguf: keep a .gguf file's quantized weights (the default on the CPU); none: dequantize "
-                        "them to --dtype")
+                   help="gguf: keep a .gguf file's quantized weights (the default on the CPU); int8: W8A8, any "
+                        "checkpoint's linears quantized to int8 at load (CPU); none: weights in --dtype")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -1,8 +1,11 @@
-"""GGUF weights kept in their quantized block formats, and the linear method that multiplies them.
+"""Quantized weights, and the linear method that multiplies them.
 
-A quantized linear holds a QuantizedWeight (rows of ggml blocks, one segment per format: a fused q|k|v may mix
-Q4_K and Q6_K) inside its PackedWeight; the matmul is kvserve/csrc/quant.cpp's, for the modules path and the
-fused layer stack alike. Formats without a kernel here are dequantized at load, as before.
+gguf: a GGUF file's weights kept in their block formats. int8 (W8A8): any checkpoint's linears quantized at load to
+int8 blocks of 32 values along each output channel, each with a float16 scale (ggml's Q8_0 layout), embedding and
+output head kept in dtype. Either way a quantized linear holds a QuantizedWeight (rows of ggml blocks, one segment
+per format: a fused q|k|v may mix Q4_K and Q6_K) inside its PackedWeight; the matmul is kvserve/csrc/quant.cpp's
+(activations quantized to int8 per 32 values as they arrive, int32 dot products), for the modules path and the fused
+layer stack alike. GGUF formats without a kernel here are dequantized at load.
 """
 from __future__ import annotations
 
@@ -23,10 +26,13 @@ FORMAT_IDS = {name: tid for tid, (name, _, _) in KERNEL_FORMATS.items()}
 
 
 def resolve_quantization(name: str | None, is_gguf_file: bool, device: torch.device) -> str:
-    """'gguf' (keep a GGUF file's quantized weights) or 'none' (dequantize); auto keeps them where kernels run."""
+    """'gguf' (keep a GGUF file's quantized weights), 'int8' (quantize the linears at load) or 'none'; auto keeps
+    a GGUF's where the kernels run."""
     name = name or "auto"
     if name not in QUANTIZATION_CHOICES:
         raise ModelLoadError(f"unknown quantization {name!r}; choose from {', '.join(QUANTIZATION_CHOICES)}")
+    if name == "int8" and device.type != "cpu":
+        raise ModelLoadError(f"int8 weights run on the CPU only; on {device.type} leave --quantization out")
     if name == "gguf" and not is_gguf_file:
         raise ModelLoadError("quantization 'gguf' needs a .gguf model file")
     if name == "gguf" and device.type != "cpu":
@@ -36,8 +42,8 @@ def resolve_quantization(name: str | None, is_gguf_file: bool, device: torch.dev
         lib = kernels.load()
         return "gguf" if is_gguf_file and device.type == "cpu" and lib is not None and lib.kvserve_quant_simd() else \
             "none"
-    if name == "gguf" and kernels.load() is None:
-        raise ModelLoadError("quantized GGUF weights need the C++ kernels, which did not build "
+    if name in ("gguf", "int8") and kernels.load() is None:
+        raise ModelLoadError(f"{name} weights need the C++ kernels, which did not build "
                              f"({kernels.status().reason}); pass --quantization none")
     return name
 
@@ -87,7 +93,8 @@ class QuantizedWeight:
     """The packed weight of a quantized linear: its segments' rows stacked into one buffer, and the descriptor
     that kvserve_quant_matmul reads ([segments, then type, data pointer, rows, bytes per row per segment])."""
 
-    def __init__(self, segments: list[QuantizedTensor]):
+    def __init__(self, segments: list[QuantizedTensor], source: str = "gguf"):
+        self.source = source   # "gguf": a file's blocks; "int8": quantized at load (quantize_linears_int8)
         cols = {s.cols for s in segments}
         if len(cols) != 1:
             raise ModelLoadError(f"fused quantized projections disagree on their input size: {sorted(cols)}")
@@ -124,6 +131,42 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([s.dequantize() for s in self.segments])
+
+
+Q8_0 = FORMAT_IDS["Q8_0"]
+
+
+def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
+    """W [N, K] (K a multiple of 32) as Q8_0 rows, the bytes ggml's quantize_row_q8_0_ref (and llama-quantize)
+    writes: per 32 values of a row, d = max |w| / 127, q = roundf(w * (1 / d)) (halves away from zero) in int8,
+    d stored as float16."""
+    n, k = w.shape
+    x = w.detach().float().reshape(n, k // 32, 32)
+    d = x.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    a = (x * inv).abs()
+    whole = a.floor()
+    q = (torch.sign(x) * (whole + (2 * (a - whole)).floor())).to(torch.int8)
+    blocks = torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=-1)   # 2 + 32 bytes
+    return QuantizedTensor(Q8_0, blocks.reshape(n, -1).contiguous(), k)
+
+
+def quantize_linears_int8(model: torch.nn.Module) -> int:
+    """quantization="int8": every dense Linear of the decoder layers becomes Q8_0 blocks (its plain weight freed
+    as it goes), multiplied by the int8 kernels; the embedding and the output head stay in dtype, as vLLM's W8A8
+    keeps them. Returns how many linears were quantized (one whose input size is not a multiple of 32 stays)."""
+    from kvserve.model.layers import Linear, PackedWeight
+    head = getattr(model, "lm_head", None)
+    count = 0
+    for m in model.modules():
+        if not isinstance(m, Linear) or m is head or m.quantized is not None or m.weight.shape[1] % 32:
+            continue
+        weight = QuantizedWeight([quantize_q8_0(m.weight)], source="int8")
+        m.packed = PackedWeight(weight.out_features, quant=weight)
+        m.weight = torch.nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"),
+                                      requires_grad=False)
+        count += 1
+    return count
 
 
 def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -164,11 +207,13 @@ def describe(model: torch.nn.Module) -> str:
     """What a model's weights are, for the logs: 'GGUF kept quantized (Q4_K x99, Q6_K x29): 1.03 GiB quantized +
     0.00 GiB dense' (a format counted once per linear segment), or 'not quantized; 0.50 GiB weights'."""
     formats: Counter = Counter()
+    sources = set()
     qbytes = dense = 0
     for mod in model.modules():
         q = getattr(mod, "quantized", None)
         if q is not None:
             formats.update(q.formats())
+            sources.add(getattr(q, "source", "gguf"))
             qbytes += q.nbytes
         for name, p in mod.named_parameters(recurse=False):
             if not (q is not None and name == "weight"):   # a packed copy's plain weight is shape-only: same size
@@ -176,4 +221,5 @@ def describe(model: torch.nn.Module) -> str:
     if not formats:
         return f"not quantized; {dense / 2**30:.2f} GiB weights"
     kinds = ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
-    return f"GGUF kept quantized ({kinds}): {qbytes / 2**30:.2f} GiB quantized + {dense / 2**30:.2f} GiB dense"
+    what = "int8 W8A8" if sources == {"int8"} else "GGUF kept quantized"
+    return f"{what} ({kinds}): {qbytes / 2**30:.2f} GiB quantized + {dense / 2**30:.2f} GiB dense"

@@ -15,7 +15,7 @@ from torch import nn
 from kvserve.errors import ModelLoadError
 from kvserve.model import gguf_loader, weight_cache
 from kvserve.model.model_config import ModelConfig
-from kvserve.model.quantization import quantize_linears_int8, resolve_quantization
+from kvserve.model.quantization import int8_weights, quantize_linears_int8, resolve_quantization
 from kvserve.model.registry import build_model
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,7 +95,7 @@ def load_model(config: Any) -> tuple[nn.Module, ModelConfig]:
         dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype)
     with _default_dtype(dtype), device:
         model = build_model(cfg)
-    model.load_weights(weights)
+    model.load_weights(int8_weights(weights) if quantization == "int8" else weights)
     if quantization == "int8":
         quantize_linears_int8(model)
     return model.eval(), cfg

@@ -10,6 +10,7 @@ layer stack alike. GGUF formats without a kernel here are dequantized at load.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,7 @@ class QuantizedTensor:
     ggml_type: int
     data: torch.Tensor
     cols: int
+    source: str = "gguf"   # "gguf": a file's blocks; "int8": quantized at load (quantize_q8_0)
 
     @property
     def rows(self) -> int:
@@ -70,7 +72,8 @@ class QuantizedTensor:
 
     def select_rows(self, order: np.ndarray) -> QuantizedTensor:
         """The rows in `order` (a row permutation such as the llama q/k unpermute)."""
-        return QuantizedTensor(self.ggml_type, self.data[torch.from_numpy(order)].contiguous(), self.cols)
+        return QuantizedTensor(self.ggml_type, self.data[torch.from_numpy(order)].contiguous(), self.cols,
+                               self.source)
 
     def lib_rows(self, ids_ptr: int, n: int, out_ptr: int, out_bf16: int) -> int:
         """kvserve_quant_rows on this matrix: rows ids[:n] dequantized to out."""
@@ -93,8 +96,8 @@ class QuantizedWeight:
     """The packed weight of a quantized linear: its segments' rows stacked into one buffer, and the descriptor
     that kvserve_quant_matmul reads ([segments, then type, data pointer, rows, bytes per row per segment])."""
 
-    def __init__(self, segments: list[QuantizedTensor], source: str = "gguf"):
-        self.source = source   # "gguf": a file's blocks; "int8": quantized at load (quantize_linears_int8)
+    def __init__(self, segments: list[QuantizedTensor]):
+        self.source = segments[0].source
         cols = {s.cols for s in segments}
         if len(cols) != 1:
             raise ModelLoadError(f"fused quantized projections disagree on their input size: {sorted(cols)}")
@@ -111,7 +114,8 @@ class QuantizedWeight:
         for g, part in zip(groups, self.buffer.split(nbytes)):
             for s, piece in zip(g, part.split([s.data.numel() for s in g])):
                 piece.copy_(s.data.reshape(-1))
-            self.segments.append(QuantizedTensor(g[0].ggml_type, part.view(-1, g[0].data.shape[1]), g[0].cols))
+            self.segments.append(QuantizedTensor(g[0].ggml_type, part.view(-1, g[0].data.shape[1]), g[0].cols,
+                                                 g[0].source))
         self.out_features = sum(s.rows for s in self.segments)
         desc = [len(self.segments)]
         for s in self.segments:
@@ -148,20 +152,34 @@ def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
     whole = a.floor()
     q = (torch.sign(x) * (whole + (2 * (a - whole)).floor())).to(torch.int8)
     blocks = torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=-1)   # 2 + 32 bytes
-    return QuantizedTensor(Q8_0, blocks.reshape(n, -1).contiguous(), k)
+    return QuantizedTensor(Q8_0, blocks.reshape(n, -1).contiguous(), k, "int8")
+
+
+def int8_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """quantization="int8" as the checkpoint streams in: each decoder projection weight (model.layers.*_proj.weight,
+    input size a multiple of 32) becomes Q8_0 blocks before the next tensor is read, so the model's dense linears
+    are never filled (their never-touched storage never becomes resident) and load_packed_weights assembles
+    the blocks as it does a GGUF's; quantize_linears_int8 then catches any linear left dense."""
+    for name, t in weights:
+        if (isinstance(t, torch.Tensor) and t.dim() == 2 and name.startswith("model.layers.")
+                and name.endswith("_proj.weight") and t.shape[1] % 32 == 0):
+            yield name, quantize_q8_0(t)
+        else:
+            yield name, t
 
 
 def quantize_linears_int8(model: torch.nn.Module) -> int:
     """quantization="int8": every dense Linear of the decoder layers becomes Q8_0 blocks (its plain weight freed
     as it goes), multiplied by the int8 kernels; the embedding and the output head stay in dtype, as vLLM's W8A8
-    keeps them. Returns how many linears were quantized (one whose input size is not a multiple of 32 stays)."""
+    keeps them. Returns how many linears were quantized here (one whose input size is not a multiple of 32
+    stays dense)."""
     from kvserve.model.layers import Linear, PackedWeight
     head = getattr(model, "lm_head", None)
     count = 0
     for m in model.modules():
         if not isinstance(m, Linear) or m is head or m.quantized is not None or m.weight.shape[1] % 32:
             continue
-        weight = QuantizedWeight([quantize_q8_0(m.weight)], source="int8")
+        weight = QuantizedWeight([quantize_q8_0(m.weight)])
         m.packed = PackedWeight(weight.out_features, quant=weight)
         m.weight = torch.nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"),
                                       requires_grad=False)

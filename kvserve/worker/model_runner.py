@@ -2,6 +2,7 @@
 flattened forward pass and samples the next tokens."""
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,15 @@ class StepInputs:
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS: glibc keeps what loading freed (dense weights replaced by their
+    packs or quantized blocks, conversion temporaries) as resident memory otherwise."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc
+        pass
+
+
 class ModelRunner:
     """Runs the model for scheduled requests and samples one token for each that reached its end."""
 
@@ -58,6 +68,8 @@ class ModelRunner:
                 m.prepack()   # bf16 weights packed for the C++ matmul kernels (or oneDNN): kvserve/csrc/gemv.cpp
                 # serving reads only the packs: their plain copies would hold the weights' size again in memory
                 self.released_weight_bytes += release_unpacked_weights(m)
+        if device.type == "cpu":
+            _return_freed_memory()
         self.small_step_threads: int | None = None   # set by reserve_frontend_core(), with _all_threads
 
     @property
@@ -282,7 +294,8 @@ class ModelRunner:
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         for layer in (a for m in self.models for a in attention_layers(m)):
             for cache in (layer.k_cache, layer.v_cache):
-                cache.index_copy_(0, dst, cache.index_select(0, src))
+                raw = cache.view(torch.uint8)   # bytes: torch has no index_copy_ for float8 pools
+                raw.index_copy_(0, dst, raw.index_select(0, src))
 
     def _record_logprobs(self, reqs: list[Request], emitted_rows: list[range], lp) -> None:
         ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()

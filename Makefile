@@ -2,6 +2,8 @@
 # make test  : set up .venv if needed, then run the whole suite
 # make models: fetch the Qwen2.5-Coder 0.5B and 1.5B GGUFs (~1.5 GB) into $KVSERVE_MODELS_DIR (~/.cache/kvserve/models)
 # make peers : install vLLM's CPU build and the HF copy of the bundled model under $(PEERS), for make bench
+# make hf-models: bf16 Hugging Face copies of the bundled model and Qwen2.5-Coder-1.5B under $(PEERS) (vLLM cannot
+#               read GGUF offline; --quantization int8 benchmarks quantize a bf16 checkpoint)
 # make bench : kvserve against the peers installed (benchmarks/peers/README.md); rewrites docs/benchmarks.md
 PYTHON ?= python3
 VENV   := .venv
@@ -12,7 +14,7 @@ KERNELS := $(VENV)/.kernels-stamp
 export PEERS ?= $(HOME)/peers
 HF_MODEL := $(PEERS)/smollm2-135m-instruct
 
-.PHONY: setup run test models bench peers peers-llamacpp clean
+.PHONY: setup run test models hf-models bench peers peers-llamacpp clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -43,7 +45,15 @@ test: setup
 models: setup
 	$(PY) -m kvserve.model.fetch
 
-bench: setup
+QWEN_HF := $(PEERS)/qwen2.5-coder-1.5b-instruct
+
+hf-models: models
+	test -f $(HF_MODEL)/config.json || $(PY) benchmarks/peers/make-hf-model.py \
+		"$$($(PY) -c 'from kvserve.model.loader import default_model_path; print(default_model_path())')" $(HF_MODEL)
+	test -f $(QWEN_HF)/config.json || $(PY) benchmarks/peers/make-hf-model.py \
+		"$$($(PY) -c 'from kvserve.model.fetch import model_path; print(model_path("qwen2.5-coder-1.5b"))')" $(QWEN_HF)
+
+bench: setup hf-models
 	$(PY) benchmarks/compare.py
 
 peers: setup

@@ -22,6 +22,15 @@ import tempfile
 from pathlib import Path
 
 MODELS = {"smollm2": None, "qwen1.5b": "qwen2.5-coder-1.5b", "qwen0.5b": "qwen2.5-coder-0.5b"}
+# the bf16 Hugging Face copies benchmarks/peers/make-hf-model.py writes (make peers, make bench-hf-models): int8
+# and none load them where present, as a user quantizing a bf16 checkpoint would
+HF_COPIES = {"smollm2": "smollm2-135m-instruct", "qwen1.5b": "qwen2.5-coder-1.5b-instruct",
+             "qwen0.5b": "qwen2.5-coder-0.5b-instruct"}
+
+
+def hf_copy(name: str) -> str | None:
+    path = Path(os.environ.get("PEERS", os.path.expanduser("~/peers"))) / HF_COPIES[name]
+    return str(path) if (path / "config.json").exists() else None
 
 
 def model_file(name: str) -> str:
@@ -108,18 +117,20 @@ def main() -> None:
     results = {}
     for name in args.models:
         path = model_file(name)
-        rows = [run_kvserve(path, q, args.iters) for q in args.configs]
-        if args.throughput:
-            for row, q in zip(rows, args.configs):
-                t = run_throughput(path, q)
-                row["throughput_tok_s"] = round(t["output_tokens_per_s"], 2)
+        hf = hf_copy(name)
+        sources = {q: hf if q != "gguf" and hf else path for q in args.configs}
+        rows = [run_kvserve(sources[q], q, args.iters) for q in args.configs]
+        for row, q in zip(rows, args.configs):
+            row["checkpoint"] = "bf16 HF copy" if sources[q] != path else "GGUF file"
+            if args.throughput:
+                row["throughput_tok_s"] = round(run_throughput(sources[q], q)["output_tokens_per_s"], 2)
         if os.path.exists(os.path.join(args.llama_cpp, "llama-bench")):
             rows.append(run_llama_cpp(args.llama_cpp, path, args.iters))
         results[name] = {"file": os.path.basename(path), "rows": rows}
         base = rows[0]["tpot_ms"]
         print(f"\n{name} ({os.path.basename(path)})")
         for r in rows:
-            print(f"  {r['engine']:34s} TPOT {r['tpot_ms']:8.2f} ms ({r['tpot_ms'] / base:.2f}x)  TTFT "
+            print(f"  {r['engine'] + ' (' + r.get('checkpoint', 'GGUF file') + ')':50s} TPOT {r['tpot_ms']:8.2f} ms ({r['tpot_ms'] / base:.2f}x)  TTFT "
                   f"{r['ttft_ms']:8.1f} ms  RSS at start {r.get('rss_at_start_mib', float('nan')):7.0f} MiB  "
                   f"peak {r['peak_rss_mib']:7.0f} MiB"
                   + (f"  throughput {r['throughput_tok_s']:7.1f} output tok/s" if "throughput_tok_s" in r else ""))

@@ -98,12 +98,11 @@ def test_kernel_attention_over_fp8_pools_matches_the_torch_backend(dtype, q_dtyp
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
-           "List three prime numbers:", "The GNU General Public License is", "import numpy as np\n",
-           "Water boils at", "My favourite colour is"]
+           "List three prime numbers:", "The GNU General Public License is"]
 STEP = 48   # small steps: chunked prefill
 
 
-def greedy(llm, prompts, n=24):
+def greedy(llm, prompts, n=16):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0),
                                                         use_tqdm=False)]
 
@@ -131,7 +130,7 @@ def test_fp8_pools_hold_four_times_float32_tokens_in_the_same_memory(fp8_llm, ba
 
 
 def test_perplexity_within_two_percent_of_the_unquantized_cache(fp8_llm, base_llm):
-    text = open(TEXT, encoding="utf-8").read()[:6000]   # three chunks of 256 tokens
+    text = open(TEXT, encoding="utf-8").read()[:3000]   # two chunks of 256 tokens
     p8, pb = perplexity(fp8_llm, text, 256), perplexity(base_llm, text, 256)
     print(f"perplexity: fp8 KV {p8['ppl']:.4f}, float32 KV {pb['ppl']:.4f}")
     assert p8["num_chunks"] >= 2 and abs(p8["ppl"] / pb["ppl"] - 1) < 0.02, (p8["ppl"], pb["ppl"])
@@ -144,7 +143,7 @@ def test_scheduling_changes_nothing_on_fp8_pools(fp8_llm):
     assert greedy(fp8_llm, PROMPTS) == alone
     assert greedy(fp8_llm, PROMPTS) == alone   # again, from the prefix cache
     # n = 2 samples share their prompt's blocks: the partly filled last one is copied on write
-    pairs = fp8_llm.generate(PROMPTS[:3], SamplingParams(n=2, max_tokens=24, temperature=0), use_tqdm=False)
+    pairs = fp8_llm.generate(PROMPTS[:3], SamplingParams(n=2, max_tokens=16, temperature=0), use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in pairs] == [[a, a] for a in alone[:3]]
     tight = LLM(dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=6, max_num_batched_tokens=16,
                 enable_prefix_caching=False)

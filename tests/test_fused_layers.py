@@ -164,12 +164,17 @@ def test_fused_stack_splitting_a_decode_batch_between_threads_is_bit_identical(t
         assert all(torch.equal(a, b) for a, b in zip(split_pools, pools))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_layers_the_stack_does_not_cover_run_as_modules(tmp_path, family):
-    """qkv biases (Qwen2) and q/k norms (Qwen3) have no place in the fused stack: the modules run."""
-    model = _tiny_bf16(tmp_path, family)
+def test_layers_the_stack_does_not_cover_run_as_modules(tmp_path):
+    """q/k norms (Qwen3) have no place in the fused stack: the modules run."""
+    model = _tiny_bf16(tmp_path, "qwen3")
     _run_steps(model, 16)
     assert model.model._fused is None and model.model._fused_refused is not None
+
+
+def test_fused_stack_adds_qwen2_qkv_biases_bit_identical_to_the_modules(tmp_path):
+    model = _tiny_bf16(tmp_path, "qwen2", hidden_size=128, intermediate_size=96)
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None
+    check_quantized_stack(model)
 
 
 def test_torch_backend_and_float32_run_as_modules(tmp_path):

@@ -181,13 +181,17 @@ def test_int8_blocks_are_the_bytes_llama_quantize_writes():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_int8_on_an_hf_checkpoint_matches_the_float_model(tmp_path, family):
-    """Every decoder linear becomes Q8_0 blocks (Qwen2's q/k/v biases added after); embedding and output head stay
-    in dtype; logits close to the float32 model's."""
-    save_tiny_model(family, tmp_path / "hf", tie_word_embeddings=False)
+    """Every linear, the output head and the embedding become Q8_0 blocks (Qwen2's q/k/v biases added after);
+    logits close to the float32 model's. Untied (llama) and tied (qwen2: the head multiplies the table's blocks)."""
+    save_tiny_model(family, tmp_path / "hf", tie_word_embeddings=family == "qwen2")
     int8, dense = load(str(tmp_path / "hf"), "int8"), load(str(tmp_path / "hf"), "none")
-    linears = [m for m in int8.model.layers.modules() if isinstance(m, Linear)]
-    assert linears and all(m.quantized.formats() == ["Q8_0"] and m.weight.is_meta for m in linears)
-    assert int8.lm_head.quantized is None and int8.model.embed_tokens.quantized is None
+    linears = [m for m in int8.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * 2 + (family == "llama")
+    assert all(m.quantized.formats() == ["Q8_0"] and m.weight.is_meta for m in linears)
+    embed = int8.model.embed_tokens
+    assert embed.quantized.formats() == ["Q8_0"] and embed.quantized.source == "int8" and embed.weight.is_meta
+    if family == "qwen2":
+        assert int8.packed_lm_head.quant is embed.quantized
     assert (family == "qwen2") == (int8.model.layers[0].self_attn.qkv_proj.bias is not None)
     ids = [5, 9, 200, 31, 7, 77, 120, 3] * 3
     q, d = run_single_sequence(int8, ids), run_single_sequence(dense, ids)
@@ -202,8 +206,8 @@ def int8_llm():
 
 def test_int8_engine_perplexity_and_equivalences(int8_llm, dense_llm):
     engine = int8_llm.llm_engine
-    assert engine.weights_summary.startswith("int8 W8A8 (Q8_0 x120): ")
-    text = open(TEXT, encoding="utf-8").read()[:6000]   # three chunks of 256 tokens
+    assert engine.weights_summary.startswith("int8 W8A8 (Q8_0 x121): ")   # 120 linears and the tied table
+    text = open(TEXT, encoding="utf-8").read()[:3000]   # two chunks of 256 tokens
     p8, pd = perplexity(int8_llm, text, 256), perplexity(dense_llm, text, 256)
     print(f"perplexity: int8 {p8['ppl']:.4f}, float32 {pd['ppl']:.4f}")
     assert abs(p8["ppl"] / pd["ppl"] - 1) < 0.02, (p8["ppl"], pd["ppl"])
@@ -222,9 +226,9 @@ def test_fused_stack_code_on_a_cpu_without_avx512_bf16(tmp_path, monkeypatch):
     lib = kernels.load()
     if lib is None or lib.kvserve_has_packed_matmul():
         pytest.skip("no C++ kernels, or a CPU where tests/test_fused_layers.py runs the stack for real")
-    # int8 linears of an HF checkpoint, its dense tied head packed before the gate opens (for oneDNN: the C++
-    # bf16 GEMM the open gate claims is not there)
-    save_tiny_model("llama", tmp_path / "int8", hidden_size=128, intermediate_size=96)
+    # int8 linears of an HF Qwen2 checkpoint (q|k|v biases), its dense tied head packed before the gate opens (for
+    # oneDNN: the C++ bf16 GEMM the open gate claims is not there)
+    save_tiny_model("qwen2", tmp_path / "int8", hidden_size=128, intermediate_size=96)
     int8 = load(str(tmp_path / "int8"), "int8", dtype="bfloat16")
     int8.prepack()
     monkeypatch.setattr(lib, "kvserve_has_packed_matmul", lambda: 1)
@@ -232,4 +236,5 @@ def test_fused_stack_code_on_a_cpu_without_avx512_bf16(tmp_path, monkeypatch):
     import test_fused_layers as fused_tests
     fused_tests.check_quantized_stack(
         fused_tests._tiny_quantized_bf16(tmp_path, "Q4_1", hidden_size=128, intermediate_size=96))
+    assert int8.model.layers[0].self_attn.qkv_proj.bias is not None
     fused_tests.check_quantized_stack(int8, torch.float8_e4m3fn, torch.tensor([0.05, 0.01]))   # on FP8 pools

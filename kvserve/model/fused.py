@@ -4,8 +4,8 @@ The call runs the kernels the per-layer modules call, in their order, on the sam
 bit-identical to theirs; it saves their Python: ~10 calls per layer that each allocate a tensor and convert
 ctypes arguments (docs/benchmarks.md measures it).
 It applies where every piece has its C++ kernel: packed bf16 or GGUF-quantized weights (each linear's method, as
-the modules call it), the C++ attention backend on bf16 or FP8 pools, no biases, no q/k norm; anywhere else the
-model runs its modules (and for the one step that calibrates FP8 KV scales, kvserve/attention/fp8.py).
+the modules call it), the C++ attention backend on bf16 or FP8 pools, a q|k|v bias (Qwen2) but no other, no q/k
+norm (Qwen3); anywhere else the model runs its modules (and for the one step that calibrates FP8 KV scales, kvserve/attention/fp8.py).
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from kvserve import kernels
 from kvserve.attention import fp8, kv_layout
 from kvserve.attention.backends import CpuPagedAttention
 
-# per layer: input norm, qkv, o, post norm, gate|up, down, K pool, V pool, quantized-linear bits, FP8 KV scales
-# (layers.cpp's L_*)
-_LAYER_PTRS = 10
+# per layer: input norm, qkv, o, post norm, gate|up, down, K pool, V pool, quantized-linear bits, FP8 KV scales,
+# q|k|v bias or 0 (layers.cpp's L_*)
+_LAYER_PTRS = 11
 
 
 class FusedLayers:
@@ -101,7 +101,10 @@ def build_fused_layers(layers) -> FusedLayers | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         cache = attn.attn.k_cache
         weights = [_linear_weight(m) for m in linears]
-        if (attn.q_norm is not None or any(m.bias is not None or w is None for m, w in zip(linears, weights))
+        qkv_bias = attn.qkv_proj.bias
+        if (attn.q_norm is not None or any(w is None for w in weights)
+                or any(m.bias is not None for m in linears[1:])
+                or qkv_bias is not None and (qkv_bias.dtype != torch.bfloat16 or not qkv_bias.is_contiguous())
                 or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms)
                 or not isinstance(attn.attn.backend, CpuPagedAttention)
                 or not (cache.dtype == torch.bfloat16 or fp8.is_fp8(cache.dtype))
@@ -114,7 +117,7 @@ def build_fused_layers(layers) -> FusedLayers | None:
         (qkv, q0), (o, q1), (gate_up, q2), (down, q3) = weights
         ptrs.append([norms[0].weight.data_ptr(), qkv, o, norms[1].weight.data_ptr(), gate_up, down,
                      cache.data_ptr(), attn.attn.v_cache.data_ptr(), q0 | q1 << 1 | q2 << 2 | q3 << 3,   # Q_BIT
-                     attn.attn.kv_scales.data_ptr()])
+                     attn.attn.kv_scales.data_ptr(), 0 if qkv_bias is None else qkv_bias.data_ptr()])
     eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
     if len(tiled) != 1 or len(eps) != 1 or len(kv_formats) != 1:   # one pool layout and format, one eps
         return None

@@ -1,8 +1,8 @@
 """Quantized weights, and the linear method that multiplies them.
 
-gguf: a GGUF file's weights kept in their block formats. int8 (W8A8): any checkpoint's linears quantized at load to
-int8 blocks of 32 values along each output channel, each with a float16 scale (ggml's Q8_0 layout), embedding and
-output head kept in dtype. Either way a quantized linear holds a QuantizedWeight (rows of ggml blocks, one segment
+gguf: a GGUF file's weights kept in their block formats. int8 (W8A8): any checkpoint's linears, token embedding and
+output head quantized at load to int8 blocks of 32 values along each output channel, each with a float16 scale
+(ggml's Q8_0 layout, as llama.cpp's Q8_0 files hold them). Either way a quantized linear holds a QuantizedWeight (rows of ggml blocks, one segment
 per format: a fused q|k|v may mix Q4_K and Q6_K) inside its PackedWeight; the matmul is kvserve/csrc/quant.cpp's
 (activations quantized to int8 per 32 values as they arrive, int32 dot products), for the modules path and the fused
 layer stack alike. GGUF formats without a kernel here are dequantized at load.
@@ -155,29 +155,32 @@ def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
     return QuantizedTensor(Q8_0, blocks.reshape(n, -1).contiguous(), k, "int8")
 
 
+def _int8_target(name: str) -> bool:
+    return (name.startswith("model.layers.") and name.endswith("_proj.weight")) or name in (
+        "model.embed_tokens.weight", "lm_head.weight")
+
+
 def int8_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """quantization="int8" as the checkpoint streams in: each decoder projection weight (model.layers.*_proj.weight,
-    input size a multiple of 32) becomes Q8_0 blocks before the next tensor is read, so the model's dense linears
-    are never filled (their never-touched storage never becomes resident) and load_packed_weights assembles
-    the blocks as it does a GGUF's; quantize_linears_int8 then catches any linear left dense."""
+    """quantization="int8" as the checkpoint streams in: each decoder projection weight (model.layers.*_proj.weight),
+    the token embedding and the output head (input size a multiple of 32) become Q8_0 blocks before the next tensor
+    is read, so the model's dense matrices are never filled (their never-touched storage never becomes resident);
+    load_packed_weights assembles the blocks as it does a GGUF's (a tied head multiplies the embedding's blocks),
+    and quantize_linears_int8 then catches any linear left dense."""
     for name, t in weights:
-        if (isinstance(t, torch.Tensor) and t.dim() == 2 and name.startswith("model.layers.")
-                and name.endswith("_proj.weight") and t.shape[1] % 32 == 0):
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and _int8_target(name) and t.shape[1] % 32 == 0:
             yield name, quantize_q8_0(t)
         else:
             yield name, t
 
 
 def quantize_linears_int8(model: torch.nn.Module) -> int:
-    """quantization="int8": every dense Linear of the decoder layers becomes Q8_0 blocks (its plain weight freed
-    as it goes), multiplied by the int8 kernels; the embedding and the output head stay in dtype, as vLLM's W8A8
-    keeps them. Returns how many linears were quantized here (one whose input size is not a multiple of 32
-    stays dense)."""
+    """quantization="int8": every Linear still dense becomes Q8_0 blocks (its plain weight freed as it goes),
+    multiplied by the int8 kernels. Returns how many were quantized here (one whose input size is not a multiple
+    of 32 stays dense)."""
     from kvserve.model.layers import Linear, PackedWeight
-    head = getattr(model, "lm_head", None)
     count = 0
     for m in model.modules():
-        if not isinstance(m, Linear) or m is head or m.quantized is not None or m.weight.shape[1] % 32:
+        if not isinstance(m, Linear) or m.quantized is not None or m.weight.shape[1] % 32:
             continue
         weight = QuantizedWeight([quantize_q8_0(m.weight)])
         m.packed = PackedWeight(weight.out_features, quant=weight)

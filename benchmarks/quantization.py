@@ -22,13 +22,14 @@ import tempfile
 from pathlib import Path
 
 MODELS = {"smollm2": None, "qwen1.5b": "qwen2.5-coder-1.5b", "qwen0.5b": "qwen2.5-coder-0.5b"}
-# the bf16 Hugging Face copies benchmarks/peers/make-hf-model.py writes (make peers, make bench-hf-models): int8
+# the bf16 Hugging Face copies benchmarks/peers/make-hf-model.py writes (make hf-models): int8
 # and none load them where present, as a user quantizing a bf16 checkpoint would
 HF_COPIES = {"smollm2": "smollm2-135m-instruct", "qwen1.5b": "qwen2.5-coder-1.5b-instruct",
              "qwen0.5b": "qwen2.5-coder-0.5b-instruct"}
 
 
 def hf_copy(name: str) -> str | None:
+    """The model's bf16 HF copy under $PEERS, where make hf-models wrote one."""
     path = Path(os.environ.get("PEERS", os.path.expanduser("~/peers"))) / HF_COPIES[name]
     return str(path) if (path / "config.json").exists() else None
 
@@ -81,6 +82,7 @@ def run_kvserve(path: str, quantization: str, iters: int) -> dict:
 
 
 def run_throughput(path: str, quantization: str) -> dict:
+    """`kvserve bench throughput` of 16 requests (prompts 64-256, outputs 32-128 tokens): its JSON result."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "kvserve", "bench", "throughput", "--model", path, "--quantization",
                quantization, "--kv-cache-memory", "512MiB", "--num-prompts", "16", "--input-len", "64:256",

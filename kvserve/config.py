@@ -75,6 +75,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
                 "kv_cache_dtype")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            bad("calculate_kv_scales sets the scales of an FP8 KV cache: pass kv_cache_dtype fp8, fp8_e4m3 or "
+                f"fp8_e5m2 with it (kv_cache_dtype is {self.kv_cache_dtype!r})", "calculate_kv_scales")
         if self.quantization not in QUANTIZATION_CHOICES:
             bad(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}",
                 "quantization")

@@ -245,10 +245,15 @@ def status() -> KernelStatus:
     return KernelStatus(True, bool(lib.kvserve_simd()), bool(lib.kvserve_has_packed_matmul()), None)
 
 
-def summary(dtype: torch.dtype, device: torch.device) -> str:
-    """One line: which kernel paths an engine of this dtype on this device runs, and what it falls back to."""
+def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None) -> str:
+    """One line: which kernel paths an engine of this dtype (and KV cache dtype) on this device runs, and what it
+    falls back to."""
     if device.type != "cpu":
         return f"{device.type}: torch ops"
+    if kv_dtype is not None and kv_dtype in fp8.FORMATS and status().built:
+        return summary(dtype, device).replace("on tiled KV", "on FP8 KV (portable kernel)").replace(
+            "C++ paged attention (AVX-512)", "C++ paged attention on FP8 KV (portable kernel)").replace(
+            "C++ paged attention (portable: no AVX-512)", "C++ paged attention on FP8 KV (portable kernel)")
     st = status()
     dt = str(dtype).removeprefix("torch.")
     from kvserve.model.layers import onednn_available

@@ -211,7 +211,7 @@ def test_int8_engine_perplexity_and_equivalences(int8_llm, dense_llm):
     p8, pd = perplexity(int8_llm, text, 256), perplexity(dense_llm, text, 256)
     print(f"perplexity: int8 {p8['ppl']:.4f}, float32 {pd['ppl']:.4f}")
     assert abs(p8["ppl"] / pd["ppl"] - 1) < 0.02, (p8["ppl"], pd["ppl"])
-    # rows are multiplied alone whatever shares their step (and the step before came from the prefix cache)
+    # rows are multiplied alone whatever shares their step
     alone = [greedy(int8_llm, [p], n=16)[0] for p in PROMPTS[:4]]
     assert greedy(int8_llm, PROMPTS[:4], n=16) == alone
 
@@ -226,8 +226,8 @@ def test_fused_stack_code_on_a_cpu_without_avx512_bf16(tmp_path, monkeypatch):
     lib = kernels.load()
     if lib is None or lib.kvserve_has_packed_matmul():
         pytest.skip("no C++ kernels, or a CPU where tests/test_fused_layers.py runs the stack for real")
-    # int8 linears of an HF Qwen2 checkpoint (q|k|v biases), its dense tied head packed before the gate opens (for
-    # oneDNN: the C++ bf16 GEMM the open gate claims is not there)
+    # an HF Qwen2 checkpoint in int8 (q|k|v biases; every matrix quantized: nothing calls the C++ bf16 GEMM that
+    # the open gate claims is there)
     save_tiny_model("qwen2", tmp_path / "int8", hidden_size=128, intermediate_size=96)
     int8 = load(str(tmp_path / "int8"), "int8", dtype="bfloat16")
     int8.prepack()

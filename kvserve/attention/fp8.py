@@ -5,8 +5,9 @@ bits, largest 448), "fp8_e5m2" stores e5m2 (2 mantissa bits, largest 57344: rang
 Each attention layer has two scales, K's and V's (`Attention.kv_scales`, float32 [2]): a pool holds
 fp8(x / scale), saturated to the largest finite value and rounded to nearest even; attention multiplies the
 scale back in (K's folded into the queries, V's into the output). They are 1.0 unless `calculate_kv_scales`
-(`--calculate-kv-scales`) sets them from the first step's K and V: scale = max |x| / (largest / 2), which leaves
-the first step's values half the range of headroom and keeps small values out of the subnormals.
+(`--calculate-kv-scales`) sets them from the first step's K and V: scale = max |x| / (largest / 2), room for later
+values up to twice the first step's largest while small values stay out of the subnormals (more room measured
+worse, docs/quantization.md). The first step should be representative: a long prompt, not a greeting.
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether pools of this dtype hold FP8 values."""
     return dtype in FORMATS
 
 
 def largest(dtype: torch.dtype) -> float:
+    """The largest finite value of an FP8 dtype (448 for e4m3, 57344 for e5m2)."""
     return torch.finfo(dtype).max
 
 

@@ -28,7 +28,7 @@ class Attention(InferenceModule):
         self.v_cache = torch.empty(0)
         # FP8 pools: [K's scale, V's scale] (kvserve/attention/fp8.py); set from the next step's K/V when
         # calibrate_kv_scales (bind_kv_cache's calculate_kv_scales)
-        self.kv_scales = torch.ones(2)
+        self.kv_scales = torch.ones(2, dtype=torch.float32)   # the kernels read float32
         self.calibrate_kv_scales = False
         self.backend = default_backend()
 
@@ -73,7 +73,7 @@ def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: tor
     for layer in attention_layers(model):
         if backend is not None:
             layer.backend = backend
-        layer.kv_scales = torch.ones(2, device=device)
+        layer.kv_scales = torch.ones(2, dtype=torch.float32, device=device)
         layer.calibrate_kv_scales = calculate_kv_scales and fp8.is_fp8(dtype)
         k_shape, v_shape = layer.backend.cache_shapes(num_blocks, block_size, layer.num_heads, layer.num_kv_heads,
                                                       layer.head_dim, dtype, device)

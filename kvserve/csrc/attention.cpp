@@ -487,6 +487,7 @@ template <typename T>
 void write_kv_fp8(const T* k, int64_t ks, const T* v, int64_t vs, const int64_t* slots, int64_t T_, int64_t n,
                   int fmt, const float* kv_scales, uint8_t* kc, uint8_t* vc) {
   const float kinv = 1.f / kv_scales[0], vinv = 1.f / kv_scales[1];   // torch multiplies by the reciprocal too
+  #pragma omp parallel for schedule(static) if (T_ * n >= 16384)
   for (int64_t t = 0; t < T_; ++t) {
     uint8_t* kd = kc + slots[t] * n;
     uint8_t* vd = vc + slots[t] * n;

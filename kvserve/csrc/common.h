@@ -42,7 +42,7 @@ inline uint8_t fp8_encode(float x, int fmt) {
   uint32_t u;
   std::memcpy(&u, &x, 4);   // the sign bit itself: -ffast-math may treat -0.0 as 0.0
   const uint8_t sign = uint8_t((u >> 24) & 0x80);
-  if (std::isnan(x)) return sign | (fmt == FP8_E4M3 ? 0x7f : 0x7e);
+  if (std::isnan(x)) return sign | 0x7f;   // torch's NaN in both formats
   const float a = std::min(std::fabs(x), fp8_max(fmt));
   if (a == 0.f) return sign;
   int e;

@@ -73,7 +73,7 @@ class LLMEngine:
                     self.device,
                     time.perf_counter() - t0, self.num_kv_blocks, config.block_size, self.num_kv_pool_tokens,
                     self.kv_cache_description())
-        self.kernel_summary = kernels.summary(self.dtype, self.device)
+        self.kernel_summary = kernels.summary(self.dtype, self.device, self.kv_cache_dtype)
         self.weights_summary = describe_weights(self.model)
         logger.info("kvserve: weights: %s", self.weights_summary)
         # a path the machine rules out (no compiler, no AVX-512 BF16) is a warning: users otherwise never know

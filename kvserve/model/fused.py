@@ -3,9 +3,10 @@
 The call runs the kernels the per-layer modules call, in their order, on the same shapes, so its output is
 bit-identical to theirs; it saves their Python: ~10 calls per layer that each allocate a tensor and convert
 ctypes arguments (docs/benchmarks.md measures it).
-It applies where every piece has its C++ kernel: packed bf16 or GGUF-quantized weights (each linear's method, as
-the modules call it), the C++ attention backend on bf16 or FP8 pools, a q|k|v bias (Qwen2) but no other, no q/k
-norm (Qwen3); anywhere else the model runs its modules (and for the one step that calibrates FP8 KV scales, kvserve/attention/fp8.py).
+It applies where every piece has its C++ kernel: packed bf16 or quantized weights (each linear's method, as the
+modules call it), the C++ attention backend on bf16 or FP8 pools, a q|k|v bias (Qwen2) but no other, no q/k norm
+(Qwen3); anywhere else the model runs its modules (and for the one step that calibrates FP8 KV scales,
+kvserve/attention/fp8.py).
 """
 from __future__ import annotations
 
@@ -68,7 +69,12 @@ def binding_key(layers) -> tuple:
     """Weak references to what the pointers come from (bind_kv_cache and prepack replace them in every layer):
     weak, so that a dropped pool is freed."""
     attn = layers[0].self_attn
-    return tuple(_ref(x) for x in (attn.attn.k_cache, attn.attn.v_cache, attn.qkv_proj.packed))
+    return tuple(_ref(x) for x in _bound(attn))
+
+
+def _bound(attn) -> tuple:
+    """What a layer's pointers come from that can be replaced (the weights' packs, the pools and their scales)."""
+    return attn.attn.k_cache, attn.attn.v_cache, attn.attn.kv_scales, attn.qkv_proj.packed
 
 
 def _ref(x):
@@ -77,7 +83,7 @@ def _ref(x):
 
 def is_same_binding(key: tuple, layers) -> bool:
     attn = layers[0].self_attn
-    return all(ref() is x for ref, x in zip(key, (attn.attn.k_cache, attn.attn.v_cache, attn.qkv_proj.packed)))
+    return all(ref() is x for ref, x in zip(key, _bound(attn)))
 
 
 def _linear_weight(m) -> tuple[int, int] | None:

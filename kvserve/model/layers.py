@@ -354,8 +354,10 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
             if target.endswith(".weight"):
                 dense.add(owner)
         loaded.add((target, shard))
-    for owner, shards in quantized.items():
+    while quantized:   # popped as assembled: each module's shards are freed once copied into its weight
+        owner, shards = quantized.popitem()
         _keep_quantized(modules[owner], shards, owner in dense)
+        del shards
     missing = sorted(_expected_slots(params, modules) - loaded, key=str)
     if missing:
         names = [t if s is None else f"{t}[{s}]" for t, s in missing]

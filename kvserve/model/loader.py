@@ -88,7 +88,9 @@ def load_model(config: Any) -> tuple[nn.Module, ModelConfig]:
     quantization = resolve_quantization(getattr(config, "quantization", "auto"), is_gguf(path), device)
     if is_gguf(path):
         dtype = resolve_dtype(getattr(config, "dtype", "auto"), device)   # a GGUF has no checkpoint dtype
-        cfg, weights = _load_gguf_weights(path, dtype, keep_quantized=quantization == "gguf")
+        # int8 streams the dequantized tensors one at a time into quantize (no dequantized cache)
+        cfg, weights = _load_gguf_weights(path, dtype, keep_quantized=quantization == "gguf",
+                                          use_cache=quantization != "int8")
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
@@ -101,13 +103,13 @@ def load_model(config: Any) -> tuple[nn.Module, ModelConfig]:
     return model.eval(), cfg
 
 
-def _load_gguf_weights(path: str, dtype: torch.dtype, keep_quantized: bool = False):
+def _load_gguf_weights(path: str, dtype: torch.dtype, keep_quantized: bool = False, use_cache: bool = True):
     """ModelConfig and HF-named weights of a GGUF file: the quantized matrices kept as they are, or everything
-    dequantized (from the dequantized-weight cache when it has them)."""
-    if keep_quantized:
+    dequantized (from the dequantized-weight cache when it has them and use_cache, else streamed)."""
+    if keep_quantized or not use_cache:
         reader = gguf_loader.open_gguf(path)
         cfg = gguf_loader.gguf_model_config(reader)
-        return cfg, gguf_loader.iter_gguf_weights(reader, cfg, keep_quantized=True)
+        return cfg, gguf_loader.iter_gguf_weights(reader, cfg, keep_quantized=keep_quantized)
     cache = weight_cache.cache_path(path, dtype)
     hit = weight_cache.read(cache) if cache is not None else None
     if hit is not None:

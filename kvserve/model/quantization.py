@@ -2,10 +2,11 @@
 
 gguf: a GGUF file's weights kept in their block formats. int8 (W8A8): any checkpoint's linears, token embedding and
 output head quantized at load to int8 blocks of 32 values along each output channel, each with a float16 scale
-(ggml's Q8_0 layout, as llama.cpp's Q8_0 files hold them). Either way a quantized linear holds a QuantizedWeight (rows of ggml blocks, one segment
-per format: a fused q|k|v may mix Q4_K and Q6_K) inside its PackedWeight; the matmul is kvserve/csrc/quant.cpp's
-(activations quantized to int8 per 32 values as they arrive, int32 dot products), for the modules path and the fused
-layer stack alike. GGUF formats without a kernel here are dequantized at load.
+(ggml's Q8_0 layout, as llama.cpp's Q8_0 files hold them). Either way a quantized linear holds a QuantizedWeight
+(rows of ggml blocks, one segment per format: a fused q|k|v may mix Q4_K and Q6_K) inside its PackedWeight; the
+matmul is kvserve/csrc/quant.cpp's (activations quantized to int8 per 32 values as they arrive, int32 dot
+products), for the modules path and the fused layer stack alike. GGUF formats without a kernel here are
+dequantized at load.
 """
 from __future__ import annotations
 
@@ -138,6 +139,7 @@ class QuantizedWeight:
 
 
 Q8_0 = FORMAT_IDS["Q8_0"]
+_Q8_ROWS = 2048
 
 
 def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
@@ -145,14 +147,17 @@ def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
     writes: per 32 values of a row, d = max |w| / 127, q = roundf(w * (1 / d)) (halves away from zero) in int8,
     d stored as float16."""
     n, k = w.shape
-    x = w.detach().float().reshape(n, k // 32, 32)
-    d = x.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    a = (x * inv).abs()
-    whole = a.floor()
-    q = (torch.sign(x) * (whole + (2 * (a - whole)).floor())).to(torch.int8)
-    blocks = torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=-1)   # 2 + 32 bytes
-    return QuantizedTensor(Q8_0, blocks.reshape(n, -1).contiguous(), k, "int8")
+    out = torch.empty(n, k // 32, 34, dtype=torch.uint8)   # per block: float16 d, then 32 int8 values
+    for r0 in range(0, n, _Q8_ROWS):   # in row chunks: the float32 temporaries stay small
+        x = w[r0:r0 + _Q8_ROWS].detach().float().reshape(-1, k // 32, 32)
+        d = x.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        a = (x * inv).abs()
+        whole = a.floor()
+        q = (torch.sign(x) * (whole + (2 * (a - whole)).floor())).to(torch.int8)
+        out[r0:r0 + _Q8_ROWS, :, :2] = d.to(torch.float16).view(torch.uint8)
+        out[r0:r0 + _Q8_ROWS, :, 2:] = q.view(torch.uint8)
+    return QuantizedTensor(Q8_0, out.view(n, -1), k, "int8")
 
 
 def _int8_target(name: str) -> bool:
@@ -226,7 +231,8 @@ def embedding_rows(table: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype
 
 def describe(model: torch.nn.Module) -> str:
     """What a model's weights are, for the logs: 'GGUF kept quantized (Q4_K x99, Q6_K x29): 1.03 GiB quantized +
-    0.00 GiB dense' (a format counted once per linear segment), or 'not quantized; 0.50 GiB weights'."""
+    0.00 GiB dense' (a format counted once per linear segment), 'int8 W8A8 (Q8_0 x121): 0.13 GiB quantized +
+    0.00 GiB dense', or 'not quantized; 0.50 GiB weights'."""
     formats: Counter = Counter()
     sources = set()
     qbytes = dense = 0

@@ -97,7 +97,7 @@ def test_every_field_with_edge_and_random_json_values_is_answered_without_a_serv
         for value in EDGE_VALUES:
             check_answer(post, path, base, field, value)
 
-    @settings(max_examples=50, deadline=None, database=None)
+    @settings(max_examples=30, deadline=None, database=None)
     @given(st.sampled_from(fields_of(model_cls)), json_values)
     def check_random(field, value):
         check_answer(post, path, base, field, value)

@@ -1,8 +1,10 @@
 """GGUF checkpoints: metadata -> ModelConfig, and dequantized tensors under HF names in HF layout."""
 from __future__ import annotations
 
+import os
 import re
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,14 +29,30 @@ _SKIP_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.
 _ROPE_FREQS = "rope_freqs.weight"
 
 
+# the last files parsed, by (path, size, mtime): GGUFReader parses every metadata array (a 49k-token vocabulary
+# takes it seconds), and a process that starts several engines on one file (tests, benchmarks) parses it once
+_READERS: OrderedDict = OrderedDict()
+_READERS_KEPT = 2
+
+
 def open_gguf(path: str):
-    """A GGUFReader for `path`, or ModelLoadError if the file is not a readable GGUF file."""
+    """A GGUFReader for `path` (shared: read it, do not change it), or ModelLoadError if the file is not a
+    readable GGUF file."""
     from gguf import GGUFReader
     try:
-        return GGUFReader(path)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        if key in _READERS:
+            _READERS.move_to_end(key)
+            return _READERS[key]
+        reader = GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on corrupt files
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}; "
                              "the file is corrupt, truncated or not GGUF") from e
+    _READERS[key] = reader
+    while len(_READERS) > _READERS_KEPT:
+        _READERS.popitem(last=False)
+    return reader
 
 
 def gguf_metadata(reader) -> dict[str, Any]:

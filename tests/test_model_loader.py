@@ -323,3 +323,22 @@ def test_gguf_weight_cache_is_written_then_hit_and_a_damaged_entry_is_rebuilt(tm
     rebuilt, _ = load_model(config)
     assert torch.equal(rebuilt.model.embed_tokens.weight, cold.model.embed_tokens.weight)
     assert entry.stat().st_size > 1000   # written again
+
+
+def test_a_gguf_file_is_parsed_once_until_it_changes(tmp_path):
+    """open_gguf keeps the last readers by path, size and mtime; a rewritten file is parsed again; releasing a kept
+    reader's file pages leaves it readable."""
+    import os
+    from kvserve.model import gguf_loader
+    hf = save_tiny_model("llama", tmp_path / "hf")
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype="Q8_0"))
+    first = gguf_loader.open_gguf(path)
+    assert gguf_loader.open_gguf(path) is first
+    gguf_loader.release_file_pages(path)
+    before = [t.data.copy() for t in first.tensors]
+    assert all(np.array_equal(a, t.data) for a, t in zip(before, first.tensors))
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert gguf_loader.open_gguf(path) is not first
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
+        gguf_loader.open_gguf(str(tmp_path / "missing.gguf"))

@@ -1,6 +1,7 @@
 """GGUF checkpoints: metadata -> ModelConfig, and dequantized tensors under HF names in HF layout."""
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import warnings
@@ -30,7 +31,8 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 
 # the last files parsed, by (path, size, mtime): GGUFReader parses every metadata array (a 49k-token vocabulary
-# takes it seconds), and a process that starts several engines on one file (tests, benchmarks) parses it once
+# takes it seconds), and a process that starts several engines on one file (tests, benchmarks) parses it once;
+# the tokenizer's arrays are dropped from a kept reader (the tokenizer is converted from the file apart, tokenizer.py)
 _READERS: OrderedDict = OrderedDict()
 _READERS_KEPT = 2
 
@@ -40,8 +42,7 @@ def open_gguf(path: str):
     readable GGUF file."""
     from gguf import GGUFReader
     try:
-        st = os.stat(path)
-        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        key = _reader_key(path)
         if key in _READERS:
             _READERS.move_to_end(key)
             return _READERS[key]
@@ -49,10 +50,29 @@ def open_gguf(path: str):
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on corrupt files
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}; "
                              "the file is corrupt, truncated or not GGUF") from e
+    for name in _SKIP_KEYS:   # the vocabulary's arrays: ~200 MiB of numpy views for 49k tokens, read by no one here
+        reader.fields.pop(name, None)
     _READERS[key] = reader
     while len(_READERS) > _READERS_KEPT:
         _READERS.popitem(last=False)
     return reader
+
+
+def release_file_pages(path: str) -> None:
+    """Drop the file pages a load touched from this process's resident set, where open_gguf keeps a reader of
+    `path` (they stay in the page cache, and fault back in if a later load reads them): the kept reader would
+    otherwise count the whole file as resident memory."""
+    try:
+        reader = _READERS.get(_reader_key(path))
+        if reader is not None and getattr(reader.data, "_mmap", None) is not None:
+            reader.data._mmap.madvise(mmap.MADV_DONTNEED)
+    except (AttributeError, OSError, ValueError):   # no file, or no madvise here
+        pass
+
+
+def _reader_key(path: str) -> tuple:
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns
 
 
 def gguf_metadata(reader) -> dict[str, Any]:

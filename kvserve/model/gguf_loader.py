@@ -4,6 +4,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ _ROPE_FREQS = "rope_freqs.weight"
 # the tokenizer's arrays are dropped from a kept reader (the tokenizer is converted from the file apart, tokenizer.py)
 _READERS: OrderedDict = OrderedDict()
 _READERS_KEPT = 2
+_READERS_LOCK = threading.Lock()
 
 
 def open_gguf(path: str):
@@ -43,18 +45,21 @@ def open_gguf(path: str):
     from gguf import GGUFReader
     try:
         key = _reader_key(path)
-        if key in _READERS:
-            _READERS.move_to_end(key)
-            return _READERS[key]
+        with _READERS_LOCK:
+            reader = _READERS.get(key)
+            if reader is not None:
+                _READERS.move_to_end(key)
+                return reader
         reader = GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on corrupt files
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}; "
                              "the file is corrupt, truncated or not GGUF") from e
     for name in _SKIP_KEYS:   # the vocabulary's arrays: ~200 MiB of numpy views for 49k tokens, read by no one here
         reader.fields.pop(name, None)
-    _READERS[key] = reader
-    while len(_READERS) > _READERS_KEPT:
-        _READERS.popitem(last=False)
+    with _READERS_LOCK:
+        _READERS[key] = reader
+        while len(_READERS) > _READERS_KEPT:
+            _READERS.popitem(last=False)
     return reader
 
 
@@ -71,8 +76,9 @@ def release_file_pages(path: str) -> None:
 
 
 def _reader_key(path: str) -> tuple:
+    """The file as it is now: a rename brings another inode, a rewrite another ctime (which utime cannot set)."""
     st = os.stat(path)
-    return os.path.realpath(path), st.st_size, st.st_mtime_ns
+    return os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def gguf_metadata(reader) -> dict[str, Any]:

@@ -97,9 +97,11 @@ def load_model(config: Any) -> tuple[nn.Module, ModelConfig]:
         dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype)
     with _default_dtype(dtype), device:
         model = build_model(cfg)
-    model.load_weights(int8_weights(weights) if quantization == "int8" else weights)
-    if is_gguf(path):
-        gguf_loader.release_file_pages(path)
+    try:
+        model.load_weights(int8_weights(weights) if quantization == "int8" else weights)
+    finally:
+        if is_gguf(path):
+            gguf_loader.release_file_pages(path)
     if quantization == "int8":
         quantize_linears_int8(model)
     return model.eval(), cfg

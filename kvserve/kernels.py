@@ -250,10 +250,6 @@ def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | No
     falls back to."""
     if device.type != "cpu":
         return f"{device.type}: torch ops"
-    if kv_dtype is not None and kv_dtype in fp8.FORMATS and status().built:
-        return summary(dtype, device).replace("on tiled KV", "on FP8 KV (portable kernel)").replace(
-            "C++ paged attention (AVX-512)", "C++ paged attention on FP8 KV (portable kernel)").replace(
-            "C++ paged attention (portable: no AVX-512)", "C++ paged attention on FP8 KV (portable kernel)")
     st = status()
     dt = str(dtype).removeprefix("torch.")
     from kvserve.model.layers import onednn_available
@@ -261,9 +257,14 @@ def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | No
                onednn_available(torch.float32) else f"{dt} matmuls in torch")
     if not st.built:
         return f"no C++ kernels ({st.reason}): attention in plain torch, {matmuls}{_SEE}"
+    fp8_kv = kv_dtype is not None and kv_dtype in fp8.FORMATS   # FP8 pools: the portable kernel on every CPU
     if dtype == torch.bfloat16 and st.bf16:
-        return "C++ AVX-512 BF16: paged attention on tiled KV, packed bf16 matmuls, fused layer stack"
-    attention = "C++ paged attention (AVX-512)" if st.avx512 else "C++ paged attention (portable: no AVX-512)"
+        kv = "FP8 KV (portable kernel)" if fp8_kv else "tiled KV"
+        return f"C++ AVX-512 BF16: paged attention on {kv}, packed bf16 matmuls, fused layer stack"
+    if fp8_kv:
+        attention = "C++ paged attention on FP8 KV (portable kernel)"
+    else:
+        attention = "C++ paged attention (AVX-512)" if st.avx512 else "C++ paged attention (portable: no AVX-512)"
     if st.bf16:
         return f"{attention}; {matmuls} (--dtype bfloat16 runs the bf16 kernels)"
     return f"{attention}; {matmuls} (no AVX-512 BF16: no bf16 kernels or fused layer stack){_SEE}"

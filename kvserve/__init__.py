@@ -1,14 +1,15 @@
 """kvserve: a high-throughput, memory-efficient LLM inference and serving engine."""
 from kvserve.config import EngineConfig
-from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError, ModelLoadError
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError, LoRAError, ModelLoadError
+from kvserve.lora import LoRARequest
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "CompletionOutput", "ContextLengthExceededError", "EngineConfig", "InvalidRequestError",
-           "KVServeError", "Logprob", "ModelLoadError", "RequestOutput", "RequestOutputKind", "SamplingParams",
-           "__version__"]
+           "KVServeError", "Logprob", "LoRAError", "LoRARequest", "ModelLoadError", "RequestOutput",
+           "RequestOutputKind", "SamplingParams", "__version__"]
 
 
 def __getattr__(name):

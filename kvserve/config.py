@@ -60,6 +60,12 @@ class EngineConfig:
     speculative_config: dict | str | SpeculativeConfig | None = None
     # structured outputs: a request whose grammar has not compiled this long after it arrived fails (400)
     grammar_compile_timeout_s: float = 10.0
+    # LoRA adapters (kvserve/lora): requests name one (LoRARequest); max_loras of them run in one step, each of rank
+    # <= max_lora_rank; max_cpu_loras stay loaded in memory (default max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -108,6 +114,20 @@ class EngineConfig:
             if self.kv_cache_memory <= 0:
                 bad("kv_cache_memory must be positive", "kv_cache_memory")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._validate_lora(bad)
         if (not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens is not None
                 and self.max_model_len > self.max_num_batched_tokens):
             bad("without chunked prefill, max_num_batched_tokens must be >= max_model_len", "max_num_batched_tokens")
+
+    def _validate_lora(self, bad) -> None:
+        for name, low, high in (("max_loras", 1, 256), ("max_lora_rank", 1, 1024), ("max_cpu_loras", 1, 1 << 20)):
+            value = getattr(self, name)
+            if value is None and name == "max_cpu_loras":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                bad(f"{name} must be an integer in [{low}, {high}], got {value!r}", name)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            bad(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): every adapter "
+                "a step runs is also kept in memory", "max_cpu_loras")

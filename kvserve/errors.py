@@ -28,3 +28,10 @@ class EngineDeadError(KVServeError):
 
 class RequestFailedError(KVServeError):
     """The engine step running this request failed; the request was aborted and the engine goes on."""
+
+
+class LoRAError(InvalidRequestError):
+    """A LoRA adapter is missing, corrupt, unsupported, too large for the engine's limits, or not for this model."""
+
+    def __init__(self, message: str, param: str | None = "lora_request"):
+        super().__init__(message, param)

@@ -1,5 +1,6 @@
 """The C++ CPU kernels (kvserve/csrc): paged attention straight from the KV blocks, bf16 matmuls on packed
-weights, fused norms, RoPE and SiLU, the whole decoder layer stack in one call, argmax and the grammar bitmask.
+weights, fused norms, RoPE and SiLU, LoRA adapters, the whole decoder layer stack in one call, argmax and the
+grammar bitmask.
 
 The library is plain C++ with OpenMP and no torch headers, called through ctypes with raw data pointers. `make`
 builds it at set-up (`python -m kvserve.kernels`); otherwise the first engine builds it (a one-time message, at
@@ -36,7 +37,7 @@ from kvserve.attention import fp8, kv_layout
 logger = logging.getLogger("kvserve")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "layers.cpp")
+_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "lora.cpp", "layers.cpp")
 
 
 def _read_source() -> str:
@@ -157,7 +158,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kvserve_apply_bitmask_f32": [p, i64, p, i64, p, i64, i64],
         "kvserve_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
         "kvserve_llama_layers_bf16": [p, p, p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64,
-                                      i64, i64, f, f, p, i64],
+                                      i64, i64, f, f, p, i64, p],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -165,6 +166,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = None
     lib.kvserve_quant_matmul.argtypes = [p, p, i64, i64, p, i64, i64, i64]
     lib.kvserve_quant_matmul.restype = ctypes.c_int
+    lib.kvserve_lora_add.argtypes = [p, p, i64, i64, p, i64, i64, p]
+    lib.kvserve_lora_add.restype = ctypes.c_int
     lib.kvserve_quant_rows.argtypes = [i64, p, i64, p, i64, i64, p, i64]
     lib.kvserve_quant_rows.restype = ctypes.c_int
     lib.kvserve_quant_simd.restype = ctypes.c_int

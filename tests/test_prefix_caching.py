@@ -4,6 +4,7 @@ from hypothesis import given, settings, strategies as st
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
+from kvserve.lora import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -66,7 +67,10 @@ def test_salt_and_lora_keep_identical_prompts_apart():
     assert run_prompt(kv, req("salted", list(range(9)), cache_salt="tenant-a")) == []
     assert run_prompt(kv, req("salted2", list(range(9)), cache_salt="tenant-a")) != []
     assert run_prompt(kv, req("other", list(range(9)), cache_salt="tenant-b")) == []
-    assert run_prompt(kv, req("lora", list(range(9)), lora_name="adapter1")) == []
+    sql, chat = LoRARequest("sql", 1, "/adapters/sql"), LoRARequest("chat", 2, "/adapters/chat")
+    assert run_prompt(kv, req("lora", list(range(9)), lora_request=sql)) == []
+    assert run_prompt(kv, req("lora2", list(range(9)), lora_request=sql)) != []   # the same adapter shares
+    assert run_prompt(kv, req("lora3", list(range(9)), lora_request=chat)) == []
 
 
 def test_reset_prefix_cache_only_when_idle():

@@ -126,7 +126,7 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def _extra_keys(self, req: Request) -> tuple:
-        return tuple(k for k in (("lora", req.lora_name) if req.lora_name else None,
+        return tuple(k for k in (("lora", req.lora_id) if req.lora_id else None,
                                  ("salt", req.cache_salt) if req.cache_salt else None) if k)
 
     def _update_block_hashes(self, req: Request, num_tokens: int) -> None:

@@ -49,7 +49,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int] | None = None, arrival_time: float | None = None, priority: int = 0,
-                 max_tokens: int | None = None, cache_salt: str | None = None, lora_name: str | None = None,
+                 max_tokens: int | None = None, cache_salt: str | None = None, lora_request=None,
                  device: torch.device | str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -61,7 +61,7 @@ class Request:
         self.priority = priority
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
         self.cache_salt = cache_salt
-        self.lora_name = lora_name
+        self.lora_request = lora_request   # kvserve.lora.LoRARequest: the adapter it runs with; None: the base model
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []   # drafts to verify in the next step (speculative decoding)
@@ -85,6 +85,10 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+
+    @property
+    def lora_id(self) -> int | None:
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,10 @@ The engine refuses such requests when they arrive; this holds whatever reaches t
 
 A request with structured outputs waits until its grammar has compiled (on another thread); the requests behind
 it are scheduled meanwhile. One whose grammar fails to compile, or not in time, is rejected the same way.
+
+With LoRA, the running requests use at most `max_loras` different adapters: a waiting request whose adapter
+would be one too many, or is still loading from disk (`lora_ready`), keeps its place while the requests behind it
+that fit go first. One whose adapter fails to load is rejected.
 """
 from __future__ import annotations
 
@@ -76,6 +80,8 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    running_lora_ids: set[int] = field(default_factory=set)   # adapters of the running requests
+    waiting_lora_ids: set[int] = field(default_factory=set)
 
 
 class Scheduler:
@@ -83,8 +89,11 @@ class Scheduler:
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 priority_aging_s: float | None = None):
+                 priority_aging_s: float | None = None, max_loras: int | None = None,
+                 lora_ready: Callable[[Request], bool] | None = None):
         self.kv = kv_cache_manager
+        self.max_loras = max_loras
+        self.lora_ready = lora_ready   # True when a request's adapter is loaded; raises KVServeError if it cannot be
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -218,22 +227,24 @@ class Scheduler:
         return num_new
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        compiling = []   # requests whose grammar is not ready: they keep their place, the others go first
+        held = []   # requests whose grammar or adapter is not ready: they keep their place, the others go first
         while self.waiting and budget > 0:
             req = self.waiting[0]
             error = self._why_it_can_never_run(req)
             ready = True
-            if error is None and req.structured_output is not None:
-                try:   # asked once: the compilation may end (or fail) at any moment
+            try:   # asked once: the compilation or load may end (or fail) at any moment
+                if error is None and req.structured_output is not None:
                     ready = req.structured_output.is_ready()
-                except KVServeError as e:   # the constraint's fault (400), or the compiler's (500)
-                    error = e
+                if error is None and ready and req.lora_request is not None:
+                    ready = self._lora_fits(req) and (self.lora_ready is None or self.lora_ready(req))
+            except KVServeError as e:   # the constraint's or adapter's fault (400), or the compiler's (500)
+                error = e
             if error is not None:
                 self.waiting.popleft()
                 out.rejected.append((req, error))
                 continue
             if not ready:
-                compiling.append(self.waiting.popleft())
+                held.append(self.waiting.popleft())
                 continue
             if len(self.running) >= self.max_num_seqs:
                 freed = self._preempt_lower(req, out)
@@ -264,7 +275,14 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(held))
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether `req` may run beside the running requests without more than max_loras adapters in a step."""
+        if self.max_loras is None:
+            return True
+        running = {r.lora_id for r in self.running if r.lora_id is not None}
+        return req.lora_id in running or len(running) < self.max_loras
 
     def _why_it_can_never_run(self, req: Request) -> ContextLengthExceededError | None:
         """Why `req` could not run even alone on an empty pool; None when it can."""
@@ -403,4 +421,6 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
-                              self.prefix_cache_queries, self.prefix_cache_hits, self.spec_stats.copy())
+                              self.prefix_cache_queries, self.prefix_cache_hits, self.spec_stats.copy(),
+                              {r.lora_id for r in self.running if r.lora_id is not None},
+                              {r.lora_id for r in self.waiting if r.lora_id is not None})

@@ -27,17 +27,20 @@ void kvserve_write_kv_fp8(const void* k, int64_t ks, const void* v, int64_t vs, 
                           uint8_t* vc);
 int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t x_bf16, void* y, int64_t ys,
                          int64_t M, int64_t K);
+int kvserve_lora_add(const int64_t* desc, const void* x, int64_t xs, int64_t x_bf16, void* y, int64_t ys, int64_t M,
+                     const int32_t* row_slot);
 
 // What one layer reads, as raw pointers (kvserve/model/fused.py fills one row per layer):
 // input norm weight, packed qkv, packed o_proj, post-attention norm weight, packed gate|up, packed down,
 // K pool, V pool, a bit mask of the linears that are quantized (Q_BIT: their pointer is then a quantized
 // weight's descriptor for kvserve_quant_matmul, the function the modules' linears call), the layer's FP8 KV
-// scales (float32 [K's, V's], read when the pools are FP8), and the q|k|v bias (bf16, Qwen2) or 0.
+// scales (float32 [K's, V's], read when the pools are FP8), the q|k|v bias (bf16, Qwen2) or 0, and the layer's
+// LoRA tables or 0 (int64 [4]: the adapter table of qkv, o, gate|up, down for kvserve_lora_add, each or 0).
 enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_QUANT, L_KV_SCALES, L_QKV_BIAS,
-       L_PTRS };
+       L_LORA, L_PTRS };
 
 // the bit of each linear in L_QUANT, by slot: qkv 1, o 2, gate|up 4, down 8
-constexpr int64_t Q_BIT[L_PTRS] = {0, 1, 2, 0, 4, 8, 0, 0, 0, 0, 0};
+constexpr int64_t Q_BIT[L_PTRS] = {0, 1, 2, 0, 4, 8, 0, 0, 0, 0, 0, 0};
 
 // y[T, N] += b[N] in bf16, rounded once from the float32 sum: torch's `y + bias` in the modules
 static inline void add_bias_bf16(uint16_t* y, int64_t ys, const uint16_t* b, int64_t T, int64_t N) {
@@ -52,6 +55,15 @@ static inline void linear(const int64_t* p, int slot, const uint16_t* x, int64_t
     kvserve_quant_matmul(reinterpret_cast<const int64_t*>(p[slot]), x, xs, 1, y, ys, M, K);
   else
     kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(p[slot]), y, ys, M, N, K);
+}
+
+// y += the LoRA delta of layer row p's linear number i (0 qkv, 1 o, 2 gate|up, 3 down) for the rows that chose
+// an adapter (lora_rows: each row's adapter slot or -1; null when no row of the step has one)
+static inline void lora(const int64_t* p, int i, const int32_t* lora_rows, const uint16_t* x, int64_t xs, uint16_t* y,
+                        int64_t ys, int64_t M) {
+  if (!lora_rows || !p[L_LORA]) return;
+  const int64_t desc = reinterpret_cast<const int64_t*>(p[L_LORA])[i];
+  if (desc) kvserve_lora_add(reinterpret_cast<const int64_t*>(desc), x, xs, 1, y, ys, M, lora_rows);
 }
 
 // writes the step's K/V into layer row p's pools and attends over them, as the attention backend does for the
@@ -82,12 +94,14 @@ static inline void attend(const int64_t* p, const uint16_t* qkv, int64_t nqkv, u
 // KV_FMT the pools' FP8 format (0: bf16 pools).
 // residual [T, H]: the embedding output on entry (layer 0 normalizes it without an add), the residual stream on
 // return. hidden [T, H]: the last layer's MLP output on return. scratch: T * (H + (NH + 2 NKV) D + NH D + 3 I) bf16.
+// lora_rows [T]: each row's LoRA adapter slot (-1: none), or null. Each linear is base (+ bias) + LoRA, as in the
+// modules (Linear.forward).
 static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* layer_ptrs,
                         int64_t L, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
                         const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                         const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
                         int64_t D, int64_t I, int64_t BS, int64_t TILED, int64_t KV_FMT, float eps, float scale,
-                        uint16_t* scratch) {
+                        uint16_t* scratch, const int32_t* lora_rows) {
   const int64_t nqkv = (NH + 2 * NKV) * D;
   uint16_t* normed = scratch;
   uint16_t* qkv = normed + T * H;
@@ -103,14 +117,18 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
       kvserve_rmsnorm_bf16(hidden, residual, w(L_IN_NORM), normed, T, H, eps);
     linear(p, L_QKV, normed, H, qkv, nqkv, T, nqkv, H);
     if (p[L_QKV_BIAS]) add_bias_bf16(qkv, nqkv, w(L_QKV_BIAS), T, nqkv);
+    lora(p, 0, lora_rows, normed, H, qkv, nqkv, T);
     kvserve_rope_bf16(qkv, nqkv, cos, sin, T, NH + NKV, D);
     attend(p, qkv, nqkv, attn, slots, tables, table_stride, seq_lens, query_start, B, T, NH, NKV, D, BS, TILED,
            KV_FMT, scale);
     linear(p, L_O, attn, NH * D, hidden, H, T, H, NH * D);
+    lora(p, 1, lora_rows, attn, NH * D, hidden, H, T);
     kvserve_rmsnorm_bf16(hidden, residual, w(L_POST_NORM), normed, T, H, eps);
     linear(p, L_GATE_UP, normed, H, gate_up, 2 * I, T, 2 * I, H);
+    lora(p, 2, lora_rows, normed, H, gate_up, 2 * I, T);
     kvserve_silu_mul_bf16(gate_up, 2 * I, act, T, I);
     linear(p, L_DOWN, act, I, hidden, H, T, H, I);
+    lora(p, 3, lora_rows, act, I, hidden, H, T);
   }
 }
 
@@ -126,13 +144,13 @@ void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64
                           const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                           const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
                           int64_t D, int64_t I, int64_t BS, int64_t TILED, int64_t KV_FMT, float eps, float scale,
-                          uint16_t* scratch, int64_t split) {
+                          uint16_t* scratch, int64_t split, const int32_t* lora_rows) {
   const int nt = omp_get_max_threads();
   bool decode_only = T == B;   // one query token per sequence: sequence b is row b
   for (int64_t b = 0; decode_only && b < B; ++b) decode_only = query_start[b + 1] - query_start[b] == 1;
   if (!split || !decode_only || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel()) {
     layers_rows(hidden, residual, layer_ptrs, L, cos, sin, slots, tables, table_stride, seq_lens, query_start, B, T,
-                H, NH, NKV, D, I, BS, TILED, KV_FMT, eps, scale, scratch);
+                H, NH, NKV, D, I, BS, TILED, KV_FMT, eps, scale, scratch, lora_rows);
     return;
   }
   // Shares balanced on the estimated time of each sequence on one core: its row through the matmuls (~200
@@ -153,7 +171,7 @@ void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64
       for (int64_t i = 0; i <= b1 - b0; ++i) qs[i] = int32_t(i);
       layers_rows(hidden + b0 * H, residual + b0 * H, layer_ptrs, L, cos + b0 * D, sin + b0 * D, slots + b0,
                   tables + b0 * table_stride, table_stride, seq_lens + b0, qs.data(), b1 - b0, b1 - b0, H, NH, NKV,
-                  D, I, BS, TILED, KV_FMT, eps, scale, scratch + b0 * per_row);
+                  D, I, BS, TILED, KV_FMT, eps, scale, scratch + b0 * per_row, lora_rows ? lora_rows + b0 : nullptr);
     }
   }
 }

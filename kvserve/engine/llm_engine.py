@@ -19,7 +19,9 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor, ParentState
 from kvserve.engine.prompts import PromptType, process_prompt
-from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError, RequestFailedError
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError, LoRAError, RequestFailedError
+from kvserve.lora import LoRARequest
+from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -54,12 +56,17 @@ class LLMEngine:
         self.spec_config = config.speculative_config
         draft_model = self._load_draft_model() if self.spec_config and self.spec_config.model else None
         self.runner = ModelRunner(self.model, self.vocab_size, self.device, config.seed, draft_model)
+        self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+                     if config.enable_lora else None)
+        self.runner.lora = self.lora
         self.kv_cache_dtype = fp8.kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.kv = self.runner.init_kv_cache(config, self.kv_cache_dtype, self.max_model_len,
                                             self.max_num_batched_tokens)
         self.num_kv_blocks = self.kv.pool.num_blocks
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                                   config.scheduling_policy, config.enable_chunked_prefill, config.priority_aging_s)
+                                   config.scheduling_policy, config.enable_chunked_prefill, config.priority_aging_s,
+                                   config.max_loras if self.lora else None,
+                                   (lambda req: self.lora.is_ready(req.lora_request)) if self.lora else None)
         self.proposer = build_proposer(self.spec_config, self.runner) if self.spec_config else None
         if self.proposer is not None:
             self.scheduler.on_finished = self.proposer.finish
@@ -79,6 +86,8 @@ class LLMEngine:
         # a path the machine rules out (no compiler, no AVX-512 BF16) is a warning: users otherwise never know
         log = logger.warning if kernels.is_degraded(self.device) else logger.info
         log("kvserve: kernels: %s", self.kernel_summary)
+        if self.lora is not None:
+            logger.info("kvserve: LoRA: %s", self.lora_description())
         if self.spec_config:
             logger.info("kvserve: speculative decoding: %s, %d tokens%s, off above %s running requests",
                         self.spec_config.method, self.spec_config.num_speculative_tokens,
@@ -97,6 +106,14 @@ class LLMEngine:
         name = str(self.kv_cache_dtype).removeprefix("torch.float8_").removesuffix("fn")
         scales = "calibrated on the first step" if self.config.calculate_kv_scales else "1.0"
         return f" in fp8_{name} (scales {scales})"
+
+    def lora_description(self) -> str:
+        """'4 adapters of rank <= 16 per step (12.3 MiB of slots), 8 kept in memory', or '' without LoRA."""
+        if self.lora is None:
+            return ""
+        c = self.config
+        return (f"{c.max_loras} adapter{'s' if c.max_loras > 1 else ''} of rank <= {c.max_lora_rank} per step "
+                f"({self.lora.table_bytes / 2**20:.1f} MiB of slots), {c.max_cpu_loras} kept in memory")
 
     @property
     def num_kv_pool_tokens(self) -> int:
@@ -152,8 +169,10 @@ class LLMEngine:
 
     # ----- requests -----
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
-        """Validate and queue a request; raises InvalidRequestError and queues nothing if it is bad."""
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Validate and queue a request; raises InvalidRequestError and queues nothing if it is bad. lora_request:
+        the adapter it runs with (a new one is loaded now; LoRAError if it is bad)."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.processor.parents:
@@ -170,6 +189,7 @@ class LLMEngine:
             raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}", "priority")
         if priority != 0 and self.config.scheduling_policy != "priority":
             priority = 0   # only the priority policy orders by it, as in vLLM
+        self._check_lora(lora_request)
         grammar = params.structured_outputs   # compiles from now on, on the manager's threads
         children = []
         for i in range(params.n):
@@ -178,7 +198,7 @@ class LLMEngine:
                 child_params = params.clone(n=1, seed=params.sample_seed(i))
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(rid, token_ids, child_params, self.eos_token_ids, arrival_time, priority,
-                                    max_tokens, cache_salt, device=self.device))
+                                    max_tokens, cache_salt, lora_request, device=self.device))
             if grammar is not None:
                 children[-1].structured_output = self.structured_output.new_request(grammar)
         self.processor.add(ParentState(request_id, text, token_ids, params), children)
@@ -188,6 +208,16 @@ class LLMEngine:
             self._abort(request_id, build_output=False)   # all or nothing: no half-added request may stay behind
             raise
         return request_id
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
+                                      "lora_request")
+        if self.lora is None:
+            raise LoRAError("LoRA adapters are not enabled: start the engine with enable_lora=True (--enable-lora)")
+        self.lora.prepare(lora_request)
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> int:
         """The request's max_tokens; raises ContextLengthExceededError when it can never fit, whatever max_tokens."""
@@ -249,7 +279,7 @@ class LLMEngine:
         for req, error in sched.rejected:
             self._fail(req, error)
         if sched.is_empty:
-            self._wait_for_grammars()
+            self._wait_for_held_requests()
             return []
         # taken first: output processing drops a finished request's parent, even in a step that then fails
         parent_ids = list(dict.fromkeys(p.request_id for req, _ in sched.scheduled
@@ -275,12 +305,12 @@ class LLMEngine:
                     req.spec_token_ids = []
         return outputs
 
-    def _wait_for_grammars(self) -> None:
-        """Nothing ran: if requests wait for their grammars, give the compiling threads the cores for a while
-        rather than spinning through empty steps."""
-        compiling = self.scheduler.compiling_grammars()
-        if compiling:
-            concurrent.futures.wait(compiling, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+    def _wait_for_held_requests(self) -> None:
+        """Nothing ran: if requests wait for their grammars or adapters, give the compiling and loading threads the
+        cores for a while rather than spinning through empty steps."""
+        pending = self.scheduler.compiling_grammars() + (self.lora.loading() if self.lora else [])
+        if pending:
+            concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _propose_drafts(self) -> None:
         """Drafts for the next step of every decoding request, unless the batch is too big to gain from them.

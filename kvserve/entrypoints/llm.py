@@ -11,6 +11,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.prompts import PromptType
 from kvserve.entrypoints.chat_utils import Conversation, apply_chat_template
 from kvserve.errors import InvalidRequestError
+from kvserve.lora import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -26,27 +27,31 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """Generate completions for each prompt; outputs come back in prompt order."""
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate completions for each prompt; outputs come back in prompt order. lora_request: the adapter
+        every prompt runs with, or one per prompt (None: the base model); needs enable_lora=True."""
         prompts = _as_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError("priority must have one entry per prompt", "priority")
-        ids = self._add_all(prompts, params, priority)
+        loras = _per_prompt(lora_request, len(prompts))
+        ids = self._add_all(prompts, params, priority, loras)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them (tools: OpenAI tool dicts the template
-        shows the model), then generate."""
+        shows the model), then generate (lora_request as in generate)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt,
                                                                 continue_final_message, chat_template_kwargs, tools)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: Conversation, chat_template: str | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -71,7 +76,7 @@ class LLM:
             raise InvalidRequestError(f"got {len(params)} sampling params for {n} prompts", "sampling_params")
         return params
 
-    def _add_all(self, prompts, params, priority) -> list[str]:
+    def _add_all(self, prompts, params, priority, loras) -> list[str]:
         """Add every prompt, or none: a bad one raises after the ones already added are withdrawn."""
         engine = self.llm_engine
         ids = []
@@ -79,7 +84,8 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 if p.output_kind != RequestOutputKind.FINAL_ONLY:
                     p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
+                ids.append(engine.add_request(None, prompt, p, priority=priority[i] if priority else 0,
+                                              lora_request=loras[i]))
         except InvalidRequestError as e:
             engine.abort_request(ids)
             raise type(e)(f"prompt {len(ids)}: {e.message}", e.param) from e
@@ -123,6 +129,18 @@ class LLM:
         if isinstance(error, InvalidRequestError):
             raise type(error)(f"prompt {i}: {error.message}", error.param) from error
         raise type(error)(f"prompt {i}: {error}") from error
+
+
+def _per_prompt(lora_request, n: int) -> list:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if not isinstance(lora_request, (list, tuple)) or not all(r is None or isinstance(r, LoRARequest)
+                                                              for r in lora_request):
+        raise InvalidRequestError("lora_request must be a LoRARequest, None, or a list of them (one per prompt)",
+                                  "lora_request")
+    if len(lora_request) != n:
+        raise InvalidRequestError(f"got {len(lora_request)} LoRA requests for {n} prompts", "lora_request")
+    return list(lora_request)
 
 
 def _as_list(prompts) -> list:

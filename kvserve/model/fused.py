@@ -19,15 +19,18 @@ from kvserve.attention import fp8, kv_layout
 from kvserve.attention.backends import CpuPagedAttention
 
 # per layer: input norm, qkv, o, post norm, gate|up, down, K pool, V pool, quantized-linear bits, FP8 KV scales,
-# q|k|v bias or 0 (layers.cpp's L_*)
-_LAYER_PTRS = 11
+# q|k|v bias or 0, LoRA tables or 0 (layers.cpp's L_*)
+_LAYER_PTRS = 12
 
 
 class FusedLayers:
     """The layer stack of one LlamaModel bound to its packed weights and KV pools; rebuilt when either changes."""
 
-    def __init__(self, lib, layers, ptrs: torch.Tensor, tiled: bool, kv_format: int):
+    def __init__(self, lib, layers, ptrs: torch.Tensor, tiled: bool, kv_format: int,
+                 lora_tables: torch.Tensor | None = None):
         first = layers[0]
+        self.lora_tables = lora_tables   # int64 [layers, 4]: what the L_LORA pointers point at
+        self.lora_mapping = first.self_attn.qkv_proj.lora.mapping if lora_tables is not None else None
         attn = first.self_attn
         self.lib = lib
         self.ptrs = ptrs
@@ -57,11 +60,13 @@ class FusedLayers:
         hidden = torch.empty_like(residual)
         scratch = residual.new_empty(t * self.scratch_per_token)
         slots, tables, table_stride, seq_lens, query_start, num_seqs = meta.kernel_args
+        lora_rows = self.lora_mapping.row_slot if self.lora_mapping is not None else None
         self.lib.kvserve_llama_layers_bf16(
             hidden.data_ptr(), residual.data_ptr(), self.ptrs.data_ptr(), self.num_layers, cos.data_ptr(),
             sin.data_ptr(), slots, tables, table_stride, seq_lens, query_start, num_seqs, t, self.hidden_size,
             self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.block_size, self.tiled,
-            self.kv_format, self.eps, self.scale, scratch.data_ptr(), int(split))
+            self.kv_format, self.eps, self.scale, scratch.data_ptr(), int(split),
+            None if lora_rows is None else lora_rows.data_ptr())
         return hidden, residual
 
 
@@ -73,8 +78,9 @@ def binding_key(layers) -> tuple:
 
 
 def _bound(attn) -> tuple:
-    """What a layer's pointers come from that can be replaced (the weights' packs, the pools and their scales)."""
-    return attn.attn.k_cache, attn.attn.v_cache, attn.attn.kv_scales, attn.qkv_proj.packed
+    """What a layer's pointers come from that can be replaced (the weights' packs, the pools and their scales, the
+    LoRA tables)."""
+    return attn.attn.k_cache, attn.attn.v_cache, attn.attn.kv_scales, attn.qkv_proj.packed, attn.qkv_proj.lora
 
 
 def _ref(x):
@@ -100,7 +106,7 @@ def build_fused_layers(layers) -> FusedLayers | None:
     lib = kernels.load()
     if not layers or lib is None or not (lib.kvserve_has_packed_matmul() and lib.silu_mul_fast):
         return None
-    ptrs, tiled, kv_formats = [], set(), set()
+    ptrs, tiled, kv_formats, lora = [], set(), set(), []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -121,11 +127,15 @@ def build_fused_layers(layers) -> FusedLayers | None:
         tiled.add(kv_layout.is_tiled(cache))
         kv_formats.add(fp8.FORMATS.get(cache.dtype, 0))
         (qkv, q0), (o, q1), (gate_up, q2), (down, q3) = weights
+        lora.append([0 if m.lora is None else m.lora.desc_ptr for m in linears])
         ptrs.append([norms[0].weight.data_ptr(), qkv, o, norms[1].weight.data_ptr(), gate_up, down,
                      cache.data_ptr(), attn.attn.v_cache.data_ptr(), q0 | q1 << 1 | q2 << 2 | q3 << 3,   # Q_BIT
-                     attn.attn.kv_scales.data_ptr(), 0 if qkv_bias is None else qkv_bias.data_ptr()])
+                     attn.attn.kv_scales.data_ptr(), 0 if qkv_bias is None else qkv_bias.data_ptr(), 0])
     eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
     if len(tiled) != 1 or len(eps) != 1 or len(kv_formats) != 1:   # one pool layout and format, one eps
         return None
-    return FusedLayers(lib, layers, torch.tensor(ptrs, dtype=torch.int64).reshape(-1, _LAYER_PTRS), tiled.pop(),
-                       kv_formats.pop())
+    ptrs = torch.tensor(ptrs, dtype=torch.int64).reshape(-1, _LAYER_PTRS)
+    lora_tables = torch.tensor(lora, dtype=torch.int64) if any(any(row) for row in lora) else None
+    if lora_tables is not None:
+        ptrs[:, -1] = lora_tables.data_ptr() + torch.arange(len(layers)) * lora_tables.stride(0) * 8
+    return FusedLayers(lib, layers, ptrs, tiled.pop(), kv_formats.pop(), lora_tables)

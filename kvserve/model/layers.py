@@ -24,6 +24,7 @@ class Linear(InferenceModule):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None   # packed copies of weight (prepack_linears), or its quantized form
+        self.lora = None   # its LoRA adapter slots (kvserve/lora/layers.py LoRAWeights), when LoRA is enabled
 
     @property
     def quantized(self) -> QuantizedWeight | None:
@@ -32,11 +33,15 @@ class Linear(InferenceModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        if self.weight.is_meta:   # F.linear would return a meta tensor, and the kernels would read address 0
+            y = packed_linear(x, self.packed, self.bias)
+        elif self.weight.is_meta:   # F.linear would return a meta tensor, and the kernels would read address 0
             raise RuntimeError("this Linear's plain weight was released after packing and its pack removed; "
                                "restore_unpacked_weights(model) brings the weights back")
-        return F.linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None and self.lora.mapping.row_slot is not None:
+            self.lora.apply(x, y)   # + (x A) B for the rows whose request chose an adapter
+        return y
 
 
 @dataclass

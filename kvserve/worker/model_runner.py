@@ -71,6 +71,7 @@ class ModelRunner:
         if device.type == "cpu":
             _return_freed_memory()
         self.small_step_threads: int | None = None   # set by reserve_frontend_core(), with _all_threads
+        self.lora = None   # the engine's LoRAManager when LoRA is enabled (kvserve/lora)
 
     @property
     def models(self) -> list[torch.nn.Module]:
@@ -181,7 +182,13 @@ class ModelRunner:
             self._copy_blocks(sched.block_copies)
         self._set_threads(sched.num_batched_tokens)
         inp = self.prepare_inputs(sched)
-        hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
+        if self.lora is not None:
+            self._set_lora_mapping(sched)
+        try:
+            hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
+        finally:
+            if self.lora is not None:
+                self.lora.mapping.clear()
         if self.draft_model is not None:
             self._write_draft_kv(sched, inp)
         if inp.prompt_lp:
@@ -190,6 +197,15 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.as_tensor(inp.sample_rows, device=hidden.device)])
         return self._sample(logits, inp.sample_reqs)
+
+    def _set_lora_mapping(self, sched: SchedulerOutput) -> None:
+        """Put the step's adapters into slots and tell every adapted linear each row's slot (-1: base model)."""
+        adapters = [req.lora_request for req, _ in sched.scheduled if req.lora_request is not None]
+        if not adapters:
+            return
+        slot_of = self.lora.activate(adapters)
+        slots = np.array([-1 if req.lora_id is None else slot_of[req.lora_id] for req, _ in sched.scheduled], np.int32)
+        self.lora.mapping.set(np.repeat(slots, [n for _, n in sched.scheduled]), self.device)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, list[int]]:
         """Sample every row, then keep per request its drafts up to the first one the target disagrees with.

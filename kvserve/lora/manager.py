@@ -1,0 +1,161 @@
+"""LoRAManager: the adapters of one engine, in three tiers.
+
+    named (registry: what a server serves)  ->  in memory (max_cpu_loras, LRU)  ->  in slots (max_loras, LRU)
+    a request's adapter not in memory loads on a background thread; the scheduler holds the request back
+    (is_ready) and runs the others meanwhile; each step puts the adapters of its requests into slots (activate)
+
+An adapter's identity is its lora_int_id: one id always means the same name and path.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvserve.errors import LoRAError
+from kvserve.lora.adapter import LoRAAdapter, load_adapter
+from kvserve.lora.layers import install_lora, projection_shapes
+from kvserve.lora.request import LoRARequest
+
+logger = logging.getLogger("kvserve")
+
+
+class LoRAManager:
+    """Loads, caches and places LoRA adapters for one model (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.mapping, self.tables = install_lora(model, max_loras, max_lora_rank)
+        self.shapes = projection_shapes(model)
+        self.num_layers = len(model.model.layers)
+        self.slots: list[int | None] = [None] * max_loras   # adapter id in each slot
+        self._slot_used = [0] * max_loras                    # step counter of each slot's last use (LRU)
+        self._clock = 0
+        self.registry: dict[str, LoRARequest] = {}           # served adapters, by name
+        self._by_id: dict[int, LoRARequest] = {}
+        self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._loading: dict[int, Future] = {}
+        self._last_id = 0
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-lora")
+
+    @property
+    def table_bytes(self) -> int:
+        """Memory of the slot tables (all max_loras slots at max_lora_rank)."""
+        return sum(t.nbytes for t in self.tables.values())
+
+    # ----- loading (any thread) -----
+    def load(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter in memory, read from disk first if needed; raises LoRAError for a bad one."""
+        self._check_identity(request)
+        with self._lock:
+            adapter = self._cpu.get(request.lora_int_id)
+            if adapter is not None:
+                self._cpu.move_to_end(request.lora_int_id)
+                return adapter
+        adapter = load_adapter(request, self.shapes, self.num_layers, self.max_lora_rank)
+        with self._lock:
+            self._by_id.setdefault(request.lora_int_id, request)
+            self._cpu[request.lora_int_id] = adapter
+            while len(self._cpu) > self.max_cpu_loras:
+                self._cpu.popitem(last=False)
+        logger.info("kvserve: loaded LoRA adapter %r (rank %d, %s) from %s in %.2f s", request.lora_name,
+                    adapter.rank, ", ".join(adapter.target_modules), request.lora_path, adapter.load_time_s)
+        return adapter
+
+    def _check_identity(self, request: LoRARequest) -> None:
+        with self._lock:
+            known = self._by_id.get(request.lora_int_id)
+        if known is not None and (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
+            raise LoRAError(f"lora_int_id {request.lora_int_id} already names the adapter {known.lora_name!r} at "
+                            f"{known.lora_path}; give {request.lora_name!r} at {request.lora_path} another id")
+
+    def prepare(self, request: LoRARequest) -> None:
+        """Check a request's adapter before the request queues: one seen before passes (if it has left memory it
+        loads again when the request is scheduled); a new one is loaded now, so a bad adapter is refused up front."""
+        self._check_identity(request)
+        with self._lock:
+            known = request.lora_int_id in self._by_id
+        if not known:
+            self.load(request)
+
+    def loading(self) -> list[Future]:
+        """The loads in progress."""
+        with self._lock:
+            return [f for f in self._loading.values() if not f.done()]
+
+    def register(self, request: LoRARequest) -> LoRAAdapter:
+        """Load and serve an adapter under its name; LoRAError if the name is taken or the adapter is bad."""
+        if request.lora_name in self.registry:
+            raise LoRAError(f"a LoRA adapter named {request.lora_name!r} is already loaded; unload it first",
+                            "lora_name")
+        adapter = self.load(request)
+        self.registry[request.lora_name] = request
+        return adapter
+
+    def unregister(self, name: str) -> LoRARequest:
+        """Stop serving a named adapter (requests already running with it finish with it)."""
+        try:
+            request = self.registry.pop(name)
+        except KeyError:
+            raise LoRAError(f"no LoRA adapter named {name!r} is loaded", "lora_name") from None
+        with self._lock:
+            self._cpu.pop(request.lora_int_id, None)
+        return request
+
+    def next_id(self) -> int:
+        """An adapter id no adapter has used yet (for adapters a server names)."""
+        with self._lock:
+            self._last_id = max(self._last_id, *self._by_id) + 1
+            return self._last_id
+
+    # ----- scheduling (engine thread) -----
+    def is_ready(self, request: LoRARequest) -> bool:
+        """True when the adapter is in memory or in a slot; else starts loading it and returns False. Raises the
+        LoRAError of a load that failed (once; a later request tries again)."""
+        rid = request.lora_int_id
+        with self._lock:
+            if rid in self._cpu or rid in self.slots:
+                if rid in self._cpu:
+                    self._cpu.move_to_end(rid)
+                return True
+            future = self._loading.get(rid)
+            if future is None:
+                self._loading[rid] = self._executor.submit(self.load, request)
+                return False
+            if not future.done():
+                return False
+            del self._loading[rid]
+        future.result()   # raises the load's LoRAError
+        return True
+
+    def activate(self, requests: list[LoRARequest]) -> dict[int, int]:
+        """Put these adapters (at most max_loras: the scheduler's limit) into slots, evicting the least recently
+        used others; returns adapter id -> slot."""
+        self._clock += 1
+        wanted = {r.lora_int_id: r for r in requests}
+        placed = {rid: self.slots.index(rid) for rid in wanted if rid in self.slots}
+        for rid, request in wanted.items():
+            if rid not in placed:
+                free = [s for s in range(self.max_loras) if self.slots[s] not in wanted]
+                if not free:
+                    raise RuntimeError(f"a step uses {len(wanted)} LoRA adapters, more than max_loras={self.max_loras}")
+                placed[rid] = slot = min(free, key=lambda s: (self.slots[s] is not None, self._slot_used[s]))
+                self._write_slot(slot, self.load(request))   # in memory already, unless evicted meanwhile
+        for slot in placed.values():
+            self._slot_used[slot] = self._clock
+        return placed
+
+    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        for table in self.tables.values():
+            table.clear_slot(slot)
+        for (layer, linear, shard), (a, b) in adapter.weights.items():
+            self.tables[(layer, linear)].set_slot(slot, shard, a, b)
+        self.slots[slot] = adapter.request.lora_int_id
+
+    def adapter_names(self, ids) -> list[str]:
+        with self._lock:
+            return sorted({self._by_id[i].lora_name for i in ids if i in self._by_id})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import prometheus_client
@@ -71,6 +72,11 @@ class EngineMetrics:
         self.e2e = self._histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
         self.queue_time = self._histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled",
                                           _REQUEST_BUCKETS)
+        self.lora_info = Gauge("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests (the "
+                               "value is when they last changed)", ["max_lora", "waiting_lora_adapters",
+                                                                    "running_lora_adapters"], registry=self.registry)
+        self._lora_names = None   # adapter ids -> names, with max_loras (enable_lora)
+        self._lora_labels: tuple | None = None
         self.interval = IntervalCounts()
         self._last_token_time: dict[str, float] = {}
         self._last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
@@ -88,8 +94,23 @@ class EngineMetrics:
         """The Prometheus text exposition of every metric."""
         return prometheus_client.generate_latest(self.registry)
 
+    def enable_lora(self, max_loras: int, names: Callable[[set[int]], list[str]]) -> None:
+        """Export vllm:lora_requests_info; `names` turns adapter ids into their names."""
+        self._lora_names = (max_loras, names)
+        self._update_lora(set(), set())
+
+    def _update_lora(self, running: set[int], waiting: set[int]) -> None:
+        max_loras, names = self._lora_names
+        labels = (str(max_loras), ",".join(names(waiting)), ",".join(names(running)))
+        if labels != self._lora_labels:   # one series, the current one (vLLM's reading of it)
+            self.lora_info.clear()
+            self.lora_info.labels(*labels).set_to_current_time()
+            self._lora_labels = labels
+
     def update_scheduler(self, stats: SchedulerStats) -> None:
         """Gauges from the scheduler; its cumulative counts become counter increments."""
+        if self._lora_names is not None:
+            self._update_lora(stats.running_lora_ids, stats.waiting_lora_ids)
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)

@@ -78,6 +78,8 @@ class AsyncLLMEngine:
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics or EngineMetrics("kvserve")
         self.stat_logger = StatLogger(self.metrics, stats_interval_s)
+        if engine.lora is not None:
+            self.metrics.enable_lora(engine.config.max_loras, engine.lora.adapter_names)
         self.dead_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
         self._commands: deque[Callable[[], None]] = deque()
@@ -122,7 +124,7 @@ class AsyncLLMEngine:
     # ----- requests (event-loop thread) -----
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           arrival_time: float | None = None, priority: int = 0,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None, lora_request=None) -> RequestStream:
         """Queue a request; raises InvalidRequestError (bad request) or EngineOverloadedError (queue full)."""
         self._check_can_accept()
         if request_id in self._streams:
@@ -145,7 +147,8 @@ class AsyncLLMEngine:
                     del self._streams[request_id]
                 raise
         stream.add_future = self._loop.create_future()
-        add = functools.partial(self._add_on_engine, request_id, prompt, params, arrival_time, priority, cache_salt)
+        add = functools.partial(self._add_on_engine, request_id, prompt, params, arrival_time, priority, cache_salt,
+                                lora_request)
         self._submit(functools.partial(self._run_command, add, stream.add_future))
         try:
             await stream.add_future
@@ -288,8 +291,8 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(_set_result, fut, result)
 
     def _add_on_engine(self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float,
-                       priority: int, cache_salt: str | None) -> None:
-        self.engine.add_request(request_id, prompt, params, arrival_time, priority, cache_salt)
+                       priority: int, cache_salt: str | None, lora_request) -> None:
+        self.engine.add_request(request_id, prompt, params, arrival_time, priority, cache_salt, lora_request)
         self._engine_ids.add(request_id)
 
     def _abort_on_engine(self, request_ids: list[str]) -> None:

@@ -6,6 +6,7 @@ imports (torch, the model) happen inside run functions so `kvserve --help` stays
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -84,12 +85,19 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-compile-timeout-s", type=float, default=None,
                    help="structured outputs: refuse a request whose grammar has not compiled after this many "
                         "seconds (default 10)")
+    g = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    g.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters over the model")
+    g.add_argument("--max-loras", type=int, default=None, help="most adapters in one step (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded in memory, least recently used dropped first (default: --max-loras)")
 
 
-_ENGINE_FLAGS = ("tokenizer", "dtype", "device", "quantization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                 "block_size", "kv_cache_memory", "kv_cache_dtype", "calculate_kv_scales", "gpu_memory_utilization", "seed", "chat_template",
-                 "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy", "priority_aging_s",
-                 "num_threads", "speculative_config", "grammar_compile_timeout_s")
+_ENGINE_FLAGS = ("tokenizer", "dtype", "device", "quantization", "max_model_len", "max_num_seqs",
+                 "max_num_batched_tokens", "block_size", "kv_cache_memory", "kv_cache_dtype", "calculate_kv_scales",
+                 "gpu_memory_utilization", "seed", "chat_template", "enable_prefix_caching", "enable_chunked_prefill",
+                 "scheduling_policy", "priority_aging_s", "num_threads", "speculative_config",
+                 "grammar_compile_timeout_s", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -170,6 +178,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "needs --tool-call-parser")
     p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
                    help="how to find tool calls in the model's text: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.x)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve, as name=path or JSON '{\"name\": ..., \"path\": ..., "
+                        "\"base_model_name\": ...}'; a request's model field picks one (needs --enable-lora)")
+    p.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (guarded by --api-key)")
     add_engine_arguments(p)
 
 
@@ -179,6 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.entrypoints.openai.api_server import ServerSettings, run_server
     from kvserve.entrypoints.openai.log_config import configure_logging
+    from kvserve.lora import LoRARequest
     from kvserve.metrics import EngineMetrics
 
     configure_logging(args.log_format)
@@ -187,8 +201,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise KVServeError("--enable-auto-tool-choice needs --tool-call-parser")
     config = engine_config_from_args(args)
+    if (args.lora_modules or args.enable_runtime_lora_updating) and not config.enable_lora:
+        raise KVServeError("--lora-modules and --enable-runtime-lora-updating need --enable-lora")
+    modules = parse_lora_modules(args.lora_modules or [])
     names = args.served_model_name or [config.model or DEFAULT_SERVED_MODEL_NAME]
-    engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting_requests, EngineMetrics(names[0]))
+    llm = LLMEngine(config)
+    for name, path, base in modules:
+        if name in names:
+            raise KVServeError(f"--lora-modules: {name!r} is the base model's name; give the adapter another")
+        llm.lora.register(LoRARequest(name, llm.lora.next_id(), path, base_model_name=base or names[0]))
+    engine = AsyncLLMEngine(llm, args.max_waiting_requests, EngineMetrics(names[0]))
     body_limit = None
     if args.max_request_body_size is not None:
         body_limit = parse_size(args.max_request_body_size, "max_request_body_size")
@@ -196,8 +218,31 @@ def run_serve(args: argparse.Namespace) -> int:
             raise KVServeError("--max-request-body-size must be positive")
     settings = ServerSettings(served_model_names=names, model_path=config.model, api_key=args.api_key,
                               max_request_body_bytes=body_limit, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                              tool_call_parser=args.tool_call_parser)
+                              tool_call_parser=args.tool_call_parser,
+                              enable_runtime_lora_updating=args.enable_runtime_lora_updating)
     return run_server(engine, settings, args.host, args.port, args.shutdown_timeout)
+
+
+def parse_lora_modules(values: list[str]) -> list[tuple[str, str, str | None]]:
+    """--lora-modules entries (name=path, or vLLM's JSON object) as (name, path, base model name or None)."""
+    modules = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise KVServeError(f"--lora-modules: {value!r} is not valid JSON: {e}") from None
+            if not (isinstance(spec, dict) and isinstance(spec.get("name"), str) and isinstance(spec.get("path"), str)):
+                raise KVServeError(f"--lora-modules: {value!r} needs string fields \"name\" and \"path\"")
+            modules.append((spec["name"], spec["path"], spec.get("base_model_name")))
+            continue
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise KVServeError(f"--lora-modules: {value!r} is neither name=path nor a JSON object")
+        modules.append((name, path, None))
+    if len({m[0] for m in modules}) != len(modules):
+        raise KVServeError("--lora-modules: two adapters have the same name")
+    return modules
 
 
 # ----- generate -----

@@ -109,7 +109,7 @@ class LoRAManager:
     def next_id(self) -> int:
         """An adapter id no adapter has used yet (for adapters a server names)."""
         with self._lock:
-            self._last_id = max(self._last_id, *self._by_id) + 1
+            self._last_id = max(self._last_id, max(self._by_id, default=0)) + 1
             return self._last_id
 
     # ----- scheduling (engine thread) -----

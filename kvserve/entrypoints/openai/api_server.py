@@ -22,11 +22,13 @@ from kvserve.entrypoints.openai.errors import APIError, BadRequestError, Conflic
     NotFoundError, error_response, to_api_error
 from kvserve.entrypoints.openai.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
-    DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse
+    DetokenizeResponse, LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, \
+    UnloadLoRAAdapterRequest
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_common import parse_body
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvserve.errors import InvalidRequestError
+from kvserve.lora import LoRARequest
 
 logger = logging.getLogger("kvserve.server")
 
@@ -43,6 +45,7 @@ class ServerSettings:
     max_request_body_bytes: int | None = None   # None: default_max_request_body_bytes(max_model_len)
     enable_auto_tool_choice: bool = False       # tool_choice "auto": parse tool calls out of the model's text
     tool_call_parser: str | None = None         # with which parser (tool_parsers.TOOL_PARSERS)
+    enable_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 def default_max_request_body_bytes(max_model_len: int) -> int:
@@ -92,7 +95,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     _add_error_handlers(app)
     _add_openai_routes(app, engine, settings)
     _add_server_routes(app, engine, settings)
-    _add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
+    _add_lora_routes(app, engine, settings)
+    _add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                            LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest))
     # each add_middleware wraps the ones before it: the access log sees every answer, the key is checked before a
     # body is read, and the size limit before the body is parsed
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes
@@ -158,6 +163,11 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSet
     async def list_models():
         cards = [ModelCard(id=name, root=settings.model_path or name, max_model_len=completions.max_model_len)
                  for name in settings.served_model_names]
+        loras = engine.engine.lora
+        for lora in (list(loras.registry.values()) if loras is not None else []):
+            cards.append(ModelCard(id=lora.lora_name, root=lora.lora_path,
+                                   parent=lora.base_model_name or settings.served_model_names[0],
+                                   max_model_len=completions.max_model_len))
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
@@ -215,6 +225,40 @@ def _add_server_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSet
         return {"success": True}
 
 
+def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSettings) -> None:
+    """vLLM's runtime adapter routes: on with --enable-runtime-lora-updating (and --enable-lora)."""
+    def manager():
+        if not settings.enable_runtime_lora_updating:
+            raise BadRequestError("runtime LoRA updating is off: start the server with --enable-lora "
+                                  "--enable-runtime-lora-updating", None, "lora_updating_disabled")
+        if engine.engine.lora is None:
+            raise BadRequestError("LoRA is not enabled: start the server with --enable-lora", None, "lora_disabled")
+        return engine.engine.lora
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=_json_body(LoadLoRAAdapterRequest))
+    @api_route
+    async def load_lora_adapter(raw_request: Request):
+        req = await parse_body(raw_request, LoadLoRAAdapterRequest)
+        loras = manager()
+        if req.lora_name in settings.served_model_names:
+            raise BadRequestError(f"{req.lora_name!r} is the base model's name; choose another lora_name",
+                                  "lora_name", "invalid_value")
+        request = LoRARequest(req.lora_name, loras.next_id(), req.lora_path,
+                              base_model_name=settings.served_model_names[0])
+        await asyncio.to_thread(loras.register, request)   # reads the disk off the event loop and engine thread
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_json_body(UnloadLoRAAdapterRequest))
+    @api_route
+    async def unload_lora_adapter(raw_request: Request):
+        req = await parse_body(raw_request, UnloadLoRAAdapterRequest)
+        loras = manager()
+        if req.lora_name not in loras.registry:
+            raise NotFoundError(f"no LoRA adapter named {req.lora_name!r} is loaded", "lora_name", "lora_not_found")
+        loras.unregister(req.lora_name)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
+
+
 # ----- kvserve serve -----
 class _Server(uvicorn.Server):
     """uvicorn, plus: one 'ready' line once listening, and a drain of in-flight requests on SIGINT/SIGTERM."""
@@ -254,6 +298,8 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings, host: str, port
                 f"max_model_len {llm.max_model_len})\n"
                 f"kernels: {llm.kernel_summary}\n"
                 f"weights: {llm.weights_summary}\n"
+                + (f"LoRA: {llm.lora_description()}; adapters: {', '.join(sorted(llm.lora.registry)) or 'none yet'}\n"
+                   if llm.lora is not None else "") +
                 f"try: curl http://{bound_host}:{bound_port}/v1/chat/completions -H 'Content-Type: application/json'"
                 f"{key} -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
                 f"\"content\": \"Name three planets.\"}}], \"max_tokens\": 32}}'")

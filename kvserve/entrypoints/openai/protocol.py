@@ -328,6 +328,20 @@ class ModelList(ResponseModel):
     data: list[ModelCard]
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve the PEFT adapter at lora_path as the model lora_name."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/unload_lora_adapter: stop serving the adapter lora_name."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class TokenizeResponse(ResponseModel):
     count: int
     max_model_len: int

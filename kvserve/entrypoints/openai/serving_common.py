@@ -64,13 +64,22 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = engine.engine.max_model_len
+        self.loras = engine.engine.lora   # LoRAManager: its named adapters are models too; None without LoRA
 
     def check_model(self, model: str | None) -> str:
-        """The model name to report; 404 when the request names a model this server does not serve."""
+        """The model name to report; 404 when the request names a model (or LoRA adapter) this server does not
+        serve."""
         if model is None or model in self.served_model_names:
             return model or self.served_model_names[0]
+        if self.lora_request(model) is not None:
+            return model
+        names = self.served_model_names + (sorted(self.loras.registry) if self.loras is not None else [])
         raise NotFoundError(f"the model {model!r} does not exist; this server serves "
-                            f"{', '.join(repr(n) for n in self.served_model_names)}", "model", "model_not_found")
+                            f"{', '.join(repr(n) for n in names)}", "model", "model_not_found")
+
+    def lora_request(self, model: str | None):
+        """The LoRA adapter a request's model field names, or None for the base model."""
+        return None if self.loras is None or model is None else self.loras.registry.get(model)
 
     @staticmethod
     def request_id(raw_request: Request, prefix: str, requested: str | None) -> str:
@@ -103,8 +112,12 @@ class OpenAIServing:
         """Queue every prompt at once (engine ids '<id>-<i>' when there are several), or none of them. The engine
         names its grammar errors structured_outputs; `constraint_source` is the field the constraint came from."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        lora = self.lora_request(req.model)
+        if lora is None:
+            self.check_model(req.model)   # an adapter unloaded since the request was checked: 404, not the base
         results = await asyncio.gather(
-            *(self.engine.add_request(rid, prompt.engine_prompt(), p, priority=req.priority, cache_salt=req.cache_salt)
+            *(self.engine.add_request(rid, prompt.engine_prompt(), p, priority=req.priority, cache_salt=req.cache_salt,
+                                      lora_request=lora)
               for rid, prompt, p in zip(ids, prompts, params)), return_exceptions=True)
         errors = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if not errors:

@@ -24,7 +24,8 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, logprobs=1)
 ADAPTERS = {
     "qvd": (["q_proj", "v_proj", "down_proj"], 4, {}),
     "all": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 8, {"use_rslora": True}),
-    "kogu": (["k_proj", "o_proj", "gate_proj", "up_proj"], 2, {"alpha_pattern": {"o_proj": 7.0}}),
+    "kogu": (["k_proj", "o_proj", "gate_proj", "up_proj"], 2, {"alpha_pattern": {"o_proj": 7.0},
+                                                                "rank_pattern": {"gate_proj": 5}}),
 }
 
 

@@ -62,7 +62,7 @@ def test_eviction_is_lru_and_the_tail_goes_before_the_head():
 
 
 def test_salt_and_lora_keep_identical_prompts_apart():
-    kv = KVCacheManager(num_blocks=16, block_size=4)
+    kv = KVCacheManager(num_blocks=24, block_size=4)
     run_prompt(kv, req("plain", list(range(9))))
     assert run_prompt(kv, req("salted", list(range(9)), cache_salt="tenant-a")) == []
     assert run_prompt(kv, req("salted2", list(range(9)), cache_salt="tenant-a")) != []

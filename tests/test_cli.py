@@ -100,11 +100,21 @@ def test_serve_with_a_missing_model_fails_with_a_clear_message():
     assert out.returncode == 1 and "/no/such/model" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_sigterm_lets_short_requests_finish_and_tells_long_ones_why_not():
-    server = ServerProcess("--log-format", "json", "--shutdown-timeout", "10", *ENGINE_FLAGS)
+def test_sigterm_lets_short_requests_finish_and_tells_long_ones_why_not(tmp_path):
+    """Also serves a LoRA adapter given on the command line (one server start for both)."""
+    adapter = _smollm2_adapter(tmp_path / "sql")
+    server = ServerProcess("--log-format", "json", "--shutdown-timeout", "5", "--enable-lora", "--max-lora-rank",
+                           "8", "--lora-modules", f"sql={adapter}", *ENGINE_FLAGS)
     proc, url, port = server.proc, server.url, server.port
     try:
         server.wait_ready()
+        models = httpx.get(f"{url}/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("SmolLM2-135M-Instruct", None),
+                                                            ("sql", "SmolLM2-135M-Instruct")]
+        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        base, sql = (httpx.post(f"{url}/v1/completions", json={**body, "model": m}, timeout=60).json()
+                     for m in ("SmolLM2-135M-Instruct", "sql"))
+        assert sql["model"] == "sql" and sql["choices"][0]["text"] != base["choices"][0]["text"]
         short, long = {}, {}
         threads = [threading.Thread(target=_stream, args=(url, 15, short)),
                    threading.Thread(target=_stream, args=(url, 900, long))]
@@ -128,7 +138,25 @@ def test_sigterm_lets_short_requests_finish_and_tells_long_ones_why_not():
     assert f"kernels: {expected}" in lines   # the ready message says which kernel paths run
     records = [json.loads(line) for line in lines if line.startswith("{")]
     access = [r for r in records if r["logger"] == "kvserve.access" and r["path"] == "/v1/completions"]
-    assert len(access) == 2 and all(r["request_id"].startswith("cmpl-") and r["status"] == 200 for r in access)
+    assert len(access) == 4 and all(r["request_id"].startswith("cmpl-") and r["status"] == 200 for r in access)
+    assert any(line.startswith("LoRA: 1 adapter of rank <= 8 per step") and line.endswith("adapters: sql")
+               for line in lines)
+
+
+def _smollm2_adapter(path):
+    """A PEFT adapter for the bundled SmolLM2 (rank 4 on q_proj and down_proj of every layer), random weights."""
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(30):
+        for module, k, n in (("self_attn.q_proj", 576, 576), ("mlp.down_proj", 1536, 576)):
+            stem = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(4, k, generator=gen) / k ** 0.5
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(n, 4, generator=gen)
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    return path
 
 
 def _stream(url: str, max_tokens: int, result: dict) -> None:

@@ -89,12 +89,16 @@ class LoRAManager:
 
     def register(self, request: LoRARequest) -> LoRAAdapter:
         """Load and serve an adapter under its name; LoRAError if the name is taken or the adapter is bad."""
-        if request.lora_name in self.registry:
-            raise LoRAError(f"a LoRA adapter named {request.lora_name!r} is already loaded; unload it first",
-                            "lora_name")
+        self._check_name_free(request.lora_name)
         adapter = self.load(request)
-        self.registry[request.lora_name] = request
+        with self._lock:   # checked again: two loads of one name may have run side by side
+            self._check_name_free(request.lora_name)
+            self.registry[request.lora_name] = request
         return adapter
+
+    def _check_name_free(self, name: str) -> None:
+        if name in self.registry:
+            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded; unload it first", "lora_name")
 
     def unregister(self, name: str) -> LoRARequest:
         """Stop serving a named adapter (requests already running with it finish with it)."""

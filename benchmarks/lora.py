@@ -87,14 +87,9 @@ def main() -> None:
               "input_len": args.input_len, "output_len": args.output_len}
 
     plain = LLM(args.model, **common)
-    throughput(plain, prompts[:4], None, 4)   # warm-up
-    result["no_lora_tok_s"] = throughput(plain, prompts, None, args.output_len)
-    result["no_lora_tpot_ms"] = tpot_ms(plain, prompts[0], None)
-    shapes, num_layers = model_shapes(plain)
-    del plain
-
     llm = LLM(args.model, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
               max_cpu_loras=args.num_adapters, **common)
+    shapes, num_layers = model_shapes(plain)
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", shapes, num_layers,
                                                                    args.rank, i)))
@@ -110,13 +105,20 @@ def main() -> None:
         start = time.perf_counter()
         engine.lora._write_slot(0, adapter)
         result["slot_write_ms"] = (time.perf_counter() - start) * 1000
-        throughput(llm, prompts[:4], adapters[:4], 4)   # warm-up, and every adapter into memory
-        throughput(llm, prompts[:8], adapters, 2)
-        result["base_tok_s"] = throughput(llm, prompts, None, args.output_len)
+        throughput(plain, prompts[:4], None, 4)   # warm-up
+        throughput(llm, prompts[:8], adapters, 2)   # warm-up, and every adapter into memory
         mixed = [adapters[i % len(adapters)] for i in range(len(prompts))]
+        result["no_lora_tok_s"] = throughput(plain, prompts, None, args.output_len)
+        result["base_tok_s"] = throughput(llm, prompts, None, args.output_len)
         result["mixed_tok_s"] = throughput(llm, prompts, mixed, args.output_len)
-        result["base_tpot_ms"] = tpot_ms(llm, prompts[0], None)
-        result["adapter_tpot_ms"] = tpot_ms(llm, prompts[0], adapters[0])
+        # single stream: the three measured in turn, 3 rounds, medians (this machine's noise is a few %)
+        tpots = {"no_lora": [], "base": [], "adapter": []}
+        for _ in range(3):
+            tpots["no_lora"].append(tpot_ms(plain, prompts[0], None, iters=1))
+            tpots["base"].append(tpot_ms(llm, prompts[0], None, iters=1))
+            tpots["adapter"].append(tpot_ms(llm, prompts[0], adapters[0], iters=1))
+        for name, values in tpots.items():
+            result[f"{name}_tpot_ms"] = statistics.median(values)
     result["mixed_over_base"] = result["mixed_tok_s"] / result["base_tok_s"]
     result["mixed_over_no_lora"] = result["mixed_tok_s"] / result["no_lora_tok_s"]
     result["tpot_overhead"] = result["adapter_tpot_ms"] / result["base_tpot_ms"]

@@ -59,14 +59,14 @@ void lora_add(const int64_t* desc, const T* x, int64_t xs, T* y, int64_t ys, int
     t.assign(num * NS * R, 0.f);
     const int64_t num_dots = num * NS * R;
     const float* As = A + s * NS * R * K;
-    #pragma omp parallel for schedule(static) if (num_dots * K > (1 << 16))
+    #pragma omp parallel for schedule(static) if (num_dots * K > (1 << 13))
     for (int64_t d = 0; d < num_dots; ++d) {
       const int64_t i = d / (NS * R), sh = d / R % NS, j = d % R;
       if (j < rk[sh]) t[d] = lora_dot(xf.data() + i * K, As + (sh * R + j) * K, K);
     }
     // expand: y[row, n] = y[row, n] + sum_j t[i, sh, j] Bt[s, j, n], summed in float32 and rounded once
     const float* Bs = Bt + s * R * N;
-    #pragma omp parallel for schedule(static) if (num * N * R > (1 << 16))
+    #pragma omp parallel for schedule(static) if (num * N * R > (1 << 13))
     for (int64_t it = 0; it < num_items; ++it) {
       const int64_t sh = items[it].first, n0 = items[it].second, cols = std::min(LORA_COLS, off[sh + 1] - n0);
       float acc[LORA_COLS];

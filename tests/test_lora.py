@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvserve import LLM, LoRAError, LoRARequest, SamplingParams
+from kvserve.attention import bind_kv_cache, single_sequence_metadata
 from kvserve.lora.layers import LoRAMapping, LoRAWeights
 from model_utils import save_tiny_model
 from tokenizer_utils import load_smollm2_tokenizer
@@ -115,9 +116,10 @@ def test_one_batch_mixes_the_base_and_three_adapters(llm, models, expected):
 
 
 def test_composes_with_chunking_preemption_caching_n_and_speculation(models, expected):
-    """Two slots and two adapters in memory for three adapters: capacity waits, slot eviction and reloads from
-    disk on the loading thread; a 8-token step budget chunks every prompt; 12 blocks force preemption; the prefix
-    cache is on and each prompt runs twice; n = 2; n-gram speculation verifies drafts with the adapter."""
+    """Two slots and two adapters in memory for three adapters: capacity waits and slot reuse (the adapters of the
+    requests in flight stay in memory beyond max_cpu_loras); an 8-token step budget chunks every prompt; 12 blocks
+    force preemption; the prefix cache is on and each (adapter, prompt) runs twice; n = 2; n-gram speculation
+    verifies drafts with the adapter."""
     root, _, requests = models
     llm = LLM(str(root / "base"), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=2,
               max_lora_rank=8, num_kv_blocks=12, block_size=4, max_num_batched_tokens=8,
@@ -133,8 +135,9 @@ def test_composes_with_chunking_preemption_caching_n_and_speculation(models, exp
             assert o.token_ids == want_tokens
             np.testing.assert_allclose([next(iter(lp.values())).logprob for lp in o.logprobs], want_logprobs,
                                        atol=2e-4)
-    sched = llm.llm_engine.scheduler
+    sched, lora = llm.llm_engine.scheduler, llm.llm_engine.lora
     assert sched.num_preemptions > 0 and sched.prefix_cache_hits > 0 and sched.spec_stats.num_drafts > 0
+    assert lora.num_slot_writes >= 3 > lora.max_loras and lora.num_loads == 3   # slots reused; no reloads
 
 
 def test_structured_output_with_an_adapter(llm, models):
@@ -224,27 +227,40 @@ def test_misuse_is_a_typed_error(llm, models, tmp_path):
 
 
 def test_an_adapter_that_disappears_fails_its_request_only(models, expected, tmp_path):
-    """Evicted from memory, then deleted: the background reload fails that request with the reason; the others
-    finish."""
+    """Evicted from memory, reloaded on the loading thread, evicted again, then deleted: the next reload fails
+    that request with the reason; the others in the same steps finish."""
     root, _, requests = models
     gone = LoRARequest("gone", 50, str(shutil.copytree(root / "qvd", tmp_path / "gone")))
     llm = LLM(str(root / "base"), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1,
               max_lora_rank=8, num_kv_blocks=64)
-    run(llm, gone, PROMPTS[:1])
-    run(llm, requests["all"], PROMPTS[:1])   # evicts "gone" from the slot and from memory
-    shutil.rmtree(tmp_path / "gone")
     engine = llm.llm_engine
-    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=gone)
-    engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, GREEDY, lora_request=requests["all"])
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    failed = engine.take_failed_requests()
+
+    def run_both(first, second):
+        engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=first)
+        engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, GREEDY, lora_request=second)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return done, engine.take_failed_requests()
+
+    done, failed = run_both(gone, requests["all"])   # "gone" loads at add, then "all" evicts it from memory
+    assert not failed and done["a"].outputs[0].token_ids == expected["qvd"][0][0]
+    loads = engine.lora.num_loads
+    done, failed = run_both(requests["all"], gone)   # reloaded in the background while "all" runs
+    assert not failed and done["b"].outputs[0].token_ids == expected["qvd"][1][0]
+    assert engine.lora.num_loads == loads + 1
+    run(llm, requests["all"], PROMPTS[:1])           # evicts it again
+    shutil.rmtree(tmp_path / "gone")
+    done, failed = run_both(gone, requests["all"])
     assert list(failed) == ["a"] and "not a directory" in str(failed["a"])
     assert done["b"].outputs[0].token_ids == expected["all"][1][0]
+    assert not engine.lora._refs   # every request in flight unpinned its adapter
 
 
 def test_the_kernel_equals_torch_and_leaves_base_rows_alone():
+    from kvserve import kernels
+    if kernels.load() is None:
+        pytest.skip("no C++ kernels: apply() is apply_torch()")
     torch.manual_seed(0)
     mapping = LoRAMapping()
     table = LoRAWeights(48, [40, 24], max_loras=3, max_rank=8, mapping=mapping, device=torch.device("cpu"))
@@ -306,6 +322,12 @@ def test_fused_stack_equals_the_modules_bit_for_bit(tmp_path, monkeypatch):
         finally:
             manager.mapping.clear()
     monkeypatch.setattr(type(model.model), "__call__", forward)   # InferenceModule calls go straight to forward
+    ids, meta = torch.arange(3, 12), single_sequence_metadata(9)
+    bind_kv_cache(model, 4, 16, torch.bfloat16)
+    with torch.inference_mode():
+        adapted = model(ids, torch.arange(9), meta)
+        plain = real_forward(model.model, ids, torch.arange(9), meta)
+    assert not torch.equal(adapted, plain)   # the adapters change what the stack computes
     fused_tests.check_quantized_stack(model)
     assert model.model._fused is not None and model.model._fused.lora_tables is not None and calls
 
@@ -323,7 +345,7 @@ def test_scheduler_holds_requests_past_max_loras_and_lets_others_by():
     for r in reqs:
         sched.add_request(r)
     out = sched.schedule()
-    # a, b fill both slots; c waits for a slot, so does d (ready, but a third adapter); a's second and the base go
+    # a, b fill both slots; c and d wait for a slot; a's second request and the base one go
     assert [r.request_id for r, _ in out.scheduled] == ["0", "1", "3", "4"]
     assert [r.request_id for r in sched.waiting] == ["2", "5"]
     stats = sched.stats()
@@ -331,10 +353,45 @@ def test_scheduler_holds_requests_past_max_loras_and_lets_others_by():
     for r in list(sched.running):
         if r.lora_id == 2:
             sched.finish_requests(r.request_id, r.status.FINISHED_STOPPED)
-    sched.schedule()   # c is still loading: d takes b's slot
-    assert [r.request_id for r in sched.running] == ["0", "3", "4", "5"]
-    assert [r.request_id for r in sched.waiting] == ["2"]
+    sched.schedule()   # b's slot is free: c's adapter loads into it, so d (ready) still waits
+    assert [r.request_id for r in sched.running] == ["0", "3", "4"]
+    assert [r.request_id for r in sched.waiting] == ["2", "5"]
     loading.clear()
+    sched.schedule()
+    assert [r.request_id for r in sched.running] == ["0", "3", "4", "2"]
+    for r in list(sched.running):
+        if r.lora_id == 1:
+            sched.finish_requests(r.request_id, r.status.FINISHED_STOPPED)
+    sched.schedule()
+    assert [r.request_id for r in sched.running] == ["4", "2", "5"] and not sched.waiting
+
+
+def test_a_request_held_for_a_slot_cannot_starve():
+    """Requests of the running adapter keep arriving; once the one waiting for a slot has waited
+    LORA_MAX_WAIT_S, the requests behind it wait too, the running adapter drains and it starts."""
+    from kvserve.core import scheduler as scheduler_module
+    from kvserve.core.kv_cache_manager import KVCacheManager
+    from kvserve.core.request import Request
+    from kvserve.core.scheduler import Scheduler
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    sched = Scheduler(KVCacheManager(64, 4), 8, 64, 64, max_loras=1, lora_ready=lambda r: True)
+    req = lambda rid, lr: Request(rid, [1, 2, 3], SamplingParams(max_tokens=4), lora_request=lr)
+    sched.add_request(req("a0", a))
+    sched.schedule()
+    waiting_b = req("b0", b)
+    sched.add_request(waiting_b)
+    sched.add_request(req("a1", a))
+    sched.schedule()   # b0 waits for the slot; a1, behind it, uses the running adapter and starts
+    assert [r.request_id for r in sched.running] == ["a0", "a1"]
+    waiting_b.lora_wait_start -= scheduler_module.LORA_MAX_WAIT_S
+    sched.add_request(req("a2", a))
+    sched.add_request(req(None or "base", None))
+    sched.schedule()   # b0 has waited long enough: nothing starts behind it
+    assert [r.request_id for r in sched.waiting] == ["b0", "a2", "base"]
+    for rid in ("a0", "a1"):
+        sched.finish_requests(rid, waiting_b.status.FINISHED_STOPPED)
+    sched.schedule()
+    assert [r.request_id for r in sched.running] == ["b0", "base"] and [r.request_id for r in sched.waiting] == ["a2"]
 
 
 def test_lora_modules_flag_parsing():

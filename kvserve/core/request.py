@@ -62,6 +62,7 @@ class Request:
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
         self.cache_salt = cache_salt
         self.lora_request = lora_request   # kvserve.lora.LoRARequest: the adapter it runs with; None: the base model
+        self.lora_wait_start: float | None = None   # when it first waited for a LoRA slot (scheduler)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []   # drafts to verify in the next step (speculative decoding)

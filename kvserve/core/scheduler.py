@@ -17,9 +17,10 @@ The engine refuses such requests when they arrive; this holds whatever reaches t
 A request with structured outputs waits until its grammar has compiled (on another thread); the requests behind
 it are scheduled meanwhile. One whose grammar fails to compile, or not in time, is rejected the same way.
 
-With LoRA, the running requests use at most `max_loras` different adapters: a waiting request whose adapter
-would be one too many, or is still loading from disk (`lora_ready`), keeps its place while the requests behind it
-that fit go first. One whose adapter fails to load is rejected.
+With LoRA, the running requests use at most `max_loras` different adapters (adapters still loading for waiting
+requests count): a waiting request whose adapter would be one too many, or is still loading from disk
+(`lora_ready`), keeps its place while the requests behind it that fit go first; after LORA_MAX_WAIT_S without a
+slot it stops them, so that it cannot starve. One whose adapter fails to load is rejected.
 """
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ from dataclasses import dataclass, field
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
 from kvserve.errors import ContextLengthExceededError, KVServeError
+
+
+# a waiting request held this long for a LoRA slot stops the requests behind it from starting, until it starts
+LORA_MAX_WAIT_S = 1.0
 
 
 @dataclass
@@ -228,15 +233,17 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         held = []   # requests whose grammar or adapter is not ready: they keep their place, the others go first
+        loading: set[int] = set()   # adapters of held requests that load: they count towards max_loras
+        now = time.monotonic()
         while self.waiting and budget > 0:
             req = self.waiting[0]
             error = self._why_it_can_never_run(req)
-            ready = True
+            ready, block = True, False
             try:   # asked once: the compilation or load may end (or fail) at any moment
                 if error is None and req.structured_output is not None:
                     ready = req.structured_output.is_ready()
                 if error is None and ready and req.lora_request is not None:
-                    ready = self._lora_fits(req) and (self.lora_ready is None or self.lora_ready(req))
+                    ready, block = self._lora_admissible(req, loading, now)
             except KVServeError as e:   # the constraint's or adapter's fault (400), or the compiler's (500)
                 error = e
             if error is not None:
@@ -245,6 +252,8 @@ class Scheduler:
                 continue
             if not ready:
                 held.append(self.waiting.popleft())
+                if block:
+                    break
                 continue
             if len(self.running) >= self.max_num_seqs:
                 freed = self._preempt_lower(req, out)
@@ -277,12 +286,21 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(held))
 
-    def _lora_fits(self, req: Request) -> bool:
-        """Whether `req` may run beside the running requests without more than max_loras adapters in a step."""
-        if self.max_loras is None:
-            return True
-        running = {r.lora_id for r in self.running if r.lora_id is not None}
-        return req.lora_id in running or len(running) < self.max_loras
+    def _lora_admissible(self, req: Request, loading: set[int], now: float) -> tuple[bool, bool]:
+        """(ready, block): whether `req`'s adapter lets it start now, and, when not, whether the requests behind it
+        must wait too. It starts when its adapter is in memory and runs already, or a slot is free beside the
+        running adapters and those still loading for requests ahead. One held for a slot LORA_MAX_WAIT_S stops the
+        requests behind it, so that the running adapters drain and it cannot starve."""
+        if self.max_loras is not None:
+            running = {r.lora_id for r in self.running if r.lora_id is not None}
+            if req.lora_id not in running | loading and len(running | loading) >= self.max_loras:
+                if req.lora_wait_start is None:
+                    req.lora_wait_start = now
+                return False, now - req.lora_wait_start >= LORA_MAX_WAIT_S
+        if self.lora_ready is not None and not self.lora_ready(req):
+            loading.add(req.lora_id)
+            return False, False
+        return True, False
 
     def _why_it_can_never_run(self, req: Request) -> ContextLengthExceededError | None:
         """Why `req` could not run even alone on an empty pool; None when it can."""

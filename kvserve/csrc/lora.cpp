@@ -69,6 +69,7 @@ void lora_add(const int64_t* desc, const T* x, int64_t xs, T* y, int64_t ys, int
     #pragma omp parallel for schedule(static) if (num * N * R > (1 << 13))
     for (int64_t it = 0; it < num_items; ++it) {
       const int64_t sh = items[it].first, n0 = items[it].second, cols = std::min(LORA_COLS, off[sh + 1] - n0);
+      if (rk[sh] == 0) continue;   // a shard the adapter leaves alone
       float acc[LORA_COLS];
       for (int64_t i = 0; i < num; ++i) {
         std::fill(acc, acc + LORA_COLS, 0.f);

@@ -68,8 +68,7 @@ class LLMEngine:
                                    config.max_loras if self.lora else None,
                                    (lambda req: self.lora.is_ready(req.lora_request)) if self.lora else None)
         self.proposer = build_proposer(self.spec_config, self.runner) if self.spec_config else None
-        if self.proposer is not None:
-            self.scheduler.on_finished = self.proposer.finish
+        self.scheduler.on_finished = self._on_request_finished
         self.processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
                                                          config.grammar_compile_timeout_s)
@@ -202,12 +201,22 @@ class LLMEngine:
             if grammar is not None:
                 children[-1].structured_output = self.structured_output.new_request(grammar)
         self.processor.add(ParentState(request_id, text, token_ids, params), children)
+        if lora_request is not None:   # unpinned as each sample leaves the scheduler (_on_request_finished)
+            for _ in children:
+                self.lora.pin(lora_request.lora_int_id)
         try:
             self.scheduler.add_request(children[0], siblings=children[1:])
         except BaseException:
             self._abort(request_id, build_output=False)   # all or nothing: no half-added request may stay behind
             raise
         return request_id
+
+    def _on_request_finished(self, req: Request) -> None:
+        """The scheduler let go of `req` (finished, aborted or failed)."""
+        if self.proposer is not None:
+            self.proposer.finish(req)
+        if req.lora_request is not None:
+            self.lora.unpin(req.lora_id)
 
     def _check_lora(self, lora_request: LoRARequest | None) -> None:
         if lora_request is None:

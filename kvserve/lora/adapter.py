@@ -146,8 +146,23 @@ def _check_config(config: dict, path: str) -> None:
         refuse("layer_replication changes the base model's layers")
     for name in ("r", "lora_alpha"):
         value = config.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        if value is not None and not _is_positive(value):
             refuse(f"{name} must be a positive number, got {value!r}")
+    for name in ("alpha_pattern", "rank_pattern"):
+        patterns = config.get(name) or {}
+        if not isinstance(patterns, dict):
+            refuse(f"{name} must map module name patterns to numbers, got {patterns!r}")
+        for pattern, value in patterns.items():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                refuse(f"{name} has the invalid pattern {pattern!r}: {e}")
+            if not _is_positive(value):
+                refuse(f"{name}[{pattern!r}] must be a positive number, got {value!r}")
+
+
+def _is_positive(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def _unsupported_key(key: str, path: str) -> str:

@@ -3,6 +3,8 @@
     named (registry: what a server serves)  ->  in memory (max_cpu_loras, LRU)  ->  in slots (max_loras, LRU)
     a request's adapter not in memory loads on a background thread; the scheduler holds the request back
     (is_ready) and runs the others meanwhile; each step puts the adapters of its requests into slots (activate)
+    an adapter a request in flight uses stays in memory until the request ends (pin / unpin), beyond
+    max_cpu_loras if need be
 
 An adapter's identity is its lora_int_id: one id always means the same name and path.
 """
@@ -38,6 +40,9 @@ class LoRAManager:
         self._by_id: dict[int, LoRARequest] = {}
         self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._loading: dict[int, Future] = {}
+        self._refs: dict[int, int] = {}                      # adapter id -> requests in flight using it
+        self.num_loads = 0                                   # reads from disk (tests, metrics)
+        self.num_slot_writes = 0
         self._last_id = 0
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-lora")
@@ -56,12 +61,17 @@ class LoRAManager:
             if adapter is not None:
                 self._cpu.move_to_end(request.lora_int_id)
                 return adapter
-        adapter = load_adapter(request, self.shapes, self.num_layers, self.max_lora_rank)
+        try:
+            adapter = load_adapter(request, self.shapes, self.num_layers, self.max_lora_rank)
+        except LoRAError:
+            raise
+        except Exception as e:   # anything else a malformed adapter can raise is still the adapter's fault
+            raise LoRAError(f"cannot load the LoRA adapter at {request.lora_path}: {type(e).__name__}: {e}") from e
         with self._lock:
             self._by_id.setdefault(request.lora_int_id, request)
             self._cpu[request.lora_int_id] = adapter
-            while len(self._cpu) > self.max_cpu_loras:
-                self._cpu.popitem(last=False)
+            self.num_loads += 1
+            self._evict(keep=request.lora_int_id)   # its request pins it only once queued
         logger.info("kvserve: loaded LoRA adapter %r (rank %d, %s) from %s in %.2f s", request.lora_name,
                     adapter.rank, ", ".join(adapter.target_modules), request.lora_path, adapter.load_time_s)
         return adapter
@@ -102,12 +112,12 @@ class LoRAManager:
 
     def unregister(self, name: str) -> LoRARequest:
         """Stop serving a named adapter (requests already running with it finish with it)."""
-        try:
-            request = self.registry.pop(name)
-        except KeyError:
-            raise LoRAError(f"no LoRA adapter named {name!r} is loaded", "lora_name") from None
         with self._lock:
-            self._cpu.pop(request.lora_int_id, None)
+            request = self.registry.pop(name, None)
+            if request is None:
+                raise LoRAError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
+            if request.lora_int_id not in self._refs:
+                self._cpu.pop(request.lora_int_id, None)
         return request
 
     def next_id(self) -> int:
@@ -118,23 +128,47 @@ class LoRAManager:
 
     # ----- scheduling (engine thread) -----
     def is_ready(self, request: LoRARequest) -> bool:
-        """True when the adapter is in memory or in a slot; else starts loading it and returns False. Raises the
-        LoRAError of a load that failed (once; a later request tries again)."""
+        """True when the adapter is in memory; else starts loading it (unless a load runs) and returns False. Raises
+        the LoRAError of a load that failed (once; a later request tries again)."""
         rid = request.lora_int_id
         with self._lock:
-            if rid in self._cpu or rid in self.slots:
-                if rid in self._cpu:
-                    self._cpu.move_to_end(rid)
-                return True
             future = self._loading.get(rid)
-            if future is None:
+            if future is not None:
+                if not future.done():
+                    return False
+                del self._loading[rid]
+            if rid in self._cpu:
+                self._cpu.move_to_end(rid)
+                return True
+            if future is None or future.exception() is None:   # never loaded, or loaded and dropped since
                 self._loading[rid] = self._executor.submit(self.load, request)
                 return False
-            if not future.done():
-                return False
-            del self._loading[rid]
         future.result()   # raises the load's LoRAError
         return True
+
+    def pin(self, lora_id: int) -> None:
+        """A request in flight uses this adapter: once in memory it stays there until unpin (so a step never reads
+        the disk for it, and an unloaded adapter serves its running requests to the end)."""
+        with self._lock:
+            self._refs[lora_id] = self._refs.get(lora_id, 0) + 1
+
+    def unpin(self, lora_id: int) -> None:
+        with self._lock:
+            refs = self._refs.get(lora_id, 0) - 1
+            if refs > 0:
+                self._refs[lora_id] = refs
+            else:
+                self._refs.pop(lora_id, None)
+            self._evict()
+
+    def _evict(self, keep: int | None = None) -> None:
+        """Drop the least recently used adapters no request in flight uses (nor `keep`), down to max_cpu_loras
+        (under the lock)."""
+        while len(self._cpu) > self.max_cpu_loras:
+            victim = next((rid for rid in self._cpu if rid not in self._refs and rid != keep), None)
+            if victim is None:
+                return
+            del self._cpu[victim]
 
     def activate(self, requests: list[LoRARequest]) -> dict[int, int]:
         """Put these adapters (at most max_loras: the scheduler's limit) into slots, evicting the least recently
@@ -159,6 +193,7 @@ class LoRAManager:
         for (layer, linear, shard), (a, b) in adapter.weights.items():
             self.tables[(layer, linear)].set_slot(slot, shard, a, b)
         self.slots[slot] = adapter.request.lora_int_id
+        self.num_slot_writes += 1
 
     def adapter_names(self, ids) -> list[str]:
         with self._lock:

@@ -39,7 +39,8 @@ def hf_reference(gguf_path):
     """transformers' own model on the bundled GGUF weights in float32 (test-only reference).
 
     Loading it, transformers parses the file twice and rebuilds gguf's tensor name map for every tensor (~20 of
-    its ~27 s here): both are memoized while it loads, which changes nothing it computes."""
+    its ~27 s here): both are memoized while it loads, and the parse runs as kvserve's does (open_gguf), which
+    changes nothing it computes."""
     import functools
     from unittest import mock
 
@@ -54,7 +55,8 @@ def hf_reference(gguf_path):
             readers[key] = real_reader(path, *args, **kwargs)
         return readers[key]
 
-    real_reader = gguf.GGUFReader
+    from kvserve.model.gguf_loader import _plain_view_reader
+    real_reader = _plain_view_reader()   # gguf's reader, parsing through a plain view of the file: the same fields
     with mock.patch.object(gguf, "GGUFReader", reader), \
             mock.patch.object(gguf, "get_tensor_name_map", functools.lru_cache(None)(gguf.get_tensor_name_map)):
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),

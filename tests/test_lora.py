@@ -140,6 +140,16 @@ def test_composes_with_chunking_preemption_caching_n_and_speculation(models, exp
     assert lora.num_slot_writes >= 3 > lora.max_loras and lora.num_loads == 3   # slots reused; no reloads
 
 
+def test_an_adapter_saved_as_a_torch_pickle_loads_the_same(llm, models, expected, tmp_path):
+    """adapter_model.bin (older PEFT) holds the same tensors as adapter_model.safetensors."""
+    from safetensors.torch import load_file
+    _, _, requests = models
+    source = requests["qvd"].lora_path
+    (tmp_path / "adapter_config.json").write_text(open(f"{source}/adapter_config.json").read())
+    torch.save(load_file(f"{source}/adapter_model.safetensors"), tmp_path / "adapter_model.bin")
+    assert_matches(run(llm, LoRARequest("qvd-bin", 60, str(tmp_path)), PROMPTS[:2]), expected["qvd"][:2])
+
+
 def test_structured_output_with_an_adapter(llm, models):
     _, _, requests = models
     params = SamplingParams(max_tokens=6, temperature=0, structured_outputs={"choice": ["yes", "no"]})

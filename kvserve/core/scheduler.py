@@ -233,7 +233,8 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         held = []   # requests whose grammar or adapter is not ready: they keep their place, the others go first
-        loading: set[int] = set()   # adapters of held requests that load: they count towards max_loras
+        # adapters of the running requests, and of held requests whose adapter loads: both count towards max_loras
+        adapters = {r.lora_id for r in self.running if r.lora_id is not None}
         now = time.monotonic()
         while self.waiting and budget > 0:
             req = self.waiting[0]
@@ -243,7 +244,7 @@ class Scheduler:
                 if error is None and req.structured_output is not None:
                     ready = req.structured_output.is_ready()
                 if error is None and ready and req.lora_request is not None:
-                    ready, block = self._lora_admissible(req, loading, now)
+                    ready, block = self._lora_admissible(req, adapters, now)
             except KVServeError as e:   # the constraint's or adapter's fault (400), or the compiler's (500)
                 error = e
             if error is not None:
@@ -282,23 +283,23 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
+            if req.lora_id is not None:
+                adapters.add(req.lora_id)
             out.scheduled.append((req, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(held))
 
-    def _lora_admissible(self, req: Request, loading: set[int], now: float) -> tuple[bool, bool]:
+    def _lora_admissible(self, req: Request, adapters: set[int], now: float) -> tuple[bool, bool]:
         """(ready, block): whether `req`'s adapter lets it start now, and, when not, whether the requests behind it
-        must wait too. It starts when its adapter is in memory and runs already, or a slot is free beside the
-        running adapters and those still loading for requests ahead. One held for a slot LORA_MAX_WAIT_S stops the
-        requests behind it, so that the running adapters drain and it cannot starve."""
-        if self.max_loras is not None:
-            running = {r.lora_id for r in self.running if r.lora_id is not None}
-            if req.lora_id not in running | loading and len(running | loading) >= self.max_loras:
-                if req.lora_wait_start is None:
-                    req.lora_wait_start = now
-                return False, now - req.lora_wait_start >= LORA_MAX_WAIT_S
+        must wait too. `adapters`: those of the running requests and those loading for requests ahead. It starts
+        when its adapter is in memory and among them, or a slot is free beside them. One held for a slot
+        LORA_MAX_WAIT_S stops the requests behind it, so that the running adapters drain and it cannot starve."""
+        if self.max_loras is not None and req.lora_id not in adapters and len(adapters) >= self.max_loras:
+            if req.lora_wait_start is None:
+                req.lora_wait_start = now
+            return False, now - req.lora_wait_start >= LORA_MAX_WAIT_S
         if self.lora_ready is not None and not self.lora_ready(req):
-            loading.add(req.lora_id)
+            adapters.add(req.lora_id)   # its load takes a slot: the requests behind may not take it meanwhile
             return False, False
         return True, False
 

@@ -107,6 +107,17 @@ def test_greedy_and_logprobs_equal_peft(llm, models, expected, name):
     assert_matches(run(llm, requests[name]), expected[name])
 
 
+def test_the_torch_path_equals_peft_too(models, expected):
+    """Without the C++ kernels (and off the CPU) the modules apply adapters in torch ops: the same outputs."""
+    from kvserve import kernels
+    root, _, requests = models
+    with kernels.variant("none"):
+        llm = LLM(str(root / "base"), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+                  num_kv_blocks=64)
+        got = run(llm, [requests["all"], None, requests["kogu"], requests["all"]])
+    assert_matches(got, [expected["all"][0], expected[None][1], expected["kogu"][2], expected["all"][3]])
+
+
 def test_one_batch_mixes_the_base_and_three_adapters(llm, models, expected):
     _, _, requests = models
     names = [None, "qvd", "all", "kogu", "all", None, "qvd", "kogu"]

@@ -413,6 +413,7 @@ def test_a_request_held_for_a_slot_cannot_starve():
         sched.finish_requests(rid, waiting_b.status.FINISHED_STOPPED)
     sched.schedule()
     assert [r.request_id for r in sched.running] == ["b0", "base"] and [r.request_id for r in sched.waiting] == ["a2"]
+    assert waiting_b.lora_wait_start is None   # started: a later wait (after a preemption) counts from zero
 
 
 def test_lora_modules_flag_parsing():

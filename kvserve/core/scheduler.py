@@ -234,7 +234,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         held = []   # requests whose grammar or adapter is not ready: they keep their place, the others go first
         # adapters of the running requests, and of held requests whose adapter loads: both count towards max_loras
-        adapters = {r.lora_id for r in self.running if r.lora_id is not None}
+        running_adapters, loading = self._running_adapters(), set()
         now = time.monotonic()
         while self.waiting and budget > 0:
             req = self.waiting[0]
@@ -244,7 +244,7 @@ class Scheduler:
                 if error is None and req.structured_output is not None:
                     ready = req.structured_output.is_ready()
                 if error is None and ready and req.lora_request is not None:
-                    ready, block = self._lora_admissible(req, adapters, now)
+                    ready, block = self._lora_admissible(req, running_adapters, loading, now)
             except KVServeError as e:   # the constraint's or adapter's fault (400), or the compiler's (500)
                 error = e
             if error is not None:
@@ -261,6 +261,7 @@ class Scheduler:
                 if freed is None:
                     break
                 budget += freed
+                running_adapters = self._running_adapters()
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit_tokens
@@ -272,6 +273,7 @@ class Scheduler:
                 if freed is None:
                     break
                 budget += freed
+                running_adapters = self._running_adapters()
                 continue
             self.waiting.popleft()
             if req.num_cached_tokens < 0:   # counted once, at first scheduling
@@ -284,22 +286,27 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             if req.lora_id is not None:
-                adapters.add(req.lora_id)
+                running_adapters.add(req.lora_id)
+                req.lora_wait_start = None
             out.scheduled.append((req, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(held))
 
-    def _lora_admissible(self, req: Request, adapters: set[int], now: float) -> tuple[bool, bool]:
+    def _running_adapters(self) -> set[int]:
+        return {r.lora_id for r in self.running if r.lora_id is not None}
+
+    def _lora_admissible(self, req: Request, running: set[int], loading: set[int], now: float) -> tuple[bool, bool]:
         """(ready, block): whether `req`'s adapter lets it start now, and, when not, whether the requests behind it
-        must wait too. `adapters`: those of the running requests and those loading for requests ahead. It starts
-        when its adapter is in memory and among them, or a slot is free beside them. One held for a slot
-        LORA_MAX_WAIT_S stops the requests behind it, so that the running adapters drain and it cannot starve."""
+        must wait too. It starts when its adapter is in memory and among the running ones or those loading for
+        requests ahead, or a slot is free beside them. One held for a slot LORA_MAX_WAIT_S stops the requests
+        behind it, so that the running adapters drain and it cannot starve."""
+        adapters = running | loading
         if self.max_loras is not None and req.lora_id not in adapters and len(adapters) >= self.max_loras:
             if req.lora_wait_start is None:
                 req.lora_wait_start = now
             return False, now - req.lora_wait_start >= LORA_MAX_WAIT_S
         if self.lora_ready is not None and not self.lora_ready(req):
-            adapters.add(req.lora_id)   # its load takes a slot: the requests behind may not take it meanwhile
+            loading.add(req.lora_id)   # its load takes a slot: the requests behind may not take it meanwhile
             return False, False
         return True, False
 

@@ -207,16 +207,21 @@ class LLMEngine:
         try:
             self.scheduler.add_request(children[0], siblings=children[1:])
         except BaseException:
+            registered = sum(c.request_id in self.scheduler.requests for c in children)
             self._abort(request_id, build_output=False)   # all or nothing: no half-added request may stay behind
+            for _ in range(len(children) - registered if lora_request is not None else 0):
+                self.lora.unpin(lora_request.lora_int_id)   # the samples the scheduler never saw
             raise
         return request_id
 
     def _on_request_finished(self, req: Request) -> None:
         """The scheduler let go of `req` (finished, aborted or failed)."""
-        if self.proposer is not None:
-            self.proposer.finish(req)
-        if req.lora_request is not None:
-            self.lora.unpin(req.lora_id)
+        try:
+            if self.proposer is not None:
+                self.proposer.finish(req)
+        finally:
+            if req.lora_request is not None:
+                self.lora.unpin(req.lora_id)
 
     def _check_lora(self, lora_request: LoRARequest | None) -> None:
         if lora_request is None:

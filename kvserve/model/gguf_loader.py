@@ -67,7 +67,7 @@ def open_gguf(path: str):
 def _plain_view_reader():
     """gguf's GGUFReader parsing through a plain ndarray view of its np.memmap: a memmap runs two Python methods
     for every slice it hands out (__getitem__, __array_finalize__), which made most of the parse time of a
-    49k-token vocabulary (8 -> 3 s for the bundled model). The memmap itself is kept as `mapping`."""
+    49k-token vocabulary (docs/benchmarks.md). The memmap itself is kept as `mapping`."""
     from gguf import GGUFReader
 
     class PlainViewReader(GGUFReader):

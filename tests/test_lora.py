@@ -353,69 +353,6 @@ def test_fused_stack_equals_the_modules_bit_for_bit(tmp_path, monkeypatch):
     assert model.model._fused is not None and model.model._fused.lora_tables is not None and calls
 
 
-def test_scheduler_holds_requests_past_max_loras_and_lets_others_by():
-    from kvserve.core.kv_cache_manager import KVCacheManager
-    from kvserve.core.request import Request
-    from kvserve.core.scheduler import Scheduler
-    loading = {3}
-    sched = Scheduler(KVCacheManager(64, 4), 8, 64, 64, max_loras=2,
-                      lora_ready=lambda r: r.lora_id not in loading)
-    a, b, c, d = (LoRARequest(n, i, f"/{n}") for i, n in enumerate("abcd", 1))
-    reqs = [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=4), lora_request=lr)
-            for i, lr in enumerate([a, b, c, a, None, d])]
-    for r in reqs:
-        sched.add_request(r)
-    out = sched.schedule()
-    # a, b fill both slots; c and d wait for a slot; a's second request and the base one go
-    assert [r.request_id for r, _ in out.scheduled] == ["0", "1", "3", "4"]
-    assert [r.request_id for r in sched.waiting] == ["2", "5"]
-    stats = sched.stats()
-    assert stats.running_lora_ids == {1, 2} and stats.waiting_lora_ids == {3, 4}
-    for r in list(sched.running):
-        if r.lora_id == 2:
-            sched.finish_requests(r.request_id, r.status.FINISHED_STOPPED)
-    sched.schedule()   # b's slot is free: c's adapter loads into it, so d (ready) still waits
-    assert [r.request_id for r in sched.running] == ["0", "3", "4"]
-    assert [r.request_id for r in sched.waiting] == ["2", "5"]
-    loading.clear()
-    sched.schedule()
-    assert [r.request_id for r in sched.running] == ["0", "3", "4", "2"]
-    for r in list(sched.running):
-        if r.lora_id == 1:
-            sched.finish_requests(r.request_id, r.status.FINISHED_STOPPED)
-    sched.schedule()
-    assert [r.request_id for r in sched.running] == ["4", "2", "5"] and not sched.waiting
-
-
-def test_a_request_held_for_a_slot_cannot_starve():
-    """Requests of the running adapter keep arriving; once the one waiting for a slot has waited
-    LORA_MAX_WAIT_S, the requests behind it wait too, the running adapter drains and it starts."""
-    from kvserve.core import scheduler as scheduler_module
-    from kvserve.core.kv_cache_manager import KVCacheManager
-    from kvserve.core.request import Request
-    from kvserve.core.scheduler import Scheduler
-    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
-    sched = Scheduler(KVCacheManager(64, 4), 8, 64, 64, max_loras=1, lora_ready=lambda r: True)
-    req = lambda rid, lr: Request(rid, [1, 2, 3], SamplingParams(max_tokens=4), lora_request=lr)
-    sched.add_request(req("a0", a))
-    sched.schedule()
-    waiting_b = req("b0", b)
-    sched.add_request(waiting_b)
-    sched.add_request(req("a1", a))
-    sched.schedule()   # b0 waits for the slot; a1, behind it, uses the running adapter and starts
-    assert [r.request_id for r in sched.running] == ["a0", "a1"]
-    waiting_b.lora_wait_start -= scheduler_module.LORA_MAX_WAIT_S
-    sched.add_request(req("a2", a))
-    sched.add_request(req(None or "base", None))
-    sched.schedule()   # b0 has waited long enough: nothing starts behind it
-    assert [r.request_id for r in sched.waiting] == ["b0", "a2", "base"]
-    for rid in ("a0", "a1"):
-        sched.finish_requests(rid, waiting_b.status.FINISHED_STOPPED)
-    sched.schedule()
-    assert [r.request_id for r in sched.running] == ["b0", "base"] and [r.request_id for r in sched.waiting] == ["a2"]
-    assert waiting_b.lora_wait_start is None   # started: a later wait (after a preemption) counts from zero
-
-
 def test_lora_modules_flag_parsing():
     from kvserve.entrypoints.cli import parse_lora_modules
     from kvserve.errors import KVServeError

@@ -448,5 +448,10 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
                               self.prefix_cache_queries, self.prefix_cache_hits, self.spec_stats.copy(),
-                              {r.lora_id for r in self.running if r.lora_id is not None},
-                              {r.lora_id for r in self.waiting if r.lora_id is not None})
+                              *self._lora_stats())
+
+    def _lora_stats(self) -> tuple[set[int], set[int]]:
+        """The adapters of the running and of the waiting requests (none looked for without LoRA)."""
+        if self.max_loras is None:
+            return set(), set()
+        return self._running_adapters(), {r.lora_id for r in self.waiting if r.lora_id is not None}

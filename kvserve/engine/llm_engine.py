@@ -207,10 +207,10 @@ class LLMEngine:
         try:
             self.scheduler.add_request(children[0], siblings=children[1:])
         except BaseException:
-            registered = sum(c.request_id in self.scheduler.requests for c in children)
+            unseen = [c for c in children if c.request_id not in self.scheduler.requests]
             self._abort(request_id, build_output=False)   # all or nothing: no half-added request may stay behind
-            for _ in range(len(children) - registered if lora_request is not None else 0):
-                self.lora.unpin(lora_request.lora_int_id)   # the samples the scheduler never saw
+            for c in unseen if lora_request is not None else ():
+                self.lora.unpin(c.lora_id)   # the scheduler never saw it, so never tells us it left
             raise
         return request_id
 

@@ -26,18 +26,28 @@ class LoRAMapping:
 
     def __init__(self):
         self.row_slot: torch.Tensor | None = None
-        self.groups: list[tuple[int, torch.Tensor]] = []   # (slot, its rows) for the torch path
+        self._row_slot_np: np.ndarray | None = None
+        self._groups: list[tuple[int, torch.Tensor]] | None = None
 
     def set(self, row_slot: np.ndarray, device: torch.device) -> None:
         if not (row_slot >= 0).any():
             self.clear()
             return
+        self._row_slot_np, self._groups = row_slot, None
         self.row_slot = torch.from_numpy(row_slot.astype(np.int32)).to(device)
-        self.groups = [(int(s), torch.from_numpy(np.flatnonzero(row_slot == s)).to(device))
-                       for s in np.unique(row_slot) if s >= 0]
 
     def clear(self) -> None:
-        self.row_slot, self.groups = None, []
+        self.row_slot, self._row_slot_np, self._groups = None, None, None
+
+    @property
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        """(slot, its rows) for the torch path, built on its first use in a step (the C++ kernel groups itself)."""
+        if self._groups is None:
+            rows = self._row_slot_np
+            device = self.row_slot.device
+            self._groups = [] if rows is None else [(int(s), torch.from_numpy(np.flatnonzero(rows == s)).to(device))
+                                                   for s in np.unique(rows) if s >= 0]
+        return self._groups
 
 
 class LoRAWeights:
@@ -95,6 +105,13 @@ class LoRAWeights:
                 y[idx, cols] = (y[idx, cols].float() + delta).to(y.dtype)
 
 
+def _adaptable_linears(layer):
+    """(name, linear, shard sizes) of a decoder layer's adaptable linears, in LORA_LINEARS' order."""
+    for block, name in LORA_LINEARS:
+        linear = getattr(getattr(layer, block), name)
+        yield name, linear, list(getattr(linear, "shard_sizes", {None: linear.weight.shape[0]}).values())
+
+
 def install_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> tuple[LoRAMapping, dict]:
     """Give every adaptable linear of a Llama-family model its adapter slots; returns the step mapping they share
     and {(layer, linear name): LoRAWeights}."""
@@ -102,9 +119,7 @@ def install_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> tuple
     mapping = LoRAMapping()
     tables = {}
     for i, layer in enumerate(model.model.layers):
-        for block, name in LORA_LINEARS:
-            linear = getattr(getattr(layer, block), name)
-            sizes = list(getattr(linear, "shard_sizes", {None: linear.weight.shape[0]}).values())
+        for name, linear, sizes in _adaptable_linears(layer):
             linear.lora = tables[(i, name)] = LoRAWeights(linear.weight.shape[1], sizes, max_loras, max_rank,
                                                           mapping, device)
     model.model.lora_mapping = mapping
@@ -113,10 +128,5 @@ def install_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> tuple
 
 def projection_shapes(model: torch.nn.Module) -> dict[tuple[str, int], tuple[int, int]]:
     """(linear name, shard) -> (in features, out features) of every projection an adapter may target."""
-    layer = model.model.layers[0]
-    shapes = {}
-    for block, name in LORA_LINEARS:
-        linear = getattr(getattr(layer, block), name)
-        sizes = list(getattr(linear, "shard_sizes", {None: linear.weight.shape[0]}).values())
-        shapes.update(((name, s), (linear.weight.shape[1], size)) for s, size in enumerate(sizes))
-    return shapes
+    return {(name, s): (linear.weight.shape[1], size)
+            for name, linear, sizes in _adaptable_linears(model.model.layers[0]) for s, size in enumerate(sizes)}

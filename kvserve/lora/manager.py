@@ -110,13 +110,12 @@ class LoRAManager:
         if name in self.registry:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded; unload it first", "lora_name")
 
-    def unregister(self, name: str) -> LoRARequest:
-        """Stop serving a named adapter (requests already running with it finish with it)."""
+    def unregister(self, name: str) -> LoRARequest | None:
+        """Stop serving a named adapter (requests already running with it finish with it); None if none is named
+        so."""
         with self._lock:
             request = self.registry.pop(name, None)
-            if request is None:
-                raise LoRAError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
-            if request.lora_int_id not in self._refs:
+            if request is not None and request.lora_int_id not in self._refs:
                 self._cpu.pop(request.lora_int_id, None)
         return request
 

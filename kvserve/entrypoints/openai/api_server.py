@@ -252,10 +252,8 @@ def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSetti
     @api_route
     async def unload_lora_adapter(raw_request: Request):
         req = await parse_body(raw_request, UnloadLoRAAdapterRequest)
-        loras = manager()
-        if req.lora_name not in loras.registry:
+        if manager().unregister(req.lora_name) is None:
             raise NotFoundError(f"no LoRA adapter named {req.lora_name!r} is loaded", "lora_name", "lora_not_found")
-        loras.unregister(req.lora_name)
         return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
 

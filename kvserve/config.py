@@ -66,6 +66,13 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # tensor parallelism (kvserve/distributed): the model's heads, MLP and vocabulary split over this many ranks;
+    # "mp" starts one worker process per extra rank, "ray" runs them as Ray actors (ray_address: an existing
+    # cluster, "auto", or None to start a local Ray instance)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    ray_address: str | None = None
 
     def __post_init__(self):
         self.validate()
@@ -115,6 +122,7 @@ class EngineConfig:
                 bad("kv_cache_memory must be positive", "kv_cache_memory")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._validate_lora(bad)
+        self._validate_parallel(bad)
         if (not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens is not None
                 and self.max_model_len > self.max_num_batched_tokens):
             bad("without chunked prefill, max_num_batched_tokens must be >= max_model_len", "max_num_batched_tokens")
@@ -131,3 +139,25 @@ class EngineConfig:
         elif self.max_cpu_loras < self.max_loras:
             bad(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): every adapter "
                 "a step runs is also kept in memory", "max_cpu_loras")
+
+    def _validate_parallel(self, bad) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+                bad(f"{name} must be an integer in [1, 1024], got {value!r}", name)
+        if self.pipeline_parallel_size != 1:
+            bad("pipeline parallelism is not built (docs/architecture.md describes how it would fit); use "
+                "tensor_parallel_size, or data-parallel replicas (kvserve serve --data-parallel-size)",
+                "pipeline_parallel_size")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            bad(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}",
+                "distributed_executor_backend")
+        if self.tensor_parallel_size == 1:
+            return
+        refused = [("enable_lora", self.enable_lora, "LoRA adapters"),
+                   ("speculative_config", self.speculative_config is not None and self.speculative_config.model,
+                    "a draft model (n-gram and suffix speculation work)"),
+                   ("calculate_kv_scales", self.calculate_kv_scales, "calibrated FP8 KV scales")]
+        for name, on, what in refused:
+            if on:
+                bad(f"{what} do not run with tensor_parallel_size > 1 yet", name)

@@ -158,7 +158,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kvserve_apply_bitmask_f32": [p, i64, p, i64, p, i64, i64],
         "kvserve_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
         "kvserve_llama_layers_bf16": [p, p, p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64,
-                                      i64, i64, f, f, p, i64, p],
+                                      i64, i64, f, f, p, i64, p, p],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -92,6 +92,9 @@ static inline void attend(const int64_t* p, const uint16_t* qkv, int64_t nqkv, u
 
 // dims: T tokens, H hidden, NH / NKV heads, D head dim, I intermediate size, BS block size, TILED pool layout,
 // KV_FMT the pools' FP8 format (0: bf16 pools).
+// Tensor parallelism: sums a row-parallel linear's partial outputs [T, H] over the ranks, in place (TPComm).
+typedef void (*AllReduceFn)(uint16_t* y, int64_t numel);
+
 // residual [T, H]: the embedding output on entry (layer 0 normalizes it without an add), the residual stream on
 // return. hidden [T, H]: the last layer's MLP output on return. scratch: T * (H + (NH + 2 NKV) D + NH D + 3 I) bf16.
 // lora_rows [T]: each row's LoRA adapter slot (-1: none), or null. Each linear is base (+ bias) + LoRA, as in the
@@ -101,7 +104,7 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
                         const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                         const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
                         int64_t D, int64_t I, int64_t BS, int64_t TILED, int64_t KV_FMT, float eps, float scale,
-                        uint16_t* scratch, const int32_t* lora_rows) {
+                        uint16_t* scratch, const int32_t* lora_rows, AllReduceFn all_reduce) {
   const int64_t nqkv = (NH + 2 * NKV) * D;
   uint16_t* normed = scratch;
   uint16_t* qkv = normed + T * H;
@@ -123,12 +126,14 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
            KV_FMT, scale);
     linear(p, L_O, attn, NH * D, hidden, H, T, H, NH * D);
     lora(p, 1, lora_rows, attn, NH * D, hidden, H, T);
+    if (all_reduce) all_reduce(hidden, T * H);   // tensor parallelism: o is row-parallel (Linear.tp)
     kvserve_rmsnorm_bf16(hidden, residual, w(L_POST_NORM), normed, T, H, eps);
     linear(p, L_GATE_UP, normed, H, gate_up, 2 * I, T, 2 * I, H);
     lora(p, 2, lora_rows, normed, H, gate_up, 2 * I, T);
     kvserve_silu_mul_bf16(gate_up, 2 * I, act, T, I);
     linear(p, L_DOWN, act, I, hidden, H, T, H, I);
     lora(p, 3, lora_rows, act, I, hidden, H, T);
+    if (all_reduce) all_reduce(hidden, T * H);   // and so is down
   }
 }
 
@@ -144,13 +149,13 @@ void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64
                           const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                           const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
                           int64_t D, int64_t I, int64_t BS, int64_t TILED, int64_t KV_FMT, float eps, float scale,
-                          uint16_t* scratch, int64_t split, const int32_t* lora_rows) {
+                          uint16_t* scratch, int64_t split, const int32_t* lora_rows, AllReduceFn all_reduce) {
   const int nt = omp_get_max_threads();
   bool decode_only = T == B;   // one query token per sequence: sequence b is row b
   for (int64_t b = 0; decode_only && b < B; ++b) decode_only = query_start[b + 1] - query_start[b] == 1;
-  if (!split || !decode_only || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel()) {
+  if (!split || all_reduce || !decode_only || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel()) {
     layers_rows(hidden, residual, layer_ptrs, L, cos, sin, slots, tables, table_stride, seq_lens, query_start, B, T,
-                H, NH, NKV, D, I, BS, TILED, KV_FMT, eps, scale, scratch, lora_rows);
+                H, NH, NKV, D, I, BS, TILED, KV_FMT, eps, scale, scratch, lora_rows, all_reduce);
     return;
   }
   // Shares balanced on the estimated time of each sequence on one core: its row through the matmuls (~200
@@ -171,7 +176,7 @@ void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64
       for (int64_t i = 0; i <= b1 - b0; ++i) qs[i] = int32_t(i);
       layers_rows(hidden + b0 * H, residual + b0 * H, layer_ptrs, L, cos + b0 * D, sin + b0 * D, slots + b0,
                   tables + b0 * table_stride, table_stride, seq_lens + b0, qs.data(), b1 - b0, b1 - b0, H, NH, NKV,
-                  D, I, BS, TILED, KV_FMT, eps, scale, scratch + b0 * per_row, lora_rows ? lora_rows + b0 : nullptr);
+                  D, I, BS, TILED, KV_FMT, eps, scale, scratch + b0 * per_row, lora_rows ? lora_rows + b0 : nullptr, nullptr);
     }
   }
 }

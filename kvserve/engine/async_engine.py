@@ -81,6 +81,9 @@ class AsyncLLMEngine:
         if engine.lora is not None:
             self.metrics.enable_lora(engine.config.max_loras, engine.lora.adapter_names)
         self.dead_error: BaseException | None = None
+        self.on_dead: list[Callable[[], None]] = []   # called (engine or monitor thread) once the engine is dead
+        if engine.executor is not None:   # a tensor-parallel worker that dies kills the engine, also when idle
+            engine.executor.on_dead.append(lambda message: self._die(EngineDeadError(message)))
         self._streams: dict[str, RequestStream] = {}
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Event()
@@ -206,6 +209,10 @@ class AsyncLLMEngine:
         if ids:
             self._submit(lambda: self._abort_on_engine(ids))
 
+    async def render_metrics(self) -> bytes:
+        """The Prometheus exposition of the engine's metrics."""
+        return self.metrics.render()
+
     async def call_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps and return its result."""
         self._check_alive()
@@ -258,8 +265,8 @@ class AsyncLLMEngine:
     # ----- engine thread -----
     def _run(self) -> None:
         try:
-            if self.engine.config.num_threads is not None:   # thread counts are per OS thread in OpenMP
-                torch.set_num_threads(self.engine.config.num_threads)
+            if self.engine.num_threads is not None:   # thread counts are per OS thread in OpenMP
+                torch.set_num_threads(self.engine.num_threads)
             self.engine.runner.reserve_frontend_core()
             while not self._stop:
                 self._run_commands()
@@ -272,8 +279,19 @@ class AsyncLLMEngine:
             self._run_commands()
         except BaseException as e:   # a failure outside a step (abort or bookkeeping): nothing can be trusted
             logger.exception("engine thread failed; the engine is dead")
-            self.dead_error = e
-            self._loop.call_soon_threadsafe(self.abort_all, EngineDeadError(f"the engine failed: {e}"))
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        """The engine cannot serve any more: fail every request, stop the engine thread, tell on_dead (once)."""
+        if self.dead_error is not None:
+            return
+        self.dead_error = error
+        self._stop = True
+        self._wakeup.set()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.abort_all, EngineDeadError(f"the engine failed: {error}"))
+        for callback in self.on_dead:
+            callback()
 
     def _run_commands(self) -> None:
         if not self._commands:
@@ -305,6 +323,8 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineDeadError:
+            raise   # _run: the engine is dead
         except Exception as e:
             # the engine fails a broken forward pass's requests itself (take_failed_requests); an error here came
             # from its bookkeeping, so no request's state can be trusted: all in flight get a 500, and the engine

@@ -19,7 +19,9 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor, ParentState
 from kvserve.engine.prompts import PromptType, process_prompt
-from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError, LoRAError, RequestFailedError
+from kvserve.distributed import start_tensor_parallel
+from kvserve.errors import (ContextLengthExceededError, EngineDeadError, InvalidRequestError, KVServeError, LoRAError,
+                            RequestFailedError)
 from kvserve.lora import LoRARequest
 from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
@@ -41,7 +43,22 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         t0 = time.perf_counter()
-        self.model, self.model_config = load_model(config)
+        self.executor = start_tensor_parallel(config, self.device) if config.tensor_parallel_size > 1 else None
+        # the engine thread's OpenMP thread count (per OS thread): config.num_threads, or each rank's share
+        self.num_threads = torch.get_num_threads() if self.executor is not None else config.num_threads
+        try:
+            self._init(config, t0)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init(self, config: EngineConfig, t0: float) -> None:
+        if self.executor is None:
+            self.model, self.model_config = load_model(config)
+        else:   # this process is rank 0: it loads shard 0 while the workers load theirs
+            self.model, self.model_config = load_model(config, shard=self.executor.plan)
+            self.executor.attach(self.model, self.model_config.vocab_size)
+            self.executor.wait_ready("loaded")
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         if config.chat_template:
             self.tokenizer.chat_template = _read_template(config.chat_template)
@@ -59,10 +76,13 @@ class LLMEngine:
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                      if config.enable_lora else None)
         self.runner.lora = self.lora
+        self.runner.executor = self.executor
         self.kv_cache_dtype = fp8.kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.kv = self.runner.init_kv_cache(config, self.kv_cache_dtype, self.max_model_len,
                                             self.max_num_batched_tokens)
         self.num_kv_blocks = self.kv.pool.num_blocks
+        if self.executor is not None:
+            self.executor.init_kv_cache(self.num_kv_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                    config.scheduling_policy, config.enable_chunked_prefill, config.priority_aging_s,
                                    config.max_loras if self.lora else None,
@@ -74,9 +94,9 @@ class LLMEngine:
                                                          config.grammar_compile_timeout_s)
         self._ids = itertools.count()
         self._failed: dict[str, KVServeError] = {}   # parent request id -> why it failed, until taken
-        logger.info("kvserve: loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens = %d tokens%s",
+        logger.info("kvserve: loaded %s (%s, %s%s) in %.1fs; KV cache %d blocks x %d tokens = %d tokens%s",
                     config.model or "SmolLM2-135M-Instruct (bundled)", str(self.dtype).removeprefix("torch."),
-                    self.device,
+                    self.device, self.parallel_description(),
                     time.perf_counter() - t0, self.num_kv_blocks, config.block_size, self.num_kv_pool_tokens,
                     self.kv_cache_description())
         self.kernel_summary = kernels.summary(self.dtype, self.device, self.kv_cache_dtype)
@@ -105,6 +125,18 @@ class LLMEngine:
         name = str(self.kv_cache_dtype).removeprefix("torch.float8_").removesuffix("fn")
         scales = "calibrated on the first step" if self.config.calculate_kv_scales else "1.0"
         return f" in fp8_{name} (scales {scales})"
+
+    def parallel_description(self) -> str:
+        """', tensor parallel 2 (mp, 1 thread per rank)', or '' on one process."""
+        if self.executor is None:
+            return ""
+        return (f", tensor parallel {self.executor.size} ({self.executor.backend}, {torch.get_num_threads()} "
+                f"thread{'s' if torch.get_num_threads() > 1 else ''} per rank)")
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done when the engine is collected)."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
 
     def lora_description(self) -> str:
         """'4 adapters of rank <= 16 per step (12.3 MiB of slots), 8 kept in memory', or '' without LoRA."""
@@ -302,6 +334,8 @@ class LLMEngine:
             sampled = self.runner.execute_model(sched)
             updates = self.scheduler.update_from_output(sched, sampled)
             outputs, stopped, failed = self.processor.process(updates)
+        except EngineDeadError:
+            raise   # a tensor-parallel rank died: no step can run again
         except Exception as e:
             self._fail_step(sched, parent_ids, e)
             return []

@@ -91,13 +91,23 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (default 16)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept loaded in memory, least recently used dropped first (default: --max-loras)")
+    g = p.add_argument_group("parallelism (docs/distributed.md)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="split the model's heads, MLP and vocabulary over this many ranks (default 1)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, help="only 1: not built")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                   help="mp: a worker process per extra rank on this machine (default); ray: ranks (and serve's "
+                        "replicas) as Ray actors")
+    g.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to join: auto, or HOST:PORT (default: start a local Ray instance)")
 
 
 _ENGINE_FLAGS = ("tokenizer", "dtype", "device", "quantization", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "kv_cache_memory", "kv_cache_dtype", "calculate_kv_scales",
                  "gpu_memory_utilization", "seed", "chat_template", "enable_prefix_caching", "enable_chunked_prefill",
                  "scheduling_policy", "priority_aging_s", "num_threads", "speculative_config",
-                 "grammar_compile_timeout_s", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+                 "grammar_compile_timeout_s", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+                 "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "ray_address")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -183,6 +193,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "\"base_model_name\": ...}'; a request's model field picks one (needs --enable-lora)")
     p.add_argument("--enable-runtime-lora-updating", action="store_true",
                    help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (guarded by --api-key)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind this server, as Ray actors (needs --distributed-executor-backend "
+                        "ray); each may be tensor-parallel too (docs/distributed.md)")
     add_engine_arguments(p)
 
 
@@ -205,12 +218,15 @@ def run_serve(args: argparse.Namespace) -> int:
         raise KVServeError("--lora-modules and --enable-runtime-lora-updating need --enable-lora")
     modules = parse_lora_modules(args.lora_modules or [])
     names = args.served_model_name or [config.model or DEFAULT_SERVED_MODEL_NAME]
-    llm = LLMEngine(config)
-    for name, path, base in modules:
-        if name in names:
-            raise KVServeError(f"--lora-modules: {name!r} is the base model's name; give the adapter another")
-        llm.lora.register(LoRARequest(name, llm.lora.next_id(), path, base_model_name=base or names[0]))
-    engine = AsyncLLMEngine(llm, args.max_waiting_requests, EngineMetrics(names[0]))
+    if args.data_parallel_size != 1:
+        engine = _data_parallel_engine(args, config, names[0])
+    else:
+        llm = LLMEngine(config)
+        for name, path, base in modules:
+            if name in names:
+                raise KVServeError(f"--lora-modules: {name!r} is the base model's name; give the adapter another")
+            llm.lora.register(LoRARequest(name, llm.lora.next_id(), path, base_model_name=base or names[0]))
+        engine = AsyncLLMEngine(llm, args.max_waiting_requests, EngineMetrics(names[0]))
     body_limit = None
     if args.max_request_body_size is not None:
         body_limit = parse_size(args.max_request_body_size, "max_request_body_size")
@@ -221,6 +237,18 @@ def run_serve(args: argparse.Namespace) -> int:
                               tool_call_parser=args.tool_call_parser,
                               enable_runtime_lora_updating=args.enable_runtime_lora_updating)
     return run_server(engine, settings, args.host, args.port, args.shutdown_timeout)
+
+
+def _data_parallel_engine(args: argparse.Namespace, config, model_name: str):
+    """--data-parallel-size N: N replicas on Ray behind this server (kvserve/distributed/dp_engine.py)."""
+    if args.data_parallel_size < 1:
+        raise KVServeError("--data-parallel-size must be >= 1")
+    if config.distributed_executor_backend != "ray":
+        raise KVServeError("--data-parallel-size runs its replicas on Ray: add --distributed-executor-backend ray")
+    if config.enable_lora:
+        raise KVServeError("LoRA adapters are not served by data-parallel replicas yet")
+    from kvserve.distributed.dp_engine import DataParallelEngine
+    return DataParallelEngine(config, args.data_parallel_size, model_name, args.max_waiting_requests)
 
 
 def parse_lora_modules(values: list[str]) -> list[tuple[str, str, str | None]]:

@@ -46,6 +46,7 @@ class FusedLayers:
         n = self.hidden_size + (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.scratch_per_token = n + 3 * self.intermediate_size
         self.key = binding_key(layers)
+        self.tp = first.self_attn.o_proj.tp   # tensor parallelism: the stack calls its all-reduce after o and down
 
     def is_current(self, layers) -> bool:
         """False once the pools were rebound or the weights repacked (the pointers would be stale)."""
@@ -66,7 +67,9 @@ class FusedLayers:
             sin.data_ptr(), slots, tables, table_stride, seq_lens, query_start, num_seqs, t, self.hidden_size,
             self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.block_size, self.tiled,
             self.kv_format, self.eps, self.scale, scratch.data_ptr(), int(split),
-            None if lora_rows is None else lora_rows.data_ptr())
+            None if lora_rows is None else lora_rows.data_ptr(), None if self.tp is None else self.tp.c_all_reduce_ptr)
+        if self.tp is not None:
+            self.tp.raise_if_failed()   # an exception cannot cross the C++ call: the hook keeps it
         return hidden, residual
 
 
@@ -116,6 +119,7 @@ def build_fused_layers(layers) -> FusedLayers | None:
         qkv_bias = attn.qkv_proj.bias
         if (attn.q_norm is not None or any(w is None for w in weights)
                 or any(m.bias is not None for m in linears[1:])
+                or mlp.down_proj.tp is not attn.o_proj.tp
                 or qkv_bias is not None and (qkv_bias.dtype != torch.bfloat16 or not qkv_bias.is_contiguous())
                 or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms)
                 or not isinstance(attn.attn.backend, CpuPagedAttention)

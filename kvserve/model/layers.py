@@ -25,6 +25,9 @@ class Linear(InferenceModule):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None   # packed copies of weight (prepack_linears), or its quantized form
         self.lora = None   # its LoRA adapter slots (kvserve/lora/layers.py LoRAWeights), when LoRA is enabled
+        # tensor parallelism: a row-parallel linear's group (kvserve/distributed TPComm), which sums the ranks'
+        # partial outputs before the bias is added
+        self.tp = None
 
     @property
     def quantized(self) -> QuantizedWeight | None:
@@ -32,15 +35,20 @@ class Linear(InferenceModule):
         return None if self.packed is None else self.packed.quant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp is None else None
         if self.packed is not None:
-            y = packed_linear(x, self.packed, self.bias)
+            y = packed_linear(x, self.packed, bias)
         elif self.weight.is_meta:   # F.linear would return a meta tensor, and the kernels would read address 0
             raise RuntimeError("this Linear's plain weight was released after packing and its pack removed; "
                                "restore_unpacked_weights(model) brings the weights back")
         else:
-            y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, self.weight, bias)
         if self.lora is not None and self.lora.mapping.row_slot is not None:
             self.lora.apply(x, y)   # + (x A) B for the rows whose request chose an adapter
+        if self.tp is not None:
+            self.tp.all_reduce(y)
+            if self.bias is not None:
+                y = y + self.bias
         return y
 
 
@@ -205,8 +213,22 @@ class VocabEmbedding(InferenceModule):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
         self.quantized: QuantizedWeight | None = None   # a GGUF table kept quantized (then `weight` is shape-only)
+        # tensor parallelism (vocab-parallel): this rank's rows are the vocabulary from vocab_start; the others' ids
+        # look up zeros, and the group's sum gives every rank every row
+        self.tp = None
+        self.vocab_start = 0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self._lookup(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = self._lookup(local.masked_fill(outside, 0))
+        out.masked_fill_(outside.unsqueeze(1), 0)
+        self.tp.all_reduce(out)
+        return out
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return embedding_rows(self.quantized.segments[0], input_ids, self.weight.dtype)
         return F.embedding(input_ids, self.weight)

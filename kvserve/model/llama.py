@@ -141,18 +141,34 @@ class LlamaForCausalLM(InferenceModule):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         # tied embeddings: packed by prepack(), or the quantized table itself (load_weights)
         self.packed_lm_head: PackedWeight | None = None
+        self.tp = None   # tensor parallelism: the group that gathers the ranks' vocabulary slices of the logits
+        self.tp_vocab = (cfg.vocab_size, cfg.vocab_size)   # (columns per rank, whole vocabulary)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
         """input_ids, positions: [T] over all sequences of the step -> hidden states [T, hidden]."""
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (only the rows that sample) -> float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] (only the rows that sample) -> float32 logits [N, vocab]. Tensor-parallel: every rank
+        calls it with the same rows; rank 0 gets the logits, the others None."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.packed_lm_head is not None:
-            return packed_linear(hidden, self.packed_lm_head).float()
-        return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.lm_head(hidden).float()
+        elif self.packed_lm_head is not None:
+            logits = packed_linear(hidden, self.packed_lm_head).float()
+        else:
+            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        return logits if self.tp is None else self.tp.gather_columns(logits, *self.tp_vocab)
+
+    def set_tensor_parallel(self, comm, vocab_start: int, vocab_per_rank: int, vocab_size: int) -> None:
+        """Make this rank's shard (built from ShardPlan.local_config, loaded through shard_weights) one part of the
+        group: o and down are row-parallel, the embedding and head vocab-parallel (kvserve/distributed/plan.py)."""
+        for layer in self.model.layers:
+            layer.self_attn.o_proj.tp = comm
+            layer.mlp.down_proj.tp = comm
+        self.model.embed_tokens.tp = comm
+        self.model.embed_tokens.vocab_start = vocab_start
+        self.tp = comm
+        self.tp_vocab = (vocab_per_rank, vocab_size)
 
     def prepack(self) -> int:
         """Pack the matmul weights for the CPU's bf16 kernels (after loading; no-op elsewhere)."""

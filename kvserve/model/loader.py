@@ -5,7 +5,7 @@ import contextlib
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,22 +81,28 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.lower().endswith(".gguf")
 
 
-def load_model(config: Any) -> tuple[nn.Module, ModelConfig]:
-    """Build and load the model named by an EngineConfig-like object (fields model, dtype, device)."""
+def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -> tuple[nn.Module, ModelConfig]:
+    """Build and load the model named by an EngineConfig-like object (fields model, dtype, device). shard: for
+    tensor parallelism, the rank's ShardPlan given the model's config (kvserve/distributed/plan.py); the model is
+    then built and loaded as that rank's shard. Returns the whole model's config either way."""
     path = resolve_model_path(getattr(config, "model", None))
     device = resolve_device(getattr(config, "device", "auto"))
     quantization = resolve_quantization(getattr(config, "quantization", "auto"), is_gguf(path), device)
     if is_gguf(path):
         dtype = resolve_dtype(getattr(config, "dtype", "auto"), device)   # a GGUF has no checkpoint dtype
-        # int8 streams the dequantized tensors one at a time into quantize (no dequantized cache)
+        # int8 streams the dequantized tensors one at a time into quantize (no dequantized cache); so does a shard
         cfg, weights = _load_gguf_weights(path, dtype, keep_quantized=quantization == "gguf",
-                                          use_cache=quantization != "int8")
+                                          use_cache=quantization != "int8" and shard is None)
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
         dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype)
+    plan = shard(cfg) if shard is not None else None
+    if plan is not None:
+        from kvserve.distributed.plan import shard_weights
+        weights = shard_weights(weights, plan)
     with _default_dtype(dtype), device:
-        model = build_model(cfg)
+        model = build_model(cfg if plan is None else plan.local_config(cfg))
     try:
         model.load_weights(int8_weights(weights) if quantization == "int8" else weights)
     finally:
@@ -105,6 +111,14 @@ def load_model(config: Any) -> tuple[nn.Module, ModelConfig]:
     if quantization == "int8":
         quantize_linears_int8(model)
     return model.eval(), cfg
+
+
+def load_model_config(config: Any) -> ModelConfig:
+    """The ModelConfig of the checkpoint an EngineConfig-like object names, without loading weights."""
+    path = resolve_model_path(getattr(config, "model", None))
+    if is_gguf(path):
+        return gguf_loader.gguf_model_config(gguf_loader.open_gguf(path))
+    return load_hf_config(path)
 
 
 def _load_gguf_weights(path: str, dtype: torch.dtype, keep_quantized: bool = False, use_cache: bool = True):

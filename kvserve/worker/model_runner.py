@@ -14,6 +14,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
+from kvserve.distributed.message import StepMessage
 from kvserve.errors import InvalidRequestError
 from kvserve.model.layers import release_unpacked_weights
 from kvserve.outputs import Logprob
@@ -24,11 +25,9 @@ from kvserve.structured_output import build_grammar_bitmask
 
 @dataclass
 class StepInputs:
-    """Host-side inputs of one step, built with numpy."""
+    """One step: the plain message every rank runs (StepMessage), and what the driver does with its logits."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: object
+    message: StepMessage
     sample_reqs: list[Request]        # requests whose step reaches the end of their tokens
     sample_rows: np.ndarray           # flattened rows that sample: per request its last token's, or with
                                       # drafts the k + 1 rows of its last token and its drafts
@@ -72,6 +71,7 @@ class ModelRunner:
             _return_freed_memory()
         self.small_step_threads: int | None = None   # set by reserve_frontend_core(), with _all_threads
         self.lora = None   # the engine's LoRAManager when LoRA is enabled (kvserve/lora)
+        self.executor = None   # tensor parallelism: the driver's TPExecutor, which sends every step to the workers
 
     @property
     def models(self) -> list[torch.nn.Module]:
@@ -167,36 +167,57 @@ class ModelRunner:
                 if last > first:
                     prompt_lp.append((req, first, row + first - start, last - first))
             row += n
-        meta = build_attention_metadata(query_lens, seq_lens, tables, self.kv.block_size, self.device)
-        return StepInputs(self._long(ids), self._long(np.concatenate(pos)), meta, sample_reqs,
-                          np.asarray(sample_rows, np.int64), prompt_lp)
+        # the step's compute_logits calls, in the order the driver makes them: prompt logprobs, then sampling
+        calls = [np.arange(r, r + count) for _, _, r, count in prompt_lp] + ([sample_rows] if sample_reqs else [])
+        message = StepMessage.build(ids, np.concatenate(pos), query_lens, seq_lens, tables, sched.block_copies,
+                                    calls)
+        return StepInputs(message, sample_reqs, np.asarray(sample_rows, np.int64), prompt_lp)
 
     def _long(self, values) -> torch.Tensor:
         return torch.as_tensor(values, dtype=torch.long).to(self.device)
+
+    def run_forward(self, msg: StepMessage) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's forward from its message, as every tensor-parallel rank runs it: (hidden, ids, positions)."""
+        if len(msg.block_copies):
+            self._copy_blocks(msg.block_copies.tolist())
+        self._set_threads(msg.num_tokens)
+        meta = build_attention_metadata(msg.query_lens.tolist(), msg.seq_lens.tolist(), msg.tables(),
+                                        self.kv.block_size, self.device)
+        ids, positions = self._long(msg.input_ids), self._long(msg.positions)
+        return self.model(ids, positions, meta), ids, positions
+
+    def run_logits(self, hidden: torch.Tensor, msg: StepMessage) -> list[torch.Tensor | None]:
+        """Every compute_logits call of the step, in order (tensor-parallel: the others' ranks get None)."""
+        return [self.model.compute_logits(hidden[self._long(rows)]) for rows in msg.logits_calls()]
+
+    @torch.inference_mode()
+    def execute_step_message(self, msg: StepMessage) -> None:
+        """A tensor-parallel worker's step: the driver's forward and logits calls on this rank's shard."""
+        hidden, _, _ = self.run_forward(msg)
+        self.run_logits(hidden, msg)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> dict[str, list[int]]:
         """One forward over every scheduled token; returns request id -> the tokens it emits (one, or with drafts
         the accepted drafts and one more)."""
-        if sched.block_copies:
-            self._copy_blocks(sched.block_copies)
-        self._set_threads(sched.num_batched_tokens)
         inp = self.prepare_inputs(sched)
+        if self.executor is not None:
+            self.executor.send_step(inp.message)   # the other ranks run the same step on their shards
         if self.lora is not None:
             self._set_lora_mapping(sched)
         try:
-            hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
+            hidden, ids, positions = self.run_forward(inp.message)
         finally:
             if self.lora is not None:
                 self.lora.mapping.clear()
         if self.draft_model is not None:
-            self._write_draft_kv(sched, inp)
+            self._write_draft_kv(sched, ids, positions)
+        logits = self.run_logits(hidden, inp.message)
         if inp.prompt_lp:
-            self._prompt_logprobs(hidden, inp)
+            self._prompt_logprobs(logits, inp)
         if not inp.sample_reqs:
             return {}
-        logits = self.model.compute_logits(hidden[torch.as_tensor(inp.sample_rows, device=hidden.device)])
-        return self._sample(logits, inp.sample_reqs)
+        return self._sample(logits[-1], inp.sample_reqs)
 
     def _set_lora_mapping(self, sched: SchedulerOutput) -> None:
         """Put the step's adapters into slots and tell every adapted linear each row's slot (-1: base model)."""
@@ -245,7 +266,7 @@ class ModelRunner:
         return emitted
 
     # ----- speculative decoding: the draft model's proposals -----
-    def _write_draft_kv(self, sched: SchedulerOutput, inp: StepInputs) -> None:
+    def _write_draft_kv(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """The draft model's KV for the step's tokens, skipping the positions its last proposal already wrote.
 
         A request verifying k drafts computes its last token and d1..dk; the proposal wrote the KV of the last
@@ -270,7 +291,7 @@ class ModelRunner:
             return
         meta = build_attention_metadata(query_lens, seq_lens, tables, self.kv.block_size, self.device)
         idx = self._long(rows)
-        self.draft_model(inp.input_ids[idx], inp.positions[idx], meta)   # only its KV is wanted
+        self.draft_model(input_ids[idx], positions[idx], meta)   # only its KV is wanted
 
     @torch.inference_mode()
     def propose_drafts(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
@@ -323,14 +344,13 @@ class ModelRunner:
                 req.logprobs.append(_logprob_dict(ids[i], vals[i], ranks[i], k))
                 req.cumulative_logprob += vals[i][0]
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> None:
-        for req, first, first_row, count in inp.prompt_lp:
+    def _prompt_logprobs(self, logits: list[torch.Tensor], inp: StepInputs) -> None:
+        for (req, first, _, count), step_logits in zip(inp.prompt_lp, logits):
             k = req.params.prompt_logprobs
             if first == 0:
                 req.prompt_logprobs = [None]   # the first prompt token has no logprob
-            logits = self.model.compute_logits(hidden[first_row:first_row + count])
-            targets = torch.as_tensor(req.prompt_token_ids[first + 1:first + 1 + count], device=logits.device)
-            lp = compute_prompt_logprobs(logits, targets, k)
+            targets = torch.as_tensor(req.prompt_token_ids[first + 1:first + 1 + count], device=step_logits.device)
+            lp = compute_prompt_logprobs(step_logits, targets, k)
             ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
             req.prompt_logprobs.extend(_logprob_dict(ids[j], vals[j], ranks[j], k) for j in range(count))
             req.num_prompt_logprobs_done = first + count

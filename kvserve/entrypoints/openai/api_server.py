@@ -214,7 +214,7 @@ def _add_server_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSet
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await engine.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache")
     @api_route
@@ -291,7 +291,7 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings, host: str, port
         name = settings.served_model_names[0]
         key = f' -H "Authorization: Bearer {settings.api_key}"' if settings.api_key else ""
         return (f"kvserve: ready at http://{bound_host}:{bound_port} serving {name!r} "
-                f"({str(llm.dtype).removeprefix('torch.')}, KV cache {llm.num_kv_blocks} blocks x {llm.block_size} "
+                f"({str(llm.dtype).removeprefix('torch.')}{llm.parallel_description()}, KV cache {llm.num_kv_blocks} blocks x {llm.block_size} "
                 f"tokens = {llm.num_kv_blocks * llm.block_size} tokens{llm.kv_cache_description()}, "
                 f"max_model_len {llm.max_model_len})\n"
                 f"kernels: {llm.kernel_summary}\n"
@@ -303,9 +303,17 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings, host: str, port
                 f"\"content\": \"Name three planets.\"}}], \"max_tokens\": 32}}'")
 
     server = _Server(config, engine, ready_line, shutdown_timeout_s)
+
+    def engine_died():   # e.g. a tensor-parallel worker died: nothing can be served, so the server exits (status 1)
+        server.should_exit = True
+    engine.on_dead.append(engine_died)
     # uvicorn re-raises a caught signal once it has shut down; a no-op handler makes that a clean exit (status 0)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
+    llm.shutdown()
+    if engine.dead_error is not None:
+        logger.error("kvserve: server stopped: the engine died (%s)", engine.dead_error)
+        return 1
     logger.info("kvserve: server stopped")
     return 0 if server.started else 1

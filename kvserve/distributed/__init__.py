@@ -1,0 +1,24 @@
+"""Beyond one process: tensor parallelism (executor.py, plan.py, comm.py, message.py) and data-parallel replicas
+on Ray (replicas.py)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvserve.distributed.plan import check_world, make_plans
+
+
+def start_tensor_parallel(config, device: torch.device):
+    """Check that the model splits over config.tensor_parallel_size ranks, give this process its share of the
+    cores, and start the other ranks (TPExecutor)."""
+    from kvserve.distributed.executor import TPExecutor
+    from kvserve.model import load_model_config
+    size = config.tensor_parallel_size
+    backend = config.distributed_executor_backend or "mp"
+    make_plans(load_model_config(config), size)   # a model that does not split fails before any process starts
+    cores = len(os.sched_getaffinity(0))
+    check_world(size, cores, backend)
+    threads = config.num_threads or max(1, cores // size)
+    torch.set_num_threads(threads)
+    return TPExecutor(config, device, threads)

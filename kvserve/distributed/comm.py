@@ -1,0 +1,83 @@
+"""The tensor-parallel group's collectives: gloo on the CPU, NCCL on CUDA, on a process group of the engine's own
+(not torch.distributed's global one, so that one process may hold several engines one after another)."""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from kvserve.errors import EngineDeadError
+
+# how long a collective waits for the other ranks: only ever inside a step, where every rank is working
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("KVSERVE_TP_TIMEOUT_S", "300"))
+
+# the fused C++ layer stack's all-reduce hook: (bf16 data, number of values)
+ALL_REDUCE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+
+
+class TPComm:
+    """Rank `rank` of `size` in a tensor-parallel group. A failed collective (a rank died) raises EngineDeadError,
+    and every later one at once."""
+
+    def __init__(self, host: str, port: int, rank: int, size: int, device: torch.device, store=None):
+        self.rank, self.size, self.device = rank, size, device
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        # rank 0 made the store (it listens); the others connect to it
+        self.store = store if store is not None else dist.TCPStore(host, port, size, False, timeout=timeout)
+        if device.type == "cuda":
+            self.group = dist.ProcessGroupNCCL(self.store, rank, size)
+        else:
+            self.group = dist.ProcessGroupGloo(self.store, rank, size, timeout)
+        self.error: str | None = None
+        # kept alive as long as the group: the fused stack holds its address
+        self.c_all_reduce = ALL_REDUCE_FN(self._all_reduce_from_c)
+        self.c_all_reduce_ptr = ctypes.cast(self.c_all_reduce, ctypes.c_void_p).value
+
+    @staticmethod
+    def make_store(host: str, size: int):
+        """Rank 0's store, on a free port (store.port)."""
+        return dist.TCPStore(host, 0, size, True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` over the ranks, in place."""
+        self._run(lambda: self.group.allreduce([t]))
+
+    def gather_columns(self, t: torch.Tensor, per_rank: int, total: int) -> torch.Tensor | None:
+        """Rank 0: the ranks' [rows, <= per_rank] slices side by side, [rows, total]; other ranks: None."""
+        if t.shape[1] < per_rank:   # the last rank's vocabulary slice may be short
+            t = torch.nn.functional.pad(t, (0, per_rank - t.shape[1]))
+        t = t.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank != 0:
+            self._run(lambda: self.group.gather([], [t], opts))
+            return None
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self._run(lambda: self.group.gather([parts], [t], opts))
+        return torch.cat(parts, dim=1)[:, :total]
+
+    def _run(self, start) -> None:
+        self.raise_if_failed()
+        try:
+            start().wait()
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            raise EngineDeadError(f"a tensor-parallel rank stopped answering: {self.error}") from e
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"a tensor-parallel rank stopped answering: {self.error}")
+
+    def _all_reduce_from_c(self, ptr: int, numel: int) -> None:
+        # an exception cannot cross ctypes: it is kept, and FusedLayers.forward raises it after the call
+        if self.error is not None:
+            return
+        try:
+            self.all_reduce(torch.frombuffer((ctypes.c_uint16 * numel).from_address(ptr), dtype=torch.bfloat16))
+        except Exception as e:   # noqa: BLE001 - recorded in self.error (EngineDeadError) or here
+            if self.error is None:
+                self.error = f"{type(e).__name__}: {e}"

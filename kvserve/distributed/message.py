@@ -1,0 +1,84 @@
+"""StepMessage: everything a rank needs to run one step's forward, as plain arrays (no live request objects).
+
+The driver builds it from the scheduler's output (ModelRunner.prepare_inputs), runs it itself, and sends it to the
+other tensor-parallel ranks, which run exactly the same forward and the same compute_logits calls (the LM head is
+vocab-parallel: every rank takes part in every one). Encoded as a JSON header and the arrays' raw bytes: nothing
+is unpickled on the receiving side.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+
+@dataclass
+class StepMessage:
+    """One step: the tokens, their positions, each sequence's query and total lengths and block table, the
+    copy-on-write block copies to do first, and the row sets of the step's compute_logits calls, in call order."""
+
+    input_ids: np.ndarray        # int64 [T]
+    positions: np.ndarray        # int64 [T]
+    query_lens: np.ndarray       # int64 [B]
+    seq_lens: np.ndarray         # int64 [B]
+    block_tables: np.ndarray     # int64 [sum of table lengths], each sequence's blocks one after another
+    table_lens: np.ndarray       # int64 [B]
+    block_copies: np.ndarray     # int64 [C, 2] (source, destination)
+    logits_rows: np.ndarray      # int64 [sum of call lengths]: the hidden rows of each compute_logits call
+    logits_lens: np.ndarray      # int64 [calls]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def tables(self) -> list[list[int]]:
+        return _split(self.block_tables, self.table_lens)
+
+    def logits_calls(self) -> list[np.ndarray]:
+        """The rows of every compute_logits call of the step, in order."""
+        ends = np.cumsum(self.logits_lens)
+        return [self.logits_rows[e - n:e] for e, n in zip(ends, self.logits_lens)]
+
+    @staticmethod
+    def build(input_ids, positions, query_lens, seq_lens, tables: list[list[int]], block_copies,
+              logits_calls: list) -> StepMessage:
+        flat = [b for t in tables for b in t]
+        rows = np.concatenate([np.asarray(r, np.int64) for r in logits_calls]) if logits_calls else []
+        return StepMessage(_i64(input_ids), _i64(positions), _i64(query_lens), _i64(seq_lens), _i64(flat),
+                           _i64([len(t) for t in tables]), _i64(block_copies).reshape(-1, 2), _i64(rows),
+                           _i64([len(r) for r in logits_calls]))
+
+    def encode(self) -> bytes:
+        arrays = [np.ascontiguousarray(getattr(self, f.name), np.int64) for f in fields(self)]
+        header = json.dumps([[f.name, list(a.shape)] for f, a in zip(fields(self), arrays)]).encode()
+        return struct.pack("<I", len(header)) + header + b"".join(a.tobytes() for a in arrays)
+
+    @staticmethod
+    def decode(data: bytes) -> StepMessage:
+        (n,) = struct.unpack_from("<I", data)
+        header = json.loads(data[4:4 + n])
+        if [name for name, _ in header] != [f.name for f in fields(StepMessage)]:
+            raise ValueError("not a StepMessage")
+        offset, values = 4 + n, {}
+        for name, shape in header:
+            count = int(np.prod(shape, dtype=np.int64))
+            values[name] = np.frombuffer(data, np.int64, count, offset).reshape(shape).copy()   # writable
+            offset += 8 * count
+        if offset != len(data):
+            raise ValueError("StepMessage has trailing bytes")
+        return StepMessage(**values)
+
+
+def _i64(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _split(flat: np.ndarray, lens: np.ndarray) -> list[list[int]]:
+    out, start = [], 0
+    values = flat.tolist()
+    for n in lens.tolist():
+        out.append(values[start:start + n])
+        start += n
+    return out

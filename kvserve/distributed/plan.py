@@ -1,0 +1,146 @@
+"""Tensor-parallel sharding (Megatron-style): which slice of every weight a rank holds.
+
+    q|k|v, gate|up    column-parallel: a rank holds its heads' rows (its intermediate slice's rows)
+    o, down           row-parallel: a rank holds the matching input columns; partial outputs are all-reduced
+    embedding, head   vocab-parallel: a rank holds a slice of the vocabulary's rows
+
+Heads are dealt out by KV-head group, so a rank's query heads always attend to the KV heads it holds. With at
+least as many KV heads as ranks, the groups are dealt as evenly as possible (9 heads in 3 groups over 2 ranks: 6 and
+3); with fewer, each KV head is replicated on ranks // num_kv_heads ranks, which split its group's query heads. The
+intermediate size is split in units of 256 (whole K-quant blocks, so a GGUF's down_proj stays quantized) where it
+divides, else of 32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from kvserve.errors import InvalidRequestError
+from kvserve.model.model_config import ModelConfig
+from kvserve.model.quantization import KERNEL_FORMATS, QuantizedTensor
+
+logger = logging.getLogger("kvserve")
+
+# HF projection name -> how it is split: "q"/"kv" heads' rows, "inter" rows, "o"/"down" input columns
+_SPLITS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "o", "gate_proj": "inter", "up_proj": "inter",
+           "down_proj": "down"}
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Rank `rank` of `size`: [start, start + count) of the query heads, KV heads, intermediate and vocabulary."""
+
+    rank: int
+    size: int
+    head_dim: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]
+    vocab_per_rank: int   # the gathered logits' columns per rank (the last rank's slice may be shorter)
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The ModelConfig the rank's model is built from: its heads, intermediate slice and vocabulary rows."""
+        return dataclasses.replace(cfg, num_attention_heads=self.q_heads[1], num_key_value_heads=self.kv_heads[1],
+                                   intermediate_size=self.intermediate[1], vocab_size=self.vocab[1])
+
+
+def make_plans(cfg: ModelConfig, size: int) -> list[ShardPlan]:
+    """Every rank's plan; InvalidRequestError where the heads cannot be split over `size` ranks."""
+    h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    group = h // hkv
+    if size <= hkv:
+        kv = _even_split(hkv, size, 1)
+        q = [(s * group, n * group) for s, n in kv]
+    elif size % hkv == 0 and group % (size // hkv) == 0:
+        reps = size // hkv
+        per = group // reps
+        kv = [(r // reps, 1) for r in range(size)]
+        q = [((r // reps) * group + (r % reps) * per, per) for r in range(size)]
+    else:
+        raise InvalidRequestError(
+            f"tensor_parallel_size {size} does not divide this model's heads: {h} attention heads in {hkv} KV-head "
+            f"groups can be split over at most {hkv} ranks, or over a multiple of {hkv} that divides each group of "
+            f"{group}", "tensor_parallel_size")
+    i = cfg.intermediate_size
+    unit = 256 if i % 256 == 0 and i // 256 >= size else 32 if i % 32 == 0 and i // 32 >= size else 1
+    inter = _even_split(i, size, unit)
+    per_rank = -(-cfg.vocab_size // size)
+    vocab = [(min(r * per_rank, cfg.vocab_size), max(0, min(per_rank, cfg.vocab_size - r * per_rank)))
+             for r in range(size)]
+    if any(n == 0 for _, n in vocab):
+        raise InvalidRequestError(f"tensor_parallel_size {size} is more than the {cfg.vocab_size} vocabulary rows",
+                                  "tensor_parallel_size")
+    return [ShardPlan(r, size, cfg.head_dim, q[r], kv[r], inter[r], vocab[r], per_rank) for r in range(size)]
+
+
+def _even_split(total: int, parts: int, unit: int) -> list[tuple[int, int]]:
+    """(start, count) of `parts` slices of `total` in whole units, the first ones one unit larger where uneven."""
+    units = total // unit
+    out, start = [], 0
+    for r in range(parts):
+        n = (units // parts + (r < units % parts)) * unit
+        if r == parts - 1:
+            n = total - start   # a remainder below one unit goes to the last rank
+        out.append((start, n))
+        start += n
+    return out
+
+
+def shard_weights(weights: Iterable[tuple[str, object]], plan: ShardPlan) -> Iterator[tuple[str, object]]:
+    """The rank's slice of every HF-named tensor (dense or GGUF-quantized), one tensor at a time."""
+    num_dequantized = 0
+    for name, t in weights:
+        out = shard_tensor(name, t, plan)
+        num_dequantized += isinstance(t, QuantizedTensor) and not isinstance(out, QuantizedTensor)
+        yield name, out
+    if num_dequantized:
+        logger.warning("kvserve: rank %d: %d quantized weight(s) split inside a quantization block were dequantized "
+                       "for tensor parallelism", plan.rank, num_dequantized)
+
+
+def shard_tensor(name: str, t, plan: ShardPlan):
+    """One tensor's slice for the rank (unchanged where every rank holds all of it: norms, o/down biases)."""
+    parts = name.split(".")
+    kind = next((_SPLITS[p] for p in parts if p in _SPLITS), None)
+    is_weight = parts[-1] == "weight"
+    d = plan.head_dim
+    if name.startswith("model.embed_tokens.") or name.startswith("lm_head."):
+        return _rows(t, *plan.vocab)
+    if kind == "q":
+        return _rows(t, plan.q_heads[0] * d, plan.q_heads[1] * d)
+    if kind == "kv":
+        return _rows(t, plan.kv_heads[0] * d, plan.kv_heads[1] * d)
+    if kind == "inter":
+        return _rows(t, *plan.intermediate)
+    if kind == "o" and is_weight:
+        return _cols(t, plan.q_heads[0] * d, plan.q_heads[1] * d)
+    if kind == "down" and is_weight:
+        return _cols(t, *plan.intermediate)
+    return t
+
+
+def _rows(t, start: int, count: int):
+    if isinstance(t, QuantizedTensor):
+        return QuantizedTensor(t.ggml_type, t.data[start:start + count].contiguous(), t.cols, t.source)
+    return t.narrow(0, start, count).contiguous()
+
+
+def _cols(t, start: int, count: int):
+    if isinstance(t, QuantizedTensor):
+        _, values, nbytes = KERNEL_FORMATS[t.ggml_type]
+        if start % values == 0 and count % values == 0:
+            lo, hi = start // values * nbytes, (start + count) // values * nbytes
+            return QuantizedTensor(t.ggml_type, t.data[:, lo:hi].contiguous(), count, t.source)
+        return t.dequantize()[:, start:start + count].contiguous()
+    return t.narrow(1, start, count).contiguous()
+
+
+def check_world(size: int, num_cores: int, backend: str) -> None:
+    """Refuse more local ranks than cores (each rank needs a core of its own to run its thread)."""
+    if backend == "mp" and size > num_cores:
+        raise InvalidRequestError(f"tensor_parallel_size {size} is more ranks than this machine's {num_cores} cores; "
+                                  "each rank runs on cores of its own", "tensor_parallel_size")
+

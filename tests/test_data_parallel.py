@@ -1,0 +1,135 @@
+"""Data-parallel replicas on Ray behind one OpenAI server (kvserve/distributed/dp_engine.py): the router, the merged
+metrics, and two replicas of the bundled model on a local Ray instance (outputs, prefix routing, a killed replica)."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.core.scheduler import SchedulerStats
+from kvserve.distributed.metrics import merge_replica_metrics
+from kvserve.distributed.router import PrefixRouter
+from kvserve.metrics import EngineMetrics
+
+
+def test_router_prefers_the_cached_prefix_then_the_least_loaded():
+    router = PrefixRouter(3, block_size=4, blocks_per_replica=3)
+    a, b = list(range(10, 23)), list(range(50, 63))   # 13 tokens: 3 full blocks before the last token
+    assert len(router.block_hashes(a)) == 3 and len(router.block_hashes(a[:12])) == 2
+    assert router.block_hashes(a, "salt") != router.block_hashes(a)   # a salted prompt shares no blocks
+    router.started(0, router.block_hashes(b))
+    router.started(1, [])
+    first = router.choose(router.block_hashes(a))
+    assert first == 2   # no replica holds a's prefix: the least loaded one
+    router.started(2, router.block_hashes(a))
+    router.started(2, [])
+    router.started(2, [])
+    assert router.choose(router.block_hashes(a[:9] + [99] * 4)) == 2   # two cached blocks beat the load
+    assert router.cached_prefix(2, router.block_hashes(a[:9] + [99] * 4)) == 2
+    router.finished(1)
+    assert router.choose(router.block_hashes([1] * 13)) == 1
+    router.started(2, router.block_hashes([7] * 13))   # the view holds as many blocks as the replica: a's go first
+    assert router.cached_prefix(2, router.block_hashes(a)) == 0
+    router.remove(2)
+    assert router.choose(router.block_hashes([7] * 13)) in (0, 1)
+    router.remove(0), router.remove(1)
+    with pytest.raises(ValueError):
+        router.choose([])
+
+
+def test_metrics_are_labelled_per_replica_with_totals():
+    texts = {}
+    for replica, running in ((0, 3), (2, 4)):
+        m = EngineMetrics("m")
+        m.update_scheduler(SchedulerStats(num_running=running, num_waiting=1, kv_cache_usage=0.5, num_preemptions=0,
+                                          prefix_cache_queries=10 * running, prefix_cache_hits=running))
+        texts[replica] = m.render()
+    text = merge_replica_metrics(texts).decode()
+    assert 'vllm:num_requests_running{engine="0",model_name="m"} 3.0' in text
+    assert 'vllm:num_requests_running{engine="2",model_name="m"} 4.0' in text
+    assert 'vllm:num_requests_running{engine="total",model_name="m"} 7.0' in text
+    assert text.count("# TYPE vllm:num_requests_running gauge") == 1
+
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+PREFIX = ("You are a helpful assistant for a small bakery. You answer questions about bread, cakes and opening "
+          "hours politely and briefly, and you never invent prices. ")
+
+
+def test_two_replicas_serve_route_and_survive_a_kill(local_ray):
+    from kvserve.distributed.dp_engine import DataParallelEngine
+    from kvserve.entrypoints.openai.api_server import ServerSettings, build_app
+    config = EngineConfig(dtype="float32", distributed_executor_backend="ray", kv_cache_memory="64MiB")
+    prompts = [f"Question {i}: name a kind of {w}." for i, w in enumerate(["bread", "cake", "fruit", "tree"])]
+    one = LLM(dtype="float32", kv_cache_memory="64MiB")
+    want = [o.outputs[0].text for o in one.generate(prompts + [PREFIX + "When do you open?"],
+                                                    SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)]
+    engine = DataParallelEngine(config, 2, "m")
+    app = build_app(engine, ServerSettings(served_model_names=["m"]))
+
+    async def complete(http, prompt, max_tokens=12):
+        return await http.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": max_tokens,
+                                                         "temperature": 0})
+
+    def hits(text, replica):
+        line = next(x for x in text.splitlines() if x.startswith("vllm:prefix_cache_hits_total")
+                    and f'engine="{replica}"' in x)
+        return float(line.rsplit(" ", 1)[1])
+
+    async def scenario(http):
+        got = await asyncio.gather(*(complete(http, p) for p in prompts))
+        assert [r.json()["choices"][0]["text"] for r in got] == want[:4]
+        # replica 0 busy with a long request: the first prefixed prompt goes to replica 1 (least loaded)...
+        busy = asyncio.ensure_future(complete(http, "Tell me a long story about bread.", 48))
+        while not engine.router.load[0]:
+            await asyncio.sleep(0.01)
+        first = await complete(http, PREFIX + "When do you open?")
+        assert first.json()["choices"][0]["text"] == want[4]
+        await busy
+        # ...and the second one follows its cached prefix there, though both replicas are idle now
+        before = hits((await http.get("/metrics")).text, 1)
+        assert (await complete(http, PREFIX + "Do you sell rye bread?")).status_code == 200
+        metrics = (await http.get("/metrics")).text
+        assert hits(metrics, 1) - before >= len(PREFIX) // 8 // 16 and hits(metrics, 0) == 0
+        assert 'engine="total"' in metrics
+        # a replica killed while it serves a request: that request fails, the server goes on with the other
+        pending = [asyncio.ensure_future(complete(http, f"Count to {n}.", 64)) for n in (20, 30)]
+        while min(engine.router.load) < 1:
+            await asyncio.sleep(0.01)
+        ray.kill(engine.replicas[1])
+        results = await asyncio.gather(*pending)
+        assert sorted(r.status_code for r in results) == [200, 500]
+        failed = next(r for r in results if r.status_code == 500)
+        assert "replica 1 died" in failed.json()["error"]["message"]
+        again = await asyncio.gather(*(complete(http, p) for p in prompts[:2]))
+        assert [r.json()["choices"][0]["text"] for r in again] == want[:2]
+        assert (await http.get("/health")).status_code == 200
+        assert 'engine="1"' not in (await http.get("/metrics")).text
+
+    async def main():
+        engine.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://m",
+                                         timeout=120) as http:
+                await scenario(http)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+def test_data_parallel_needs_ray_backend():
+    from kvserve.entrypoints.cli import main
+    assert main(["serve", "--data-parallel-size", "2"]) != 0

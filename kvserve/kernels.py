@@ -37,7 +37,7 @@ from kvserve.attention import fp8, kv_layout
 logger = logging.getLogger("kvserve")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "lora.cpp", "layers.cpp")
+_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "lora.cpp", "layers.cpp", "shm.cpp")
 
 
 def _read_source() -> str:
@@ -164,6 +164,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = None
+    lib.kvserve_shm_all_reduce.argtypes = [p, i64, i64, i64, p, p, i64, i64, ctypes.c_double]
+    lib.kvserve_shm_all_reduce.restype = ctypes.c_int
+    lib.kvserve_shm_abort.argtypes = [p]
+    lib.kvserve_shm_abort.restype = None
     lib.kvserve_quant_matmul.argtypes = [p, p, i64, i64, p, i64, i64, i64]
     lib.kvserve_quant_matmul.restype = ctypes.c_int
     lib.kvserve_lora_add.argtypes = [p, p, i64, i64, p, i64, i64, p]

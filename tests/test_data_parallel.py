@@ -130,6 +130,26 @@ def test_two_replicas_serve_route_and_survive_a_kill(local_ray):
     asyncio.run(main())
 
 
-def test_data_parallel_needs_ray_backend():
-    from kvserve.entrypoints.cli import main
-    assert main(["serve", "--data-parallel-size", "2"]) != 0
+def test_tensor_parallel_ranks_as_ray_actors(local_ray):
+    """distributed_executor_backend="ray": rank 1 is a Ray actor, collectives over gloo (Ray may place ranks on
+    other machines); the same greedy tokens as one process."""
+    kwargs = dict(dtype="float32", quantization="none", kv_cache_memory="64MiB")
+    prompts = ["The capital of France is", "def add(a, b):"]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tp = LLM(tensor_parallel_size=2, distributed_executor_backend="ray", **kwargs)
+    try:
+        assert "tensor parallel 2 (ray, gloo all-reduce" in tp.llm_engine.parallel_description()
+        got = [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)]
+    finally:
+        tp.llm_engine.shutdown()
+    assert got == [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
+
+
+def test_parallel_flags():
+    from kvserve.entrypoints.cli import build_parser, engine_config_from_args, main
+    args = build_parser().parse_args(["serve", "-tp", "2", "--distributed-executor-backend", "ray", "--ray-address",
+                                      "auto", "-dp", "3"])
+    config = engine_config_from_args(args)
+    assert (config.tensor_parallel_size, config.distributed_executor_backend, config.ray_address,
+            args.data_parallel_size) == (2, "ray", "auto", 3)
+    assert main(["serve", "--data-parallel-size", "2"]) != 0   # replicas run on Ray: the backend must say so

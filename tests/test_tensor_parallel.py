@@ -2,6 +2,7 @@
 (two processes over gloo), the fused C++ stack against the modules on every rank, and the failures."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -11,7 +12,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.distributed.comm import TPComm
+from kvserve.distributed.comm import TPComm, create_shm_segment
 from kvserve.distributed.message import StepMessage
 from kvserve.distributed.plan import check_world, make_plans, shard_tensor
 from kvserve.errors import EngineDeadError, InvalidRequestError
@@ -131,7 +132,8 @@ def test_tp2_equals_tp1_on_the_bundled_model():
         lp = tp.generate(prompts[0], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
         stats = tp.llm_engine.scheduler
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-        assert "tensor parallel 2 (mp, 1 thread per rank)" in tp.llm_engine.parallel_description()
+        assert "tensor parallel 2 (mp, shared-memory all-reduce, 1 thread per rank)" in \
+            tp.llm_engine.parallel_description()
     finally:
         tp.llm_engine.shutdown()
     one = LLM(**kwargs)
@@ -190,7 +192,8 @@ def _check_worker_death(llm):
 
 def test_fused_stack_equals_the_modules_on_every_rank(tmp_path, monkeypatch):
     """Two ranks as threads of this process, each with its shard of an int8 Qwen2 in bf16: the fused C++ stack
-    (its all-reduce hook calling the group) and the modules give bit-identical logits and pools on every rank
+    (its all-reduce hook calling the group's shared-memory all-reduce) and the modules give bit-identical logits
+    and pools on every rank
     (on CPUs without AVX-512 BF16 the stack is opened as in test_quantization.py)."""
     from kvserve import kernels
     import test_fused_layers as fused_tests
@@ -203,11 +206,13 @@ def test_fused_stack_equals_the_modules_on_every_rank(tmp_path, monkeypatch):
         monkeypatch.setattr(lib, "kvserve_has_packed_matmul", lambda: 1)
         monkeypatch.setattr(lib, "silu_mul_fast", True)
     store = TPComm.make_store("127.0.0.1", 2)
+    shm = create_shm_segment(2)
     results, errors = {}, []
 
     def rank(r):
         try:
-            comm = TPComm("127.0.0.1", store.port, r, 2, torch.device("cpu"), store=store if r == 0 else None)
+            comm = TPComm("127.0.0.1", store.port, r, 2, torch.device("cpu"), store=store if r == 0 else None,
+                          shm_path=shm)
             plans = []
             model, cfg = load_model(config, shard=lambda c: plans.extend(make_plans(c, 2)) or plans[r])
             model.set_tensor_parallel(comm, plans[r].vocab[0], plans[r].vocab_per_rank, cfg.vocab_size)
@@ -226,6 +231,7 @@ def test_fused_stack_equals_the_modules_on_every_rank(tmp_path, monkeypatch):
         t.start()
     for t in threads:
         t.join(120)
+    os.unlink(shm)
     assert not errors, errors
     for r in range(2):
         (fused_logits, fused_pools), (module_logits, module_pools) = results[r]

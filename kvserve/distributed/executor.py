@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvserve.errors import EngineDeadError, KVServeError, ModelLoadError
-from kvserve.distributed.comm import TPComm
+from kvserve.distributed.comm import TPComm, create_shm_segment
 from kvserve.distributed.message import StepMessage
 from kvserve.distributed.plan import ShardPlan, make_plans
 
@@ -54,6 +54,7 @@ class WorkerArgs:
     authkey: bytes
     num_threads: int
     set_death_signal: bool   # mp: die with the driver (a Ray actor is Ray's to reap)
+    shm_path: str | None     # the shared-memory all-reduce's segment (ranks on the driver's machine)
 
 
 class TPExecutor:
@@ -73,13 +74,15 @@ class TPExecutor:
         self.store = TPComm.make_store(host, self.size)
         authkey = secrets.token_bytes(16)
         self.listener = Listener((host, 0), authkey=authkey)
+        # ranks on this machine all-reduce through shared memory; Ray's may be on other machines: gloo
+        self.shm_path = create_shm_segment(self.size) if self.backend == "mp" and device.type == "cpu" else None
         args = [WorkerArgs(config, r, self.size, host, self.store.port, self.listener.address, authkey, num_threads,
-                           self.backend == "mp") for r in range(1, self.size)]
-        self._start_workers(args)
+                           self.backend == "mp", self.shm_path) for r in range(1, self.size)]
         self.conns: list[Connection] = []
-        self._finalizer = weakref.finalize(self, _stop, self.conns, self._procs, self.listener)
+        self._finalizer = weakref.finalize(self, _stop, self.conns, self._procs, self.listener, self.shm_path)
+        self._start_workers(args)
         self.conns.extend(self._accept(args))
-        self.comm = TPComm(host, self.store.port, 0, self.size, device, store=self.store)
+        self.comm = TPComm(host, self.store.port, 0, self.size, device, store=self.store, shm_path=self.shm_path)
         threading.Thread(target=self._monitor, name="kvserve-tp-monitor", daemon=True).start()
 
     # ----- start-up -----
@@ -146,7 +149,8 @@ class TPExecutor:
         model.set_tensor_parallel(self.comm, p.vocab[0], p.vocab_per_rank, vocab_size)
 
     def wait_ready(self, kind: str) -> None:
-        """Wait until every worker reports `kind` ("loaded" or "kv"); a worker's error fails the start with it."""
+        """Wait until every worker reports `kind` ("loaded" or "kv"); a worker's error fails the start with it.
+        Once loaded, every rank has mapped the shared-memory segment: its file goes (the mappings stay)."""
         for rank, conn in enumerate(self.conns, start=1):
             while not conn.poll(1.0):
                 dead = self._dead_workers()
@@ -157,6 +161,8 @@ class TPExecutor:
                 raise ModelLoadError(f"tensor-parallel rank {rank} failed to start: {reply[1]}")
             if reply[0] != kind:
                 raise ModelLoadError(f"tensor-parallel rank {rank} answered {reply[0]!r}, expected {kind!r}")
+        if kind == "loaded":
+            _unlink(self.shm_path)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """The workers' pools get the driver's number of blocks (the scheduler addresses all ranks' pools alike)."""
@@ -205,6 +211,8 @@ class TPExecutor:
             return
         self.dead_error = message
         logger.error("kvserve: %s; the engine cannot go on", message)
+        if getattr(self, "comm", None) is not None:
+            self.comm.abort()   # ranks waiting in a shared-memory all-reduce
         for callback in self.on_dead:
             callback(message)
 
@@ -214,7 +222,8 @@ class TPExecutor:
         self._finalizer()
 
 
-def _stop(conns: list[Connection], procs: list, listener: Listener) -> None:
+def _stop(conns: list[Connection], procs: list, listener: Listener, shm_path: str | None) -> None:
+    _unlink(shm_path)
     for conn in conns:
         try:
             conn.send_bytes(_QUIT)
@@ -236,6 +245,14 @@ def _stop(conns: list[Connection], procs: list, listener: Listener) -> None:
     for conn in conns:
         conn.close()
     listener.close()
+
+
+def _unlink(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _ray_node_ip() -> str:
@@ -293,7 +310,7 @@ def _load_worker(args: WorkerArgs) -> tuple:
     if device.type == "cuda":
         device = torch.device("cuda", args.rank)
         torch.cuda.set_device(device)
-    comm = TPComm(args.host, args.store_port, args.rank, args.size, device)
+    comm = TPComm(args.host, args.store_port, args.rank, args.size, device, shm_path=args.shm_path)
     plans: list[ShardPlan] = []
     model, cfg = load_model(dataclasses.replace(args.config, device=str(device)),
                             shard=lambda c: plans.extend(make_plans(c, args.size)) or plans[args.rank])

@@ -127,11 +127,13 @@ class LLMEngine:
         return f" in fp8_{name} (scales {scales})"
 
     def parallel_description(self) -> str:
-        """', tensor parallel 2 (mp, 1 thread per rank)', or '' on one process."""
+        """', tensor parallel 2 (mp, shared-memory all-reduce, 1 thread per rank)', or '' on one process."""
         if self.executor is None:
             return ""
-        return (f", tensor parallel {self.executor.size} ({self.executor.backend}, {torch.get_num_threads()} "
-                f"thread{'s' if torch.get_num_threads() > 1 else ''} per rank)")
+        threads = self.num_threads
+        return (f", tensor parallel {self.executor.size} ({self.executor.backend}, "
+                f"{'shared-memory' if self.executor.comm.shm is not None else 'gloo'} all-reduce, {threads} "
+                f"thread{'s' if threads > 1 else ''} per rank)")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also done when the engine is collected)."""

@@ -3,6 +3,7 @@ metrics, and two replicas of the bundled model on a local Ray instance (outputs,
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import httpx
 import pytest
@@ -83,10 +84,11 @@ def test_two_replicas_serve_route_and_survive_a_kill(local_ray):
         return await http.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": max_tokens,
                                                          "temperature": 0})
 
-    def hits(text, replica):
-        line = next(x for x in text.splitlines() if x.startswith("vllm:prefix_cache_hits_total")
-                    and f'engine="{replica}"' in x)
+    def value(name, text, replica):
+        line = next(x for x in text.splitlines() if x.startswith(name) and f'engine="{replica}"' in x)
         return float(line.rsplit(" ", 1)[1])
+    hits = functools.partial(value, "vllm:prefix_cache_hits_total")
+    running = functools.partial(value, "vllm:num_requests_running")
 
     async def scenario(http):
         got = await asyncio.gather(*(complete(http, p) for p in prompts))
@@ -106,8 +108,8 @@ def test_two_replicas_serve_route_and_survive_a_kill(local_ray):
         assert 'engine="total"' in metrics
         # a replica killed while it serves a request: that request fails, the server goes on with the other
         pending = [asyncio.ensure_future(complete(http, f"Count to {n}.", 64)) for n in (20, 30)]
-        while min(engine.router.load) < 1:
-            await asyncio.sleep(0.01)
+        while running((await http.get("/metrics")).text, 1) < 1:   # replica 1 has taken its request
+            await asyncio.sleep(0.02)
         ray.kill(engine.replicas[1])
         results = await asyncio.gather(*pending)
         assert sorted(r.status_code for r in results) == [200, 500]
@@ -130,12 +132,16 @@ def test_two_replicas_serve_route_and_survive_a_kill(local_ray):
     asyncio.run(main())
 
 
-def test_tensor_parallel_ranks_as_ray_actors(local_ray):
+def test_tensor_parallel_ranks_as_ray_actors(local_ray, tmp_path):
     """distributed_executor_backend="ray": rank 1 is a Ray actor, collectives over gloo (Ray may place ranks on
-    other machines); the same greedy tokens as one process."""
-    kwargs = dict(dtype="float32", quantization="none", kv_cache_memory="64MiB")
-    prompts = ["The capital of France is", "def add(a, b):"]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    other machines); the same greedy tokens as one process, on a tiny random Qwen3."""
+    from model_utils import save_tiny_model
+    from tokenizer_utils import load_smollm2_tokenizer
+    save_tiny_model("qwen3", tmp_path, intermediate_size=96)
+    load_smollm2_tokenizer().save_pretrained(str(tmp_path))
+    kwargs = dict(model=str(tmp_path), dtype="float32", num_kv_blocks=32)
+    prompts = [{"prompt_token_ids": [5, 9, 13, 200, 7, 3]}, {"prompt_token_ids": list(range(20, 45))}]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     tp = LLM(tensor_parallel_size=2, distributed_executor_backend="ray", **kwargs)
     try:
         assert "tensor parallel 2 (ray, gloo all-reduce" in tp.llm_engine.parallel_description()

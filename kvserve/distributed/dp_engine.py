@@ -111,22 +111,26 @@ class DataParallelEngine:
             text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
             token_ids = self.tokenizer.encode(text) if isinstance(text, str) else []
         hashes = self.router.block_hashes(list(token_ids), cache_salt)
-        try:
-            replica = self.router.choose(hashes)
-        except ValueError:
-            raise EngineDeadError("every data-parallel replica has died") from None
-        stream = RequestStream(request_id)
-        self._streams[request_id] = (stream, replica)
-        self.router.started(replica, hashes)
-        try:
-            error = await self.replicas[replica].add.remote(request_id, prompt, params, priority, cache_salt)
-        except BaseException:
-            self._forget(request_id)
-            raise
-        if error is not None:
-            self._forget(request_id)
-            raise unpack_error(error)
-        return stream
+        while True:   # a replica that dies before it took the request: the request goes to another
+            try:
+                replica = self.router.choose(hashes)
+            except ValueError:
+                raise EngineDeadError("every data-parallel replica has died") from None
+            stream = RequestStream(request_id)
+            self._streams[request_id] = (stream, replica)
+            self.router.started(replica, hashes)
+            try:
+                error = await self.replicas[replica].add.remote(request_id, prompt, params, priority, cache_salt)
+            except BaseException as e:
+                self._forget(request_id)
+                if not _is_actor_death(e):
+                    raise
+                self._replica_died(replica, e)
+                continue
+            if error is not None:
+                self._forget(request_id)
+                raise unpack_error(error)
+            return stream
 
     def _check_can_accept(self) -> None:
         """Each replica applies max_waiting_requests to its own queue (EngineOverloadedError comes back from it)."""
@@ -204,6 +208,8 @@ class DataParallelEngine:
             self._forget(request_id)
 
     def _replica_died(self, replica: int, error: BaseException) -> None:
+        if not self.router.alive[replica]:
+            return
         logger.error("kvserve: data-parallel replica %d died (%s); it is out of rotation", replica,
                      type(error).__name__)
         self.router.remove(replica)
@@ -218,3 +224,7 @@ class DataParallelEngine:
             for callback in self.on_dead:
                 callback()
 
+
+def _is_actor_death(e: BaseException) -> bool:
+    import ray
+    return isinstance(e, ray.exceptions.RayActorError)

@@ -83,7 +83,9 @@ class TPExecutor:
         self._start_workers(args)
         self.conns.extend(self._accept(args))
         self.comm = TPComm(host, self.store.port, 0, self.size, device, store=self.store, shm_path=self.shm_path)
-        threading.Thread(target=self._monitor, name="kvserve-tp-monitor", daemon=True).start()
+        # holds the executor weakly: an engine dropped without shutdown() is collected, and its finalizer stops the
+        # workers
+        threading.Thread(target=_monitor, args=(weakref.ref(self),), name="kvserve-tp-monitor", daemon=True).start()
 
     # ----- start-up -----
     def _start_workers(self, args: list[WorkerArgs]) -> None:
@@ -129,6 +131,9 @@ class TPExecutor:
             except ModelLoadError:
                 self.shutdown()
                 raise
+        if sorted(conns) != list(range(1, len(args) + 1)):
+            self.shutdown()
+            raise ModelLoadError(f"tensor-parallel workers {sorted(conns)} connected, expected ranks 1..{len(args)}")
         return [conns[r] for r in sorted(conns)]
 
     def _check_started(self, deadline: float) -> None:
@@ -195,17 +200,6 @@ class TPExecutor:
         return [f"rank {i} (exit code {p.returncode})" for i, p in enumerate(self._procs, start=1)
                 if p.poll() is not None]
 
-    def _monitor(self) -> None:
-        """Report a worker's death as it happens (the engine may be idle, with no collective to fail)."""
-        while not self._stopping and not self._dead_workers():
-            if self.backend == "ray":
-                import ray
-                ray.wait(self._ray_refs, num_returns=1, timeout=1.0)
-            else:
-                time.sleep(0.2)
-        if not self._stopping:
-            self._died(f"tensor-parallel worker {', '.join(self._dead_workers())} died")
-
     def _died(self, message: str) -> None:
         if self.dead_error is not None:
             return
@@ -220,6 +214,25 @@ class TPExecutor:
         """Stop the workers (idempotent)."""
         self._stopping = True
         self._finalizer()
+
+
+def _monitor(ref: weakref.ref) -> None:
+    """Report a worker's death as it happens (the engine may be idle, with no collective to fail)."""
+    while True:
+        executor = ref()
+        if executor is None or executor._stopping:
+            return
+        dead = executor._dead_workers()
+        if dead:
+            executor._died(f"tensor-parallel worker {', '.join(dead)} died")
+            return
+        backend, refs = executor.backend, executor._ray_refs
+        del executor
+        if backend == "ray":
+            import ray
+            ray.wait(refs, num_returns=1, timeout=0.2)
+        else:
+            time.sleep(0.2)
 
 
 def _stop(conns: list[Connection], procs: list, listener: Listener, shm_path: str | None) -> None:

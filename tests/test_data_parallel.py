@@ -52,6 +52,7 @@ def test_metrics_are_labelled_per_replica_with_totals():
     assert 'vllm:num_requests_running{engine="0",model_name="m"} 3.0' in text
     assert 'vllm:num_requests_running{engine="2",model_name="m"} 4.0' in text
     assert 'vllm:num_requests_running{engine="total",model_name="m"} 7.0' in text
+    assert 'vllm:kv_cache_usage_perc{engine="total",model_name="m"} 0.5' in text   # a fraction: the mean
     assert text.count("# TYPE vllm:num_requests_running gauge") == 1
 
 

@@ -182,7 +182,7 @@ PROMPTS = [{"prompt_token_ids": [3 + (7 * i + j) % 250 for j in range(5 + 9 * i)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
-def test_tp2_equals_tp1_on_tiny_qwen(tiny_models, family):
+def test_tp2_equals_tp1_on_tiny_qwen(tiny_models, family, monkeypatch):
     kwargs = dict(model=tiny_models[family], dtype="float32", max_num_batched_tokens=16, block_size=4,
                   num_kv_blocks=14)
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
@@ -197,6 +197,8 @@ def test_tp2_equals_tp1_on_tiny_qwen(tiny_models, family):
             [o.token_ids for o in _outputs(LLM(**kwargs), PROMPTS[:2], seeded)]
         if family == "qwen2":
             _check_worker_death(tp)
+        else:
+            _check_driver_failure(tp, monkeypatch)
     finally:
         tp.llm_engine.shutdown()
 
@@ -211,6 +213,21 @@ def _check_worker_death(llm):
     start = time.monotonic()
     with pytest.raises(EngineDeadError):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert time.monotonic() - start < 10
+
+
+def _check_driver_failure(llm, monkeypatch):
+    """Rank 0 failing inside a step, while rank 1 waits in the step's all-reduce: the engine is dead (the ranks
+    cannot be paired up again), rank 1 is woken and exits, nothing hangs."""
+    from kvserve.model.llama import LlamaMLP
+
+    def broken(self, x):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(LlamaMLP, "__call__", broken)   # in this process only: rank 0
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 0 failed in the middle of a step"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.llm_engine.executor._procs[0].wait(timeout=10) != 0   # woken in its all-reduce: it gave up
     assert time.monotonic() - start < 10
 
 

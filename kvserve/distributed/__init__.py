@@ -7,6 +7,7 @@ import os
 import torch
 
 from kvserve.distributed.plan import check_world, make_plans
+from kvserve.errors import InvalidRequestError
 
 
 def start_tensor_parallel(config, device: torch.device):
@@ -17,6 +18,9 @@ def start_tensor_parallel(config, device: torch.device):
     size = config.tensor_parallel_size
     backend = config.distributed_executor_backend or "mp"
     make_plans(load_model_config(config), size)   # a model that does not split fails before any process starts
+    if device.type == "cuda" and config.kv_cache_memory is None and config.num_kv_blocks is None:
+        raise InvalidRequestError("tensor parallelism on CUDA needs kv_cache_memory (--kv-cache-memory): sizing the "
+                                  "KV cache by a profiling step is not done across ranks", "kv_cache_memory")
     cores = len(os.sched_getaffinity(0))
     check_world(size, cores, backend)
     threads = config.num_threads or max(1, cores // size)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
 import mmap
 import os
 import secrets
@@ -15,6 +16,8 @@ import torch.distributed as dist
 
 from kvserve import kernels
 from kvserve.errors import EngineDeadError
+
+logger = logging.getLogger("kvserve")
 
 # how long a collective waits for the other ranks: only ever inside a step, where every rank is working
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("KVSERVE_TP_TIMEOUT_S", "300"))
@@ -26,18 +29,24 @@ ALL_REDUCE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
 # shared-memory all-reduce (kvserve/csrc/shm.cpp): its header, and the bytes of one chunk per rank and buffer
 SHM_HEADER = 64 * 64
 SHM_CHUNK_BYTES = 4 << 20
+SHM_MAX_RANKS = 62   # csrc/shm.cpp's header
 _SHM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def create_shm_segment(size: int) -> str | None:
     """The driver's shared-memory segment for a group of `size` ranks on this machine (a file under /dev/shm,
     unlinked once every rank mapped it), or None where there is no /dev/shm or no C++ kernels."""
-    if not os.path.isdir("/dev/shm") or kernels.load() is None:
+    if not os.path.isdir("/dev/shm") or kernels.load() is None or size > SHM_MAX_RANKS:
         return None
     path = f"/dev/shm/kvserve-tp-{os.getpid()}-{secrets.token_hex(6)}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, SHM_HEADER + 2 * size * SHM_CHUNK_BYTES)
+    try:   # reserved now: a full /dev/shm (64 MiB in a default container) fails here, not with SIGBUS mid-step
+        os.posix_fallocate(fd, 0, SHM_HEADER + 2 * size * SHM_CHUNK_BYTES)
+    except OSError as e:
+        logger.warning("kvserve: no room for the tensor-parallel shared-memory segment in /dev/shm (%s); the ranks "
+                       "all-reduce through gloo", e)
+        os.unlink(path)
+        return None
     finally:
         os.close(fd)
     return path
@@ -92,6 +101,7 @@ class TPComm:
                                              t.data_ptr(), t.numel(), dtype, COLLECTIVE_TIMEOUT_S)
         if rc:
             self.error = "a rank died" if rc == 1 else f"no answer within {COLLECTIVE_TIMEOUT_S:.0f} s"
+            self.abort()   # the ranks that did arrive stop waiting too
             raise EngineDeadError(f"a tensor-parallel rank stopped answering: {self.error}")
 
     def abort(self) -> None:

@@ -124,12 +124,18 @@ class DataParallelEngine:
             except BaseException as e:
                 self._forget(request_id)
                 if not _is_actor_death(e):
+                    if isinstance(e, asyncio.CancelledError):   # the client left: the replica may have queued it
+                        self.replicas[replica].abort.remote(request_id)
                     raise
-                self._replica_died(replica, e)
+                self._replica_died(replica, f"{type(e).__name__}: {e}")
                 continue
             if error is not None:
                 self._forget(request_id)
-                raise unpack_error(error)
+                e = unpack_error(error)
+                if isinstance(e, EngineDeadError):   # its engine died, the actor lives on
+                    self._replica_died(replica, str(e))
+                    continue
+                raise e
             return stream
 
     def _check_can_accept(self) -> None:
@@ -186,17 +192,20 @@ class DataParallelEngine:
     async def _poll(self, replica: int) -> None:
         handle = self.replicas[replica]
         try:
-            while True:
-                for request_id, item in await handle.poll.remote(_POLL_S):
-                    self._deliver(request_id, item)
+            while self.router.alive[replica]:
+                items, dead = await handle.poll.remote(_POLL_S)
+                for request_id, item in items:
+                    self._deliver(replica, request_id, item)
+                if dead is not None:
+                    self._replica_died(replica, f"its engine died ({dead})")
         except asyncio.CancelledError:
             raise
         except Exception as e:   # noqa: BLE001 - a Ray actor error: the replica is gone
-            self._replica_died(replica, e)
+            self._replica_died(replica, f"{type(e).__name__}: {e}")
 
-    def _deliver(self, request_id: str, item: Any) -> None:
+    def _deliver(self, replica: int, request_id: str, item: Any) -> None:
         entry = self._streams.get(request_id)
-        if entry is None or entry[0].aborted:
+        if entry is None or entry[0].aborted or entry[1] != replica:   # a stale output of an earlier attempt
             return
         stream = entry[0]
         if isinstance(item, tuple):   # a packed error ends the request
@@ -207,12 +216,13 @@ class DataParallelEngine:
         if item.finished:
             self._forget(request_id)
 
-    def _replica_died(self, replica: int, error: BaseException) -> None:
+    def _replica_died(self, replica: int, why: str) -> None:
+        import ray
         if not self.router.alive[replica]:
             return
-        logger.error("kvserve: data-parallel replica %d died (%s); it is out of rotation", replica,
-                     type(error).__name__)
+        logger.error("kvserve: data-parallel replica %d died (%s); it is out of rotation", replica, why)
         self.router.remove(replica)
+        ray.kill(self.replicas[replica])   # a live actor whose engine died still holds its memory and CPUs
         failure = EngineDeadError(f"data-parallel replica {replica} died while serving this request")
         for rid, (stream, r) in list(self._streams.items()):
             if r == replica:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pickle
 import secrets
 import subprocess
 import sys
@@ -53,7 +54,7 @@ class WorkerArgs:
     address: tuple[str, int]
     authkey: bytes
     num_threads: int
-    set_death_signal: bool   # mp: die with the driver (a Ray actor is Ray's to reap)
+    local_process: bool   # mp: a process the driver started on its machine (exits with it); else a Ray actor
     shm_path: str | None     # the shared-memory all-reduce's segment (ranks on the driver's machine)
 
 
@@ -96,7 +97,7 @@ class TPExecutor:
                 ray.init(address=args[0].config.ray_address, log_to_driver=True, include_dashboard=False)
             actor = ray.remote(_RayWorker)
             for a in args:
-                handle = actor.options(num_cpus=a.num_threads).remote()
+                handle = actor.options(num_cpus=a.num_threads, num_gpus=int(self.device.type == "cuda")).remote()
                 self._procs.append(handle)
                 self._ray_refs.append(handle.run.remote(a.address, a.authkey, a.rank))
             return
@@ -156,11 +157,10 @@ class TPExecutor:
     def wait_ready(self, kind: str) -> None:
         """Wait until every worker reports `kind` ("loaded" or "kv"); a worker's error fails the start with it.
         Once loaded, every rank has mapped the shared-memory segment: its file goes (the mappings stay)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
         for rank, conn in enumerate(self.conns, start=1):
             while not conn.poll(1.0):
-                dead = self._dead_workers()
-                if dead:
-                    raise ModelLoadError(f"tensor-parallel worker(s) {dead} exited while starting; see their log")
+                self._check_started(deadline)
             reply = conn.recv()
             if reply[0] == "error":
                 raise ModelLoadError(f"tensor-parallel rank {rank} failed to start: {reply[1]}")
@@ -199,6 +199,10 @@ class TPExecutor:
             return [f"rank {self._ray_refs.index(r) + 1}" for r in done]
         return [f"rank {i} (exit code {p.returncode})" for i, p in enumerate(self._procs, start=1)
                 if p.poll() is not None]
+
+    def fail(self, message: str) -> None:
+        """The group cannot go on (rank 0 failed inside a step): the engine is dead, waiting ranks are woken."""
+        self._died(message)
 
     def _died(self, message: str) -> None:
         if self.dead_error is not None:
@@ -242,10 +246,11 @@ def _stop(conns: list[Connection], procs: list, listener: Listener, shm_path: st
             conn.send_bytes(_QUIT)
         except OSError:
             pass
+    deadline = time.monotonic() + 10
     for p in procs:
         if isinstance(p, subprocess.Popen):
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
@@ -289,13 +294,16 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int) -> None:
     conn = Client(address, authkey=authkey)
     conn.send(rank)
     args: WorkerArgs = conn.recv()
-    if args.set_death_signal:
+    if args.local_process:
         _die_with_parent()
     torch.set_num_threads(args.num_threads)
     try:
         runner, kv_dtype, max_model_len = _load_worker(args)
         conn.send(("loaded",))
-        _, num_blocks = conn.recv()
+        data = conn.recv_bytes()
+        if data[:1] == _QUIT:   # the driver failed to start
+            return
+        _, num_blocks = pickle.loads(data)
         runner.init_kv_cache(dataclasses.replace(args.config, num_kv_blocks=num_blocks), kv_dtype, max_model_len, 0)
         conn.send(("kv",))
         while True:
@@ -320,8 +328,8 @@ def _load_worker(args: WorkerArgs) -> tuple:
     from kvserve.model import load_model, resolve_device
     from kvserve.worker.model_runner import ModelRunner
     device = resolve_device(args.config.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", args.rank)
+    if device.type == "cuda":   # mp: one GPU per rank on this machine; Ray shows an actor only the GPU it gave it
+        device = torch.device("cuda", args.rank if args.local_process else 0)
         torch.cuda.set_device(device)
     comm = TPComm(args.host, args.store_port, args.rank, args.size, device, shm_path=args.shm_path)
     plans: list[ShardPlan] = []
@@ -335,13 +343,15 @@ def _load_worker(args: WorkerArgs) -> tuple:
 
 
 def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the driver dies, however it dies."""
-    try:
-        import ctypes
-        import signal
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    """Exit when the driver is gone, however it went (reparented: another parent pid). PR_SET_PDEATHSIG would
+    fire when the driver's thread that started this process ends, which need not be the driver's end."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, name="kvserve-tp-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":   # a worker process of the "mp" backend (TPExecutor._start_workers)

@@ -1,5 +1,5 @@
 """/metrics over data-parallel replicas: every replica's series labelled engine="i" (vLLM's label), and their sums
-labelled engine="total"."""
+labelled engine="total" (a fraction, vllm:kv_cache_usage_perc, gets the replicas' mean)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -25,6 +25,8 @@ def merge_replica_metrics(texts: dict[int, bytes]) -> bytes:
                 totals[family.name][key] = totals[family.name].get(key, 0.0) + s.value
     for name, family in families.items():
         for (sample_name, labels), value in totals[name].items():
+            if name.endswith("_perc"):
+                value /= len(texts)
             family.add_sample(sample_name, {**dict(labels), "engine": "total"}, value)
     registry = CollectorRegistry()
     registry.register(_Fixed(list(families.values())))

@@ -57,6 +57,9 @@ class ReplicaActor:
         """Start the engine thread; returns what the server shows of the engine."""
         self.engine.start()
         self.ready = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        # an engine that dies (its thread failed, one of its tensor-parallel workers died) wakes the poll
+        self.engine.on_dead.append(lambda: loop.call_soon_threadsafe(self.ready.set))
         e = self.llm
         return {"max_model_len": e.max_model_len, "vocab_size": e.vocab_size, "dtype": e.dtype,
                 "num_kv_blocks": e.num_kv_blocks, "block_size": e.block_size, "kernel_summary": e.kernel_summary,
@@ -85,16 +88,18 @@ class ReplicaActor:
         self.outbox.append((request_id, item))
         self.ready.set()
 
-    async def poll(self, timeout_s: float) -> list[tuple[str, Any]]:
-        """Every output (or packed error) since the last poll, waiting up to timeout_s for one."""
-        if not self.outbox:
+    async def poll(self, timeout_s: float) -> tuple[list[tuple[str, Any]], str | None]:
+        """Every output (or packed error) since the last poll, waiting up to timeout_s for one; and why the engine
+        died, once it has (the replica is then of no more use)."""
+        if not self.outbox and self.engine.dead_error is None:
             try:
                 await asyncio.wait_for(self.ready.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
         self.ready.clear()
         out, self.outbox = self.outbox, []
-        return out
+        dead = self.engine.dead_error
+        return out, None if dead is None else f"{type(dead).__name__}: {dead}"
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

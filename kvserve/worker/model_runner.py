@@ -3,6 +3,7 @@ flattened forward pass and samples the next tokens."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.message import StepMessage
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import EngineDeadError, InvalidRequestError
 from kvserve.model.layers import release_unpacked_weights
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
@@ -186,23 +187,38 @@ class ModelRunner:
         ids, positions = self._long(msg.input_ids), self._long(msg.positions)
         return self.model(ids, positions, meta), ids, positions
 
-    def run_logits(self, hidden: torch.Tensor, msg: StepMessage) -> list[torch.Tensor | None]:
-        """Every compute_logits call of the step, in order (tensor-parallel: the others' ranks get None)."""
-        return [self.model.compute_logits(hidden[self._long(rows)]) for rows in msg.logits_calls()]
+    def iter_logits(self, hidden: torch.Tensor, msg: StepMessage) -> Iterator[torch.Tensor | None]:
+        """Every compute_logits call of the step, in order, one at a time (tensor-parallel: every rank makes them
+        all; rank 0 gets the logits, the others None)."""
+        for rows in msg.logits_calls():
+            yield self.model.compute_logits(hidden[self._long(rows)])
 
     @torch.inference_mode()
     def execute_step_message(self, msg: StepMessage) -> None:
         """A tensor-parallel worker's step: the driver's forward and logits calls on this rank's shard."""
         hidden, _, _ = self.run_forward(msg)
-        self.run_logits(hidden, msg)
+        for _ in self.iter_logits(hidden, msg):
+            pass
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> dict[str, list[int]]:
         """One forward over every scheduled token; returns request id -> the tokens it emits (one, or with drafts
         the accepted drafts and one more)."""
         inp = self.prepare_inputs(sched)
-        if self.executor is not None:
-            self.executor.send_step(inp.message)   # the other ranks run the same step on their shards
+        if self.executor is None:
+            return self._execute(sched, inp)
+        self.executor.send_step(inp.message)   # the other ranks run the same step on their shards
+        try:
+            return self._execute(sched, inp)
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            # the other ranks wait in this step's collectives: the ranks can no longer be paired up again
+            message = f"rank 0 failed in the middle of a step: {type(e).__name__}: {e}"
+            self.executor.fail(message)
+            raise EngineDeadError(message) from e
+
+    def _execute(self, sched: SchedulerOutput, inp: StepInputs) -> dict[str, list[int]]:
         if self.lora is not None:
             self._set_lora_mapping(sched)
         try:
@@ -212,12 +228,12 @@ class ModelRunner:
                 self.lora.mapping.clear()
         if self.draft_model is not None:
             self._write_draft_kv(sched, ids, positions)
-        logits = self.run_logits(hidden, inp.message)
+        logits = self.iter_logits(hidden, inp.message)
         if inp.prompt_lp:
             self._prompt_logprobs(logits, inp)
         if not inp.sample_reqs:
             return {}
-        return self._sample(logits[-1], inp.sample_reqs)
+        return self._sample(next(logits), inp.sample_reqs)
 
     def _set_lora_mapping(self, sched: SchedulerOutput) -> None:
         """Put the step's adapters into slots and tell every adapted linear each row's slot (-1: base model)."""
@@ -344,7 +360,8 @@ class ModelRunner:
                 req.logprobs.append(_logprob_dict(ids[i], vals[i], ranks[i], k))
                 req.cumulative_logprob += vals[i][0]
 
-    def _prompt_logprobs(self, logits: list[torch.Tensor], inp: StepInputs) -> None:
+    def _prompt_logprobs(self, logits: Iterator[torch.Tensor], inp: StepInputs) -> None:
+        # zip takes a request first, so `logits` yields exactly one call per request and no more
         for (req, first, _, count), step_logits in zip(inp.prompt_lp, logits):
             k = req.params.prompt_logprobs
             if first == 0:

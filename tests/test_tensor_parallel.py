@@ -21,7 +21,7 @@ from kvserve.model.quantization import FORMAT_IDS, QuantizedTensor, quantize_q8_
 from model_utils import save_tiny_model
 from tokenizer_utils import load_smollm2_tokenizer
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
 
 
 def _cfg(heads: int, kv_heads: int, intermediate: int = 1536, vocab: int = 49152) -> ModelConfig:
@@ -143,11 +143,10 @@ def _assert_same(got, want, tol=2e-3):
 
 def test_tp2_equals_tp1_on_the_bundled_model():
     """float32 greedy tokens and logprobs under chunked prefill (32-token steps), a shared prefix from the prefix
-    cache, preemptions (a 9-block pool) and a batch of 4; prompt logprobs too (every rank computes its slice)."""
+    cache, preemptions (an 8-block pool) and a batch of 3; prompt logprobs too (every rank computes its slice)."""
     prefix = "You are a careful assistant. Answer in one short sentence, and do not add anything else. "
-    prompts = [prefix + q for q in ("What is the capital of France?", "Name a prime number.", "What is 2 + 3?",
-                                    "Say hello in Spanish.")]
-    kwargs = dict(dtype="float32", quantization="none", max_num_batched_tokens=32, num_kv_blocks=9,
+    prompts = [prefix + q for q in ("What is the capital of France?", "Name a prime number.", "What is 2 + 3?")]
+    kwargs = dict(dtype="float32", quantization="none", max_num_batched_tokens=32, num_kv_blocks=8,
                   block_size=8)
     tp = LLM(tensor_parallel_size=2, **kwargs)
     try:

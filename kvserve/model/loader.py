@@ -90,9 +90,10 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     quantization = resolve_quantization(getattr(config, "quantization", "auto"), is_gguf(path), device)
     if is_gguf(path):
         dtype = resolve_dtype(getattr(config, "dtype", "auto"), device)   # a GGUF has no checkpoint dtype
-        # int8 streams the dequantized tensors one at a time into quantize (no dequantized cache); so does a shard
+        # int8 streams the dequantized tensors one at a time into quantize (no dequantized cache); a tensor-parallel
+        # rank reads the cache but never writes it (the ranks would write the same file at once)
         cfg, weights = _load_gguf_weights(path, dtype, keep_quantized=quantization == "gguf",
-                                          use_cache=quantization != "int8" and shard is None)
+                                          use_cache=quantization != "int8", write_cache=shard is None)
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
@@ -121,9 +122,11 @@ def load_model_config(config: Any) -> ModelConfig:
     return load_hf_config(path)
 
 
-def _load_gguf_weights(path: str, dtype: torch.dtype, keep_quantized: bool = False, use_cache: bool = True):
+def _load_gguf_weights(path: str, dtype: torch.dtype, keep_quantized: bool = False, use_cache: bool = True,
+                       write_cache: bool = True):
     """ModelConfig and HF-named weights of a GGUF file: the quantized matrices kept as they are, or everything
-    dequantized (from the dequantized-weight cache when it has them and use_cache, else streamed)."""
+    dequantized (from the dequantized-weight cache when it has them and use_cache, else streamed, and cached
+    where write_cache)."""
     if keep_quantized or not use_cache:
         reader = gguf_loader.open_gguf(path)
         cfg = gguf_loader.gguf_model_config(reader)
@@ -135,7 +138,7 @@ def _load_gguf_weights(path: str, dtype: torch.dtype, keep_quantized: bool = Fal
     reader = gguf_loader.open_gguf(path)
     cfg = gguf_loader.gguf_model_config(reader)
     weights = gguf_loader.iter_gguf_weights(reader, cfg)
-    if cache is None:
+    if cache is None or not write_cache:
         return cfg, weights
     weights = [(name, t.to(dtype)) for name, t in weights]
     weight_cache.write(cache, cfg, weights)

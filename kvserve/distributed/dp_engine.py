@@ -14,7 +14,7 @@ from typing import Any
 from kvserve.distributed.metrics import merge_replica_metrics
 from kvserve.distributed.replicas import ReplicaActor, ReplicaSummary, unpack_error
 from kvserve.distributed.router import PrefixRouter
-from kvserve.engine.async_engine import EngineStoppedError, RequestStream
+from kvserve.engine.async_engine import EngineStoppedError, RequestStream, stream_outputs
 from kvserve.errors import EngineDeadError, InvalidRequestError, LoRAError, ModelLoadError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
@@ -145,16 +145,8 @@ class DataParallelEngine:
         if not self._accepting or self._loop is None:
             raise EngineStoppedError("the server is shutting down and takes no new requests")
 
-    async def generate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                out = await stream.get()
-                yield out
-                if out.finished:
-                    return
-        finally:
-            if not stream.finished:
-                self.abort(stream.request_id)
+    def generate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        return stream_outputs(stream, self.abort)
 
     def abort(self, request_id: str) -> None:
         entry = self._streams.get(request_id)

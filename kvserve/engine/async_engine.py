@@ -67,6 +67,19 @@ class RequestStream:
         return item
 
 
+async def stream_outputs(stream: RequestStream, abort: Callable[[str], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs until it finishes; abort(request id) if the consumer stops early."""
+    try:
+        while True:
+            out = await stream.get()
+            yield out
+            if out.finished:
+                return
+    finally:
+        if not stream.finished:
+            abort(stream.request_id)
+
+
 class AsyncLLMEngine:
     """Serves many concurrent requests from one LLMEngine stepped by a background thread."""
 
@@ -177,17 +190,9 @@ class AsyncLLMEngine:
             raise compile_timeout_error(manager.compile_timeout_s)
         fut.result()   # the compile error, if any
 
-    async def generate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    def generate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs until it finishes; aborts it if the consumer stops early."""
-        try:
-            while True:
-                out = await stream.get()
-                yield out
-                if out.finished:
-                    return
-        finally:
-            if not stream.finished:
-                self.abort(stream.request_id)
+        return stream_outputs(stream, self.abort)
 
     def abort(self, request_id: str) -> None:
         """Abort a request: its KV blocks are freed before the next step."""

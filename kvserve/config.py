@@ -155,8 +155,6 @@ class EngineConfig:
         if self.tensor_parallel_size == 1:
             return
         refused = [("enable_lora", self.enable_lora, "LoRA adapters"),
-                   ("speculative_config", self.speculative_config is not None and self.speculative_config.model,
-                    "a draft model (n-gram and suffix speculation work)"),
                    ("calculate_kv_scales", self.calculate_kv_scales, "calibrated FP8 KV scales")]
         for name, on, what in refused:
             if on:

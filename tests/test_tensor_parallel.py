@@ -186,9 +186,12 @@ def test_tp2_equals_tp1_on_tiny_qwen(tiny_models, family, monkeypatch):
                   num_kv_blocks=14)
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
     want = _outputs(LLM(**kwargs), PROMPTS, params)
-    tp = LLM(tensor_parallel_size=2, **kwargs)
+    # qwen2 also verifies n-gram drafts (k + 1 rows per request through the gathered logits)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": None}
+    tp = LLM(tensor_parallel_size=2, speculative_config=spec if family == "qwen2" else None, **kwargs)
     try:
         _assert_same(_outputs(tp, PROMPTS, params), want, tol=1e-4)
+        assert family == "qwen3" or tp.llm_engine.scheduler.spec_stats.num_drafts > 0
         assert tp.llm_engine.scheduler.num_preemptions > 0   # 14 blocks of 4 tokens for 4 requests
         # seeded sampling draws on the driver only: the same tokens as one process
         seeded = SamplingParams(max_tokens=8, temperature=0.8, seed=7, ignore_eos=True)
@@ -213,6 +216,31 @@ def _check_worker_death(llm):
     with pytest.raises(EngineDeadError):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
     assert time.monotonic() - start < 10
+
+
+def test_tp2_with_a_draft_model_equals_no_speculation(tmp_path, gguf_path):
+    """The draft model runs whole on rank 0, its KV beside rank 0's shard; copy-on-write copies its proposals make
+    (n=2 samples fork a shared block) reach the other rank before its next step. Greedy output equals one process
+    without speculation, under chunked prefill, preemption and prefix caching."""
+    from test_spec_decode import STRESS, save_first_layer_draft, tiny_prompts
+    save_tiny_model("qwen2", tmp_path / "target", num_hidden_layers=3, vocab_size=96)
+    save_first_layer_draft(tmp_path / "target", tmp_path / "draft")
+    kwargs = dict(model=str(tmp_path / "target"), tokenizer=gguf_path, dtype="float32", **STRESS)
+    prompts = tiny_prompts(4)
+    params = SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True)
+    want = [[c.token_ids for c in o.outputs] for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
+    spec = {"model": str(tmp_path / "draft"), "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    tp = LLM(tensor_parallel_size=2, speculative_config=spec, **kwargs)
+    sent = []
+    send = tp.llm_engine.executor.send_block_copies
+    tp.llm_engine.executor.send_block_copies = lambda copies: (sent.append(copies), send(copies))
+    try:
+        got = [[c.token_ids for c in o.outputs] for o in tp.generate(prompts, params, use_tqdm=False)]
+        stats = tp.llm_engine.scheduler.spec_stats
+    finally:
+        tp.llm_engine.shutdown()
+    assert got == want
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and sent
 
 
 def _check_driver_failure(llm, monkeypatch):

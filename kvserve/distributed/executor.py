@@ -29,6 +29,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvserve.errors import EngineDeadError, KVServeError, ModelLoadError
@@ -39,7 +40,7 @@ from kvserve.distributed.plan import ShardPlan, make_plans
 logger = logging.getLogger("kvserve")
 
 START_TIMEOUT_S = float(os.environ.get("KVSERVE_TP_START_TIMEOUT_S", "600"))   # workers loading their shards
-_STEP, _QUIT = b"S", b"Q"
+_STEP, _COPY, _QUIT = b"S", b"C", b"Q"
 
 
 @dataclasses.dataclass
@@ -177,14 +178,21 @@ class TPExecutor:
 
     # ----- steps -----
     def send_step(self, msg: StepMessage) -> None:
+        self._send(_STEP + msg.encode())
+
+    def _send(self, data: bytes) -> None:
         self._check_alive()
-        data = _STEP + msg.encode()
         try:
             for conn in self.conns:
                 conn.send_bytes(data)
         except OSError as e:
             self._died(f"sending a step to a tensor-parallel worker failed: {e}")
             self._check_alive()
+
+    def send_block_copies(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write copies made between steps (a draft model's proposal allocating blocks): the workers
+        copy their pools' blocks before the next step."""
+        self._send(_COPY + np.asarray(copies, np.int64).tobytes())
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
@@ -310,6 +318,9 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int) -> None:
             data = conn.recv_bytes()
             if data[:1] == _QUIT:
                 return
+            if data[:1] == _COPY:
+                runner.copy_blocks(np.frombuffer(data, np.int64, offset=1).reshape(-1, 2).tolist())
+                continue
             runner.execute_step_message(StepMessage.decode(data[1:]))
     except (EOFError, ConnectionError):
         return   # the driver is gone

@@ -193,7 +193,9 @@ class LLMEngine:
             raise InvalidRequestError(f"speculative_config: the draft model's vocabulary has {draft_config.vocab_size}"
                                       f" tokens, the target's {self.vocab_size}: they must be the same",
                                       "speculative_config")
-        num_draft, num_target = _num_parameters(draft), _num_parameters(self.model)
+        # tensor-parallel: the target here is rank 0's shard (the largest), the draft runs whole on rank 0
+        num_draft = _num_parameters(draft)
+        num_target = _num_parameters(self.model) * (self.executor.size if self.executor is not None else 1)
         if num_draft >= num_target:
             raise InvalidRequestError(f"speculative_config: the draft model ({num_draft:,} parameters) is not smaller "
                                       f"than the target ({num_target:,}): it would only slow decoding down",

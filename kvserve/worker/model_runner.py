@@ -324,6 +324,8 @@ class ModelRunner:
         copies = self.kv.take_block_copies()
         if copies:   # copy-on-write before the draft writes into the copies
             self._copy_blocks(copies)
+            if self.executor is not None:   # the other ranks' pools of the target too, before their next step
+                self.executor.send_block_copies(copies)
         drafts = [[] for _ in live]
         for step in range(max(limits, default=0)):
             idx = [i for i, limit in enumerate(limits) if limit > step]
@@ -340,6 +342,10 @@ class ModelRunner:
             req.draft_kv_written = (start, start + limit, req.num_preemptions)
         by_req = {id(req): d for req, d in zip(live, drafts)}
         return [by_req.get(id(req), []) for req in reqs]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write copies sent by the driver outside a step (a tensor-parallel worker)."""
+        self._copy_blocks(copies)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks into the fresh ones before they are written."""

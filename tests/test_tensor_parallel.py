@@ -185,7 +185,8 @@ def test_tp2_equals_tp1_on_tiny_qwen(tiny_models, family, monkeypatch):
     kwargs = dict(model=tiny_models[family], dtype="float32", max_num_batched_tokens=16, block_size=4,
                   num_kv_blocks=14)
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
-    want = _outputs(LLM(**kwargs), PROMPTS, params)
+    one = LLM(**kwargs)
+    want = _outputs(one, PROMPTS, params)
     # qwen2 also verifies n-gram drafts (k + 1 rows per request through the gathered logits)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": None}
     tp = LLM(tensor_parallel_size=2, speculative_config=spec if family == "qwen2" else None, **kwargs)
@@ -196,7 +197,7 @@ def test_tp2_equals_tp1_on_tiny_qwen(tiny_models, family, monkeypatch):
         # seeded sampling draws on the driver only: the same tokens as one process
         seeded = SamplingParams(max_tokens=8, temperature=0.8, seed=7, ignore_eos=True)
         assert [o.token_ids for o in _outputs(tp, PROMPTS[:2], seeded)] == \
-            [o.token_ids for o in _outputs(LLM(**kwargs), PROMPTS[:2], seeded)]
+            [o.token_ids for o in _outputs(one, PROMPTS[:2], seeded)]
         if family == "qwen2":
             _check_worker_death(tp)
         else:

@@ -247,11 +247,19 @@ def test_tp2_with_a_draft_model_equals_no_speculation(tmp_path, gguf_path):
 def _check_driver_failure(llm, monkeypatch):
     """Rank 0 failing inside a step, while rank 1 waits in the step's all-reduce: the engine is dead (the ranks
     cannot be paired up again), rank 1 is woken and exits, nothing hangs."""
+    from kvserve.errors import RequestFailedError
     from kvserve.model.llama import LlamaMLP
 
-    def broken(self, x):
+    def broken(*args):
         raise RuntimeError("injected")
-    monkeypatch.setattr(LlamaMLP, "__call__", broken)   # in this process only: rank 0
+    # after the step's last collective (sampling): its requests fail, as on one process, and the group goes on
+    runner = llm.llm_engine.runner
+    with monkeypatch.context() as m:
+        m.setattr(runner, "_sample", broken)
+        with pytest.raises(RequestFailedError):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+    monkeypatch.setattr(LlamaMLP, "__call__", broken)   # inside the forward, in this process only: rank 0
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match="rank 0 failed in the middle of a step"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)

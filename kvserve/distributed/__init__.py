@@ -18,6 +18,10 @@ def start_tensor_parallel(config, device: torch.device):
     size = config.tensor_parallel_size
     backend = config.distributed_executor_backend or "mp"
     make_plans(load_model_config(config), size)   # a model that does not split fails before any process starts
+    if device.type == "cuda" and backend == "ray":
+        raise InvalidRequestError("tensor parallelism on CUDA runs its ranks as local processes: use "
+                                  "distributed_executor_backend mp (Ray would not reserve rank 0's GPU)",
+                                  "distributed_executor_backend")
     if device.type == "cuda" and config.kv_cache_memory is None and config.num_kv_blocks is None:
         raise InvalidRequestError("tensor parallelism on CUDA needs kv_cache_memory (--kv-cache-memory): sizing the "
                                   "KV cache by a profiling step is not done across ranks", "kv_cache_memory")

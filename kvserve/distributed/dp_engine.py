@@ -29,7 +29,7 @@ class DataParallelEngine:
 
     def __init__(self, config, num_replicas: int, model_name: str, max_waiting_requests: int | None = None):
         import ray
-        from kvserve.model import load_tokenizer
+        from kvserve.model import load_tokenizer, resolve_device
         from kvserve.engine.llm_engine import _read_template
         if config.enable_lora:
             raise LoRAError("LoRA adapters are not served by data-parallel replicas yet")
@@ -37,8 +37,10 @@ class DataParallelEngine:
             ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=True)
         cores = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
         per_replica = max(1, cores // num_replicas)
+        # on GPUs a replica reserves one per tensor-parallel rank: Ray shows it those only, as cuda:0..tp-1
+        gpus = config.tensor_parallel_size if resolve_device(config.device).type == "cuda" else 0
         actor = ray.remote(ReplicaActor)
-        self.replicas = [actor.options(num_cpus=per_replica, name=None).remote(
+        self.replicas = [actor.options(num_cpus=per_replica, num_gpus=gpus).remote(
             config, model_name, max_waiting_requests, max(1, per_replica // config.tensor_parallel_size))
             for _ in range(num_replicas)]
         self.num_replicas = num_replicas
@@ -112,6 +114,7 @@ class DataParallelEngine:
             token_ids = self.tokenizer.encode(text) if isinstance(text, str) else []
         hashes = self.router.block_hashes(list(token_ids), cache_salt)
         while True:   # a replica that dies before it took the request: the request goes to another
+            self._check_can_accept()   # also after a replica died: the server may be shutting down meanwhile
             try:
                 replica = self.router.choose(hashes)
             except ValueError:
@@ -125,7 +128,7 @@ class DataParallelEngine:
                 self._forget(request_id)
                 if not _is_actor_death(e):
                     if isinstance(e, asyncio.CancelledError):   # the client left: the replica may have queued it
-                        self.replicas[replica].abort.remote(request_id)
+                        self.replicas[replica].abort.remote(request_id, before_add=True)
                     raise
                 self._replica_died(replica, f"{type(e).__name__}: {e}")
                 continue

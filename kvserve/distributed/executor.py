@@ -56,6 +56,7 @@ class WorkerArgs:
     authkey: bytes
     num_threads: int
     local_process: bool   # mp: a process the driver started on its machine (exits with it); else a Ray actor
+    driver_pid: int
     shm_path: str | None     # the shared-memory all-reduce's segment (ranks on the driver's machine)
 
 
@@ -79,7 +80,7 @@ class TPExecutor:
         # ranks on this machine all-reduce through shared memory; Ray's may be on other machines: gloo
         self.shm_path = create_shm_segment(self.size) if self.backend == "mp" and device.type == "cpu" else None
         args = [WorkerArgs(config, r, self.size, host, self.store.port, self.listener.address, authkey, num_threads,
-                           self.backend == "mp", self.shm_path) for r in range(1, self.size)]
+                           self.backend == "mp", os.getpid(), self.shm_path) for r in range(1, self.size)]
         self.conns: list[Connection] = []
         self._finalizer = weakref.finalize(self, _stop, self.conns, self._procs, self.listener, self.shm_path)
         self._start_workers(args)
@@ -303,7 +304,7 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int) -> None:
     conn.send(rank)
     args: WorkerArgs = conn.recv()
     if args.local_process:
-        _die_with_parent()
+        _die_with_parent(args.driver_pid)
     torch.set_num_threads(args.num_threads)
     try:
         runner, kv_dtype, max_model_len = _load_worker(args)
@@ -353,13 +354,12 @@ def _load_worker(args: WorkerArgs) -> tuple:
     return runner, kv_dtype, args.config.max_model_len or cfg.max_position_embeddings
 
 
-def _die_with_parent() -> None:
-    """Exit when the driver is gone, however it went (reparented: another parent pid). PR_SET_PDEATHSIG would
-    fire when the driver's thread that started this process ends, which need not be the driver's end."""
-    parent = os.getppid()
-
+def _die_with_parent(driver_pid: int) -> None:
+    """Exit when the driver is gone, however it went (reparented: another parent pid; also if that happened
+    before this ran). PR_SET_PDEATHSIG would fire when the driver's thread that started this process ends, which
+    need not be the driver's end."""
     def watch():
-        while os.getppid() == parent:
+        while os.getppid() == driver_pid:
             time.sleep(0.5)
         os._exit(0)
     threading.Thread(target=watch, name="kvserve-tp-parent-watch", daemon=True).start()

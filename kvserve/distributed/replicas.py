@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,8 @@ class ReplicaActor:
         self.engine = AsyncLLMEngine(self.llm, max_waiting_requests, EngineMetrics(model_name))
         self.outbox: list[tuple[str, Any]] = []
         self.ready: asyncio.Event | None = None
+        # aborts that arrived before their add (an async actor runs calls in any order); bounded, oldest dropped
+        self.early_aborts: OrderedDict[str, None] = OrderedDict()
 
     async def start(self) -> dict:
         """Start the engine thread; returns what the server shows of the engine."""
@@ -69,6 +72,9 @@ class ReplicaActor:
     async def add(self, request_id: str, prompt: Any, params: SamplingParams, priority: int,
                   cache_salt: str | None) -> tuple | None:
         """Queue a request; None, or its error packed."""
+        if request_id in self.early_aborts:   # its abort came first: the frontend has given up on it
+            del self.early_aborts[request_id]
+            return pack_error(RequestFailedError("the request was aborted before it started"))
         try:
             stream = await self.engine.add_request(request_id, prompt, params, priority=priority,
                                                    cache_salt=cache_salt)
@@ -101,7 +107,12 @@ class ReplicaActor:
         dead = self.engine.dead_error
         return out, None if dead is None else f"{type(dead).__name__}: {dead}"
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, before_add: bool = False) -> None:
+        """Abort a request; before_add: the frontend gave up while its add was on the way, which may run later."""
+        if before_add and request_id not in self.engine._streams:
+            self.early_aborts[request_id] = None
+            while len(self.early_aborts) > 10_000:
+                self.early_aborts.popitem(last=False)
         self.engine.abort(request_id)
 
     async def metrics(self) -> bytes:

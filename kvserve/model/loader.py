@@ -132,9 +132,9 @@ def _load_gguf_weights(path: str, dtype: torch.dtype, keep_quantized: bool = Fal
         cfg = gguf_loader.gguf_model_config(reader)
         return cfg, gguf_loader.iter_gguf_weights(reader, cfg, keep_quantized=keep_quantized)
     cache = weight_cache.cache_path(path, dtype)
-    hit = weight_cache.read(cache) if cache is not None else None
+    hit = weight_cache.read(cache, lazy=not write_cache) if cache is not None else None
     if hit is not None:
-        return hit[0], hit[1].items()
+        return hit
     reader = gguf_loader.open_gguf(path)
     cfg = gguf_loader.gguf_model_config(reader)
     weights = gguf_loader.iter_gguf_weights(reader, cfg)

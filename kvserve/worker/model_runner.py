@@ -73,6 +73,7 @@ class ModelRunner:
         self.small_step_threads: int | None = None   # set by reserve_frontend_core(), with _all_threads
         self.lora = None   # the engine's LoRAManager when LoRA is enabled (kvserve/lora)
         self.executor = None   # tensor parallelism: the driver's TPExecutor, which sends every step to the workers
+        self._calls_left = 0   # the step's compute_logits calls not made yet (-1: its forward is not done)
 
     @property
     def models(self) -> list[torch.nn.Module]:
@@ -189,9 +190,13 @@ class ModelRunner:
 
     def iter_logits(self, hidden: torch.Tensor, msg: StepMessage) -> Iterator[torch.Tensor | None]:
         """Every compute_logits call of the step, in order, one at a time (tensor-parallel: every rank makes them
-        all; rank 0 gets the logits, the others None)."""
-        for rows in msg.logits_calls():
-            yield self.model.compute_logits(hidden[self._long(rows)])
+        all; rank 0 gets the logits, the others None). _calls_left counts those not made yet."""
+        calls = msg.logits_calls()
+        self._calls_left = len(calls)
+        for rows in calls:
+            logits = self.model.compute_logits(hidden[self._long(rows)])
+            self._calls_left -= 1
+            yield logits
 
     @torch.inference_mode()
     def execute_step_message(self, msg: StepMessage) -> None:
@@ -208,14 +213,19 @@ class ModelRunner:
         if self.executor is None:
             return self._execute(sched, inp)
         self.executor.send_step(inp.message)   # the other ranks run the same step on their shards
+        self._calls_left = -1   # the forward's collectives are still to come
         try:
             return self._execute(sched, inp)
         except EngineDeadError:
             raise
-        except Exception as e:
+        except BaseException as e:   # Ctrl-C too: LLM.generate survives it, the group would not
+            if self._calls_left == 0:
+                raise   # every collective of the step was made: only its requests fail, as on one process
             # the other ranks wait in this step's collectives: the ranks can no longer be paired up again
             message = f"rank 0 failed in the middle of a step: {type(e).__name__}: {e}"
             self.executor.fail(message)
+            if not isinstance(e, Exception):
+                raise
             raise EngineDeadError(message) from e
 
     def _execute(self, sched: SchedulerOutput, inp: StepInputs) -> dict[str, list[int]]:
@@ -228,6 +238,7 @@ class ModelRunner:
                 self.lora.mapping.clear()
         if self.draft_model is not None:
             self._write_draft_kv(sched, ids, positions)
+        self._calls_left = len(inp.message.logits_lens)
         logits = self.iter_logits(hidden, inp.message)
         if inp.prompt_lp:
             self._prompt_logprobs(logits, inp)

@@ -36,7 +36,10 @@ _SHM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 def create_shm_segment(size: int) -> str | None:
     """The driver's shared-memory segment for a group of `size` ranks on this machine (a file under /dev/shm,
     unlinked once every rank mapped it), or None where there is no /dev/shm or no C++ kernels."""
-    if not os.path.isdir("/dev/shm") or kernels.load() is None or size > SHM_MAX_RANKS:
+    why = ("no /dev/shm" if not os.path.isdir("/dev/shm") else "no C++ kernels" if kernels.load() is None else
+           f"more than {SHM_MAX_RANKS} ranks" if size > SHM_MAX_RANKS else None)
+    if why is not None:
+        logger.warning("kvserve: the tensor-parallel ranks all-reduce through gloo (%s)", why)
         return None
     path = f"/dev/shm/kvserve-tp-{os.getpid()}-{secrets.token_hex(6)}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

@@ -71,7 +71,7 @@ class TPExecutor:
         self.dead_error: str | None = None
         self.on_dead: list[Callable[[str], None]] = []   # told once when a worker dies
         self._stopping = False
-        self._procs: list[Any] = []      # mp.Process or Ray actor handles
+        self._procs: list[Any] = []      # subprocess.Popen (mp) or Ray actor handles
         self._ray_refs: list[Any] = []   # each Ray worker's running loop
         host = _ray_node_ip() if self.backend == "ray" else "127.0.0.1"
         self.store = TPComm.make_store(host, self.size)

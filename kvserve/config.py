@@ -154,8 +154,5 @@ class EngineConfig:
                 "distributed_executor_backend")
         if self.tensor_parallel_size == 1:
             return
-        refused = [("enable_lora", self.enable_lora, "LoRA adapters"),
-                   ("calculate_kv_scales", self.calculate_kv_scales, "calibrated FP8 KV scales")]
-        for name, on, what in refused:
-            if on:
-                bad(f"{what} do not run with tensor_parallel_size > 1 yet", name)
+        if self.calculate_kv_scales:
+            bad("calibrated FP8 KV scales do not run with tensor_parallel_size > 1 yet", "calculate_kv_scales")

@@ -19,6 +19,7 @@ from kvserve.errors import EngineDeadError, InvalidRequestError
 from kvserve.model import ModelConfig, load_model
 from kvserve.model.quantization import FORMAT_IDS, QuantizedTensor, quantize_q8_0
 from model_utils import save_tiny_model
+from test_lora import expected, models  # noqa: F401 - fixtures
 from tokenizer_utils import load_smollm2_tokenizer
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
@@ -112,7 +113,6 @@ def test_parallel_settings_are_validated():
     for kwargs, param in (({"tensor_parallel_size": 0}, "tensor_parallel_size"),
                           ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
                           ({"distributed_executor_backend": "slurm"}, "distributed_executor_backend"),
-                          ({"tensor_parallel_size": 2, "enable_lora": True}, "enable_lora"),
                           ({"tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "calculate_kv_scales": True},
                            "calculate_kv_scales")):
         with pytest.raises(InvalidRequestError) as e:
@@ -244,6 +244,28 @@ def test_tp2_with_a_draft_model_equals_no_speculation(tmp_path, gguf_path):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and sent
 
 
+def test_tp2_serves_lora_adapters_equal_to_peft(models, expected):
+    """Each rank holds its part of every adapter (B's output rows of a column-parallel projection, A's input
+    columns of a row-parallel one; the all-reduce sums the partial products) in slots that mirror the driver's:
+    a batch mixing the base model and three adapters in two slots (so slots are rewritten between steps) equals
+    transformers + peft."""
+    from test_lora import PROMPTS as LORA_PROMPTS, run
+    root, _, requests = models
+    tp = LLM(str(root / "base"), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=8,
+             num_kv_blocks=64, max_num_seqs=2, tensor_parallel_size=2)
+    names = [None, "qvd", "all", "kogu", "all", None, "qvd", "kogu"]
+    prompts = [LORA_PROMPTS[i % len(LORA_PROMPTS)] for i in range(len(names))]
+    try:
+        got = run(tp, [requests[n] if n else None for n in names], prompts)
+        assert tp.llm_engine.lora.num_slot_writes > 2   # two slots, three adapters: rewritten, and mirrored
+    finally:
+        tp.llm_engine.shutdown()
+    for (tokens, logprobs), (name, i) in zip(got, [(n, i % len(LORA_PROMPTS)) for i, n in enumerate(names)]):
+        want_tokens, want_logprobs = expected[name][i]
+        assert tokens == want_tokens
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-3)
+
+
 def _check_driver_failure(llm, monkeypatch):
     """Rank 0 failing inside a step, while rank 1 waits in the step's all-reduce: the engine is dead (the ranks
     cannot be paired up again), rank 1 is woken and exits, nothing hangs."""
@@ -267,10 +289,27 @@ def _check_driver_failure(llm, monkeypatch):
     assert time.monotonic() - start < 10
 
 
+def _model_cls():
+    from kvserve.model.llama import LlamaModel
+    return LlamaModel
+
+
+def _random_lora_slot(model, plan, cfg, seed: int) -> None:
+    """Slot 0 of a rank's adapter tables: a random rank-4 adapter on every projection."""
+    from kvserve.lora.manager import LoRAManager
+    manager = LoRAManager(model, max_loras=1, max_lora_rank=4, max_cpu_loras=1, shard=plan, full_config=cfg)
+    g = torch.Generator().manual_seed(seed)
+    for table in manager.tables.values():
+        k = table.a.shape[-1]
+        for shard in range(len(table.offsets) - 1):
+            n = int(table.offsets[shard + 1] - table.offsets[shard])
+            table.set_slot(0, shard, torch.randn(4, k, generator=g) * 0.3, torch.randn(n, 4, generator=g) * 0.3)
+
+
 def test_fused_stack_equals_the_modules_on_every_rank(tmp_path, monkeypatch):
-    """Two ranks as threads of this process, each with its shard of an int8 Qwen2 in bf16: the fused C++ stack
-    (its all-reduce hook calling the group's shared-memory all-reduce) and the modules give bit-identical logits
-    and pools on every rank
+    """Two ranks as threads of this process, each with its shard of an int8 Qwen2 in bf16 and a LoRA adapter on
+    every other row: the fused C++ stack (its all-reduce hook calling the group's shared-memory all-reduce) and the
+    modules give bit-identical logits and pools on every rank
     (on CPUs without AVX-512 BF16 the stack is opened as in test_quantization.py)."""
     from kvserve import kernels
     import test_fused_layers as fused_tests
@@ -294,15 +333,27 @@ def test_fused_stack_equals_the_modules_on_every_rank(tmp_path, monkeypatch):
             model, cfg = load_model(config, shard=lambda c: plans.extend(make_plans(c, 2)) or plans[r])
             model.set_tensor_parallel(comm, plans[r].vocab[0], plans[r].vocab_per_rank, cfg.vocab_size)
             model.prepack()
+            _random_lora_slot(model, plans[r], cfg, seed=r)
             runs = []
             for fused in (True, False):
                 model.model.use_fused_layers = fused
                 runs.append(fused_tests._run_steps(model, 16))
-                assert model.model._fused is not None and model.model._fused.tp is comm
+                fused_stack = model.model._fused
+                assert fused_stack is not None and fused_stack.tp is comm and fused_stack.lora_tables is not None
             results[r] = runs
         except Exception as e:   # noqa: BLE001 - reported below
             errors.append(e)
 
+    # every call marks its rows by position: base model, adapter slot 0, base ... (LoRA before the all-reduce)
+    real_forward = _model_cls().forward
+
+    def forward(self, input_ids, positions, meta):
+        self.lora_mapping.set(np.array([(-1, 0)[int(p) % 2] for p in positions], np.int32), torch.device("cpu"))
+        try:
+            return real_forward(self, input_ids, positions, meta)
+        finally:
+            self.lora_mapping.clear()
+    monkeypatch.setattr(_model_cls(), "__call__", forward)   # InferenceModule calls go straight to forward
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()

@@ -350,6 +350,10 @@ def _load_worker(args: WorkerArgs) -> tuple:
     p = plans[args.rank]
     model.set_tensor_parallel(comm, p.vocab[0], p.vocab_per_rank, cfg.vocab_size)
     runner = ModelRunner(model, cfg.vocab_size, device, args.config.seed)
+    c = args.config
+    if c.enable_lora:   # its adapter slots mirror the driver's (StepMessage.lora_slots)
+        from kvserve.lora.manager import LoRAManager
+        runner.lora = LoRAManager(model, c.max_loras, c.max_lora_rank, c.max_cpu_loras, p, cfg)
     kv_dtype = fp8.kv_cache_torch_dtype(args.config.kv_cache_dtype, next(model.parameters()).dtype)
     return runner, kv_dtype, args.config.max_model_len or cfg.max_position_embeddings
 

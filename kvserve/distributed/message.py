@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -28,6 +28,8 @@ class StepMessage:
     block_copies: np.ndarray     # int64 [C, 2] (source, destination)
     logits_rows: np.ndarray      # int64 [sum of call lengths]: the hidden rows of each compute_logits call
     logits_lens: np.ndarray      # int64 [calls]
+    lora_rows: np.ndarray        # int64 [T] each row's LoRA slot (-1: none); empty when no row has one
+    lora_slots: list = field(default_factory=list)   # [slot, adapter id, name, path] of the step's adapters
 
     @property
     def num_tokens(self) -> int:
@@ -43,25 +45,27 @@ class StepMessage:
 
     @staticmethod
     def build(input_ids, positions, query_lens, seq_lens, tables: list[list[int]], block_copies,
-              logits_calls: list) -> StepMessage:
+              logits_calls: list, lora_rows=(), lora_slots: list = ()) -> StepMessage:
         flat = [b for t in tables for b in t]
         rows = np.concatenate([np.asarray(r, np.int64) for r in logits_calls]) if logits_calls else []
         return StepMessage(_i64(input_ids), _i64(positions), _i64(query_lens), _i64(seq_lens), _i64(flat),
                            _i64([len(t) for t in tables]), _i64(block_copies).reshape(-1, 2), _i64(rows),
-                           _i64([len(r) for r in logits_calls]))
+                           _i64([len(r) for r in logits_calls]), _i64(lora_rows), list(lora_slots))
 
     def encode(self) -> bytes:
-        arrays = [np.ascontiguousarray(getattr(self, f.name), np.int64) for f in fields(self)]
-        header = json.dumps([[f.name, list(a.shape)] for f, a in zip(fields(self), arrays)]).encode()
+        arrays = [np.ascontiguousarray(getattr(self, name), np.int64) for name in _ARRAYS]
+        header = json.dumps({"arrays": [[name, list(a.shape)] for name, a in zip(_ARRAYS, arrays)],
+                             "lora_slots": self.lora_slots}).encode()
         return struct.pack("<I", len(header)) + header + b"".join(a.tobytes() for a in arrays)
 
     @staticmethod
     def decode(data: bytes) -> StepMessage:
         (n,) = struct.unpack_from("<I", data)
-        header = json.loads(data[4:4 + n])
-        if [name for name, _ in header] != [f.name for f in fields(StepMessage)]:
+        meta = json.loads(data[4:4 + n])
+        header = meta.get("arrays") if isinstance(meta, dict) else None
+        if not isinstance(header, list) or [name for name, _ in header] != list(_ARRAYS):
             raise ValueError("not a StepMessage")
-        offset, values = 4 + n, {}
+        offset, values = 4 + n, {"lora_slots": meta["lora_slots"]}
         for name, shape in header:
             count = int(np.prod(shape, dtype=np.int64))
             values[name] = np.frombuffer(data, np.int64, count, offset).reshape(shape).copy()   # writable
@@ -69,6 +73,9 @@ class StepMessage:
         if offset != len(data):
             raise ValueError("StepMessage has trailing bytes")
         return StepMessage(**values)
+
+
+_ARRAYS = tuple(f.name for f in fields(StepMessage) if f.name != "lora_slots")
 
 
 def _i64(values) -> np.ndarray:

@@ -47,6 +47,29 @@ class ShardPlan:
                                    intermediate_size=self.intermediate[1], vocab_size=self.vocab[1])
 
 
+    def shard_lora(self, linear: str, shard: int, a, b):
+        """The rank's part of one projection's LoRA pair (A [r, K], scale * B [N, r]): a column-parallel
+        projection keeps its output rows of B, a row-parallel one its input columns of A (the group's all-reduce
+        sums the partial products, as it does the base's)."""
+        d = self.head_dim
+        if linear == "qkv_proj":
+            start, count = self.q_heads if shard == 0 else self.kv_heads
+            return a, b[start * d:(start + count) * d].contiguous()
+        if linear == "gate_up_proj":
+            return a, b[self.intermediate[0]:sum(self.intermediate)].contiguous()
+        if linear == "o_proj":
+            return a[:, self.q_heads[0] * d:sum(self.q_heads) * d].contiguous(), b
+        return a[:, self.intermediate[0]:sum(self.intermediate)].contiguous(), b   # down_proj
+
+
+def full_projection_shapes(cfg: ModelConfig) -> dict[tuple[str, int], tuple[int, int]]:
+    """(linear, shard) -> (in, out features) of the whole model's projections (what an adapter was trained on)."""
+    h, q, kv, i = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    return {("qkv_proj", 0): (h, q), ("qkv_proj", 1): (h, kv), ("qkv_proj", 2): (h, kv), ("o_proj", 0): (q, h),
+            ("gate_up_proj", 0): (h, i), ("gate_up_proj", 1): (h, i), ("down_proj", 0): (i, h)}
+
+
 def make_plans(cfg: ModelConfig, size: int) -> list[ShardPlan]:
     """Every rank's plan; InvalidRequestError where the heads cannot be split over `size` ranks."""
     h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads

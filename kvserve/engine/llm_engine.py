@@ -73,8 +73,9 @@ class LLMEngine:
         self.spec_config = config.speculative_config
         draft_model = self._load_draft_model() if self.spec_config and self.spec_config.model else None
         self.runner = ModelRunner(self.model, self.vocab_size, self.device, config.seed, draft_model)
-        self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-                     if config.enable_lora else None)
+        shard = self.executor.plans[0] if self.executor is not None else None   # tensor parallel: rank 0's part
+        self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, shard,
+                                 self.model_config) if config.enable_lora else None)
         self.runner.lora = self.lora
         self.runner.executor = self.executor
         self.kv_cache_dtype = fp8.kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)

@@ -28,10 +28,18 @@ logger = logging.getLogger("kvserve")
 class LoRAManager:
     """Loads, caches and places LoRA adapters for one model (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
+                 shard=None, full_config=None):
+        """shard, full_config: a tensor-parallel rank's ShardPlan and the whole model's config: adapters are
+        checked against the whole model's shapes, then cut to the rank's part (ShardPlan.shard_lora)."""
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.mapping, self.tables = install_lora(model, max_loras, max_lora_rank)
-        self.shapes = projection_shapes(model)
+        self.shard = shard
+        if shard is not None:
+            from kvserve.distributed.plan import full_projection_shapes
+            self.shapes = full_projection_shapes(full_config)
+        else:
+            self.shapes = projection_shapes(model)
         self.num_layers = len(model.model.layers)
         self.slots: list[int | None] = [None] * max_loras   # adapter id in each slot
         self._slot_used = [0] * max_loras                    # step counter of each slot's last use (LRU)
@@ -67,6 +75,9 @@ class LoRAManager:
             raise
         except Exception as e:   # anything else a malformed adapter can raise is still the adapter's fault
             raise LoRAError(f"cannot load the LoRA adapter at {request.lora_path}: {type(e).__name__}: {e}") from e
+        if self.shard is not None:
+            adapter.weights = {key: self.shard.shard_lora(key[1], key[2], a, b)
+                               for key, (a, b) in adapter.weights.items()}
         with self._lock:
             self._by_id.setdefault(request.lora_int_id, request)
             self._cpu[request.lora_int_id] = adapter
@@ -185,6 +196,19 @@ class LoRAManager:
         for slot in placed.values():
             self._slot_used[slot] = self._clock
         return placed
+
+    def slot_table(self, placed: dict[int, int]) -> list[list]:
+        """[slot, id, name, path] of the adapters a step placed (activate's result), for the step message."""
+        with self._lock:
+            return [[slot, rid, self._by_id[rid].lora_name, self._by_id[rid].lora_path]
+                    for rid, slot in sorted(placed.items(), key=lambda item: item[1])]
+
+    def mirror(self, table: list[list]) -> None:
+        """A tensor-parallel worker: put the adapters of the driver's slot_table in the same slots (loading them
+        from disk the first time); a no-op where the slots hold them already, as on the driver."""
+        for slot, rid, name, path in table:
+            if self.slots[slot] != rid:
+                self._write_slot(slot, self.load(LoRARequest(name, rid, path)))
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for table in self.tables.values():

@@ -171,9 +171,20 @@ class ModelRunner:
             row += n
         # the step's compute_logits calls, in the order the driver makes them: prompt logprobs, then sampling
         calls = [np.arange(r, r + count) for _, _, r, count in prompt_lp] + ([sample_rows] if sample_reqs else [])
+        lora_rows, lora_slots = self._lora_step(sched) if self.lora is not None else ((), [])
         message = StepMessage.build(ids, np.concatenate(pos), query_lens, seq_lens, tables, sched.block_copies,
-                                    calls)
+                                    calls, lora_rows, lora_slots)
         return StepInputs(message, sample_reqs, np.asarray(sample_rows, np.int64), prompt_lp)
+
+    def _lora_step(self, sched: SchedulerOutput) -> tuple[np.ndarray, list]:
+        """Put the step's adapters into slots: (each row's slot, -1 for the base model; the slots' adapters, which
+        tensor-parallel workers mirror), or nothing when no request of the step has an adapter."""
+        adapters = [req.lora_request for req, _ in sched.scheduled if req.lora_request is not None]
+        if not adapters:
+            return np.empty(0, np.int64), []
+        slot_of = self.lora.activate(adapters)
+        slots = np.array([-1 if req.lora_id is None else slot_of[req.lora_id] for req, _ in sched.scheduled])
+        return np.repeat(slots, [n for _, n in sched.scheduled]), self.lora.slot_table(slot_of)
 
     def _long(self, values) -> torch.Tensor:
         return torch.as_tensor(values, dtype=torch.long).to(self.device)
@@ -186,7 +197,14 @@ class ModelRunner:
         meta = build_attention_metadata(msg.query_lens.tolist(), msg.seq_lens.tolist(), msg.tables(),
                                         self.kv.block_size, self.device)
         ids, positions = self._long(msg.input_ids), self._long(msg.positions)
-        return self.model(ids, positions, meta), ids, positions
+        if self.lora is None or not len(msg.lora_rows):
+            return self.model(ids, positions, meta), ids, positions
+        self.lora.mirror(msg.lora_slots)   # a worker's slots follow the driver's (on the driver: already so)
+        self.lora.mapping.set(msg.lora_rows.astype(np.int32), self.device)
+        try:
+            return self.model(ids, positions, meta), ids, positions
+        finally:
+            self.lora.mapping.clear()
 
     def iter_logits(self, hidden: torch.Tensor, msg: StepMessage) -> Iterator[torch.Tensor | None]:
         """Every compute_logits call of the step, in order, one at a time (tensor-parallel: every rank makes them
@@ -229,13 +247,7 @@ class ModelRunner:
             raise EngineDeadError(message) from e
 
     def _execute(self, sched: SchedulerOutput, inp: StepInputs) -> dict[str, list[int]]:
-        if self.lora is not None:
-            self._set_lora_mapping(sched)
-        try:
-            hidden, ids, positions = self.run_forward(inp.message)
-        finally:
-            if self.lora is not None:
-                self.lora.mapping.clear()
+        hidden, ids, positions = self.run_forward(inp.message)
         if self.draft_model is not None:
             self._write_draft_kv(sched, ids, positions)
         self._calls_left = len(inp.message.logits_lens)
@@ -245,15 +257,6 @@ class ModelRunner:
         if not inp.sample_reqs:
             return {}
         return self._sample(next(logits), inp.sample_reqs)
-
-    def _set_lora_mapping(self, sched: SchedulerOutput) -> None:
-        """Put the step's adapters into slots and tell every adapted linear each row's slot (-1: base model)."""
-        adapters = [req.lora_request for req, _ in sched.scheduled if req.lora_request is not None]
-        if not adapters:
-            return
-        slot_of = self.lora.activate(adapters)
-        slots = np.array([-1 if req.lora_id is None else slot_of[req.lora_id] for req, _ in sched.scheduled], np.int32)
-        self.lora.mapping.set(np.repeat(slots, [n for _, n in sched.scheduled]), self.device)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, list[int]]:
         """Sample every row, then keep per request its drafts up to the first one the target disagrees with.

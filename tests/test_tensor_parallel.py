@@ -312,7 +312,6 @@ def test_fused_stack_equals_the_modules_on_every_rank(tmp_path, monkeypatch):
     modules give bit-identical logits and pools on every rank
     (on CPUs without AVX-512 BF16 the stack is opened as in test_quantization.py)."""
     from kvserve import kernels
-    import test_fused_layers as fused_tests
     lib = kernels.load()
     if lib is None:
         pytest.skip("no C++ kernels")
@@ -323,6 +322,14 @@ def test_fused_stack_equals_the_modules_on_every_rank(tmp_path, monkeypatch):
         monkeypatch.setattr(lib, "silu_mul_fast", True)
     store = TPComm.make_store("127.0.0.1", 2)
     shm = create_shm_segment(2)
+    try:
+        _run_two_ranks(config, store, shm, monkeypatch)
+    finally:
+        os.unlink(shm)
+
+
+def _run_two_ranks(config, store, shm, monkeypatch):
+    import test_fused_layers as fused_tests
     results, errors = {}, []
 
     def rank(r):
@@ -359,7 +366,6 @@ def test_fused_stack_equals_the_modules_on_every_rank(tmp_path, monkeypatch):
         t.start()
     for t in threads:
         t.join(120)
-    os.unlink(shm)
     assert not errors, errors
     for r in range(2):
         (fused_logits, fused_pools), (module_logits, module_pools) = results[r]

@@ -148,6 +148,7 @@ def test_tp2_equals_tp1_on_the_bundled_model():
     prompts = [prefix + q for q in ("What is the capital of France?", "Name a prime number.", "What is 2 + 3?")]
     kwargs = dict(dtype="float32", quantization="none", max_num_batched_tokens=32, num_kv_blocks=8,
                   block_size=8)
+    threads = torch.get_num_threads()
     tp = LLM(tensor_parallel_size=2, **kwargs)
     try:
         got = _outputs(tp, prompts)
@@ -158,6 +159,7 @@ def test_tp2_equals_tp1_on_the_bundled_model():
             tp.llm_engine.parallel_description()
     finally:
         tp.llm_engine.shutdown()
+    assert torch.get_num_threads() == threads   # the process's thread count is given back
     one = LLM(**kwargs)
     _assert_same(got, _outputs(one, prompts))
     want = one.generate(prompts[0], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]

@@ -28,5 +28,12 @@ def start_tensor_parallel(config, device: torch.device):
     cores = len(os.sched_getaffinity(0))
     check_world(size, cores, backend)
     threads = config.num_threads or max(1, cores // size)
+    previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    return TPExecutor(config, device, threads)
+    try:
+        executor = TPExecutor(config, device, threads)
+    except BaseException:
+        torch.set_num_threads(previous)
+        raise
+    executor.previous_num_threads = previous   # given back at shutdown (a later engine of this process gets all)
+    return executor

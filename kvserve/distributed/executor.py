@@ -71,6 +71,7 @@ class TPExecutor:
         self.dead_error: str | None = None
         self.on_dead: list[Callable[[str], None]] = []   # told once when a worker dies
         self._stopping = False
+        self.previous_num_threads: int | None = None   # set by start_tensor_parallel
         self._procs: list[Any] = []      # subprocess.Popen (mp) or Ray actor handles
         self._ray_refs: list[Any] = []   # each Ray worker's running loop
         host = _ray_node_ip() if self.backend == "ray" else "127.0.0.1"
@@ -224,9 +225,12 @@ class TPExecutor:
             callback(message)
 
     def shutdown(self) -> None:
-        """Stop the workers (idempotent)."""
+        """Stop the workers (idempotent), and give this thread back the thread count it had before the start."""
         self._stopping = True
         self._finalizer()
+        if self.previous_num_threads is not None:
+            torch.set_num_threads(self.previous_num_threads)
+            self.previous_num_threads = None
 
 
 def _monitor(ref: weakref.ref) -> None:

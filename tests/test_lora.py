@@ -302,6 +302,18 @@ def test_the_kernel_equals_torch_and_leaves_base_rows_alone():
         assert not torch.equal(got[2], y[2]) and not torch.equal(got[4, 40:], y[4, 40:])
 
 
+def test_adapter_tables_are_float32_whatever_the_default_dtype():
+    """torch's default dtype is process-wide, and a model loading in bf16 in another thread changes it: the tables
+    the kernel reads as float32 must not follow it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        table = LoRAWeights(48, [40, 24], max_loras=2, max_rank=8, mapping=LoRAMapping(), device=torch.device("cpu"))
+    finally:
+        torch.set_default_dtype(previous)
+    assert table.a.dtype == table.bt.dtype == torch.float32
+
+
 def test_fused_stack_equals_the_modules_bit_for_bit(tmp_path, monkeypatch):
     """The fused C++ stack applies the same LoRA kernel on the same tables as the modules: one step mixing base
     and adapter rows, and a decode batch the stack splits between threads, bit-identical (on CPUs without

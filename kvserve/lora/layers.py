@@ -58,8 +58,9 @@ class LoRAWeights:
         n = sum(shard_sizes)
         self.mapping = mapping
         self.offsets = np.concatenate([[0], np.cumsum(shard_sizes)]).astype(np.int64)
-        self.a = torch.zeros(max_loras, len(shard_sizes), max_rank, in_features, device=device)
-        self.bt = torch.zeros(max_loras, max_rank, n, device=device)
+        # float32 whatever torch's default dtype (process-wide: another thread may be loading a model in bf16)
+        self.a = torch.zeros(max_loras, len(shard_sizes), max_rank, in_features, dtype=torch.float32, device=device)
+        self.bt = torch.zeros(max_loras, max_rank, n, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(max_loras, len(shard_sizes), dtype=torch.int32)   # host: the kernel's and ours
         self.desc = torch.tensor([max_loras, len(shard_sizes), max_rank, in_features, n, self.a.data_ptr(),
                                   self.bt.data_ptr(), self.ranks.data_ptr(), *self.offsets], dtype=torch.int64)

@@ -176,6 +176,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvserve_quant_rows.restype = ctypes.c_int
     lib.kvserve_quant_simd.restype = ctypes.c_int
     lib.kvserve_simd.restype = ctypes.c_int
+    lib.kvserve_avx2.restype = ctypes.c_int
     lib.kvserve_bf16_tiles.restype = ctypes.c_int
     lib.kvserve_has_packed_matmul.restype = ctypes.c_int
     lib.kvserve_silu_mul_fast.restype = ctypes.c_int
@@ -239,6 +240,7 @@ class KernelStatus:
     avx512: bool          # vectorized attention, norms and argmax
     bf16: bool            # AVX-512 BF16: tiled bf16 KV, packed bf16 matmuls, the fused layer stack
     reason: str | None    # why the library is missing
+    avx2: bool = False    # AVX2 attention and bf16 layer ops: the fused stack over quantized linears
 
     @property
     def fast_bf16(self) -> bool:
@@ -249,12 +251,14 @@ def status() -> KernelStatus:
     lib = load()
     if lib is None:
         return KernelStatus(False, False, False, _failures.get(_variant))
-    return KernelStatus(True, bool(lib.kvserve_simd()), bool(lib.kvserve_has_packed_matmul()), None)
+    return KernelStatus(True, bool(lib.kvserve_simd()), bool(lib.kvserve_has_packed_matmul()), None,
+                        bool(lib.kvserve_avx2()))
 
 
-def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None) -> str:
+def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None,
+            fused_stack: bool = False) -> str:
     """One line: which kernel paths an engine of this dtype (and KV cache dtype) on this device runs, and what it
-    falls back to."""
+    falls back to. fused_stack: the engine's model runs the fused layer stack (on AVX2, quantized models do)."""
     if device.type != "cpu":
         return f"{device.type}: torch ops"
     st = status()
@@ -271,7 +275,11 @@ def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | No
     if fp8_kv:
         attention = "C++ paged attention on FP8 KV (portable kernel)"
     else:
-        attention = "C++ paged attention (AVX-512)" if st.avx512 else "C++ paged attention (portable: no AVX-512)"
+        attention = ("C++ paged attention (AVX-512)" if st.avx512 else "C++ paged attention (AVX2)" if st.avx2
+                     else "C++ paged attention (portable: no AVX2)")
+    if fused_stack and dtype == torch.bfloat16:
+        return (f"{attention}; quantized matmuls (int8 dot products), fused layer stack in bf16 (no AVX-512 BF16: "
+                f"dense bf16 linears would run in torch){_SEE}")
     if st.bf16:
         return f"{attention}; {matmuls} (--dtype bfloat16 runs the bf16 kernels)"
     return f"{attention}; {matmuls} (no AVX-512 BF16: no bf16 kernels or fused layer stack){_SEE}"
@@ -280,9 +288,9 @@ def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | No
 _SEE = "; see docs/architecture.md, Kernel paths"
 
 
-def is_degraded(device: torch.device) -> bool:
-    """True on a CPU that cannot run the fast path: no C++ kernels, or no AVX-512 BF16."""
-    return device.type == "cpu" and not status().fast_bf16
+def is_degraded(device: torch.device, fused_stack: bool = False) -> bool:
+    """True on a CPU that cannot run the fast path: no C++ kernels, or no AVX-512 BF16 and no fused stack."""
+    return device.type == "cpu" and not (status().fast_bf16 or fused_stack)
 
 
 def main() -> int:
@@ -290,7 +298,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     st = status()
     if st.built:
-        print(f"kvserve kernels: built ({'AVX-512' if st.avx512 else 'portable, no AVX-512'}"
+        print(f"kvserve kernels: built ({'AVX-512' if st.avx512 else 'AVX2' if st.avx2 else 'portable, no AVX2'}"
               f"{', AVX-512 BF16' if st.bf16 else ', no AVX-512 BF16'})")
     else:
         print(f"kvserve kernels: not built: {st.reason}; the engine will run plain torch ops")

@@ -104,7 +104,7 @@ def test_preemption_with_a_tiny_kv_pool(prompts, reference):
     assert llm.llm_engine.kv.num_free_blocks == 12
 
 
-@pytest.mark.parametrize("variant, words", [("portable", "portable: no AVX-512"), ("none", "no C++ kernels")])
+@pytest.mark.parametrize("variant, words", [("portable", "portable: no AVX2"), ("none", "no C++ kernels")])
 def test_fallback_kernel_paths_equal_transformers(variant, words, prompts, reference, caplog):
     """The portable C++ build (what a CPU without AVX-512 runs) and plain torch (no compiler, or a failed build)
     compute the same model: a batch with chunked prefill and preemption, on whatever CPU runs the tests. The

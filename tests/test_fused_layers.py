@@ -13,8 +13,11 @@ from kvserve.model import load_model
 from model_utils import load_ours, save_tiny_model, write_tiny_gguf
 
 _lib = kernels.load()
-pytestmark = pytest.mark.skipif(_lib is None or not (_lib.kvserve_has_packed_matmul() and _lib.silu_mul_fast),
-                                reason="the fused layer stack needs the C++ kernels with AVX-512 BF16")
+pytestmark = pytest.mark.skipif(_lib is None or not _lib.silu_mul_fast,
+                                reason="the fused layer stack needs the C++ kernels with AVX2 or AVX-512 BF16")
+# dense bf16 linears run on the packed bf16 GEMM (AVX-512 BF16); quantized ones on any CPU the stack runs on
+needs_bf16_gemm = pytest.mark.skipif(_lib is None or not _lib.kvserve_has_packed_matmul(),
+                                     reason="dense bf16 linears in the stack need AVX-512 BF16")
 
 A, B = list(range(3, 43)), [7, 9, 11, 13, 200, 3]
 # token ranges of A and B per step: chunked prefill, a mixed step, then decodes of both
@@ -53,6 +56,7 @@ def _tiny_bf16(tmp_path, family: str = "llama", **overrides):
     return model
 
 
+@needs_bf16_gemm
 @pytest.mark.parametrize("head_dim,block_size", [(32, 16), (32, 4), (16, 16)])
 def test_fused_stack_is_bit_identical_to_the_modules(tmp_path, head_dim, block_size):
     """Tiled pools (head dim 32, blocks of 16) and standard ones; the same model rebinds its pools between runs,
@@ -91,8 +95,10 @@ def test_fused_stack_runs_quantized_linears_bit_identical_to_the_modules(tmp_pat
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fused_stack_on_fp8_pools_is_bit_identical_to_the_modules(tmp_path, kv_dtype):
-    """FP8 pools (layer scales folded into the attention as the backend does for the modules)."""
-    model = _tiny_bf16(tmp_path, hidden_size=128, intermediate_size=96)
+    """FP8 pools (layer scales folded into the attention as the backend does for the modules); dense bf16
+    linears where the CPU has their GEMM, else Q8_0 ones."""
+    model = (_tiny_bf16(tmp_path, hidden_size=128, intermediate_size=96) if _lib.kvserve_has_packed_matmul() else
+             _tiny_quantized_bf16(tmp_path, "Q8_0", hidden_size=128, intermediate_size=96))
     check_quantized_stack(model, kv_dtype, torch.tensor([0.05, 0.01]))
 
 
@@ -171,10 +177,20 @@ def test_layers_the_stack_does_not_cover_run_as_modules(tmp_path):
     assert model.model._fused is None and model.model._fused_refused is not None
 
 
-def test_fused_stack_adds_qwen2_qkv_biases_bit_identical_to_the_modules(tmp_path):
-    model = _tiny_bf16(tmp_path, "qwen2", hidden_size=128, intermediate_size=96)
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_fused_stack_adds_qwen2_qkv_biases_bit_identical_to_the_modules(tmp_path, quantization):
+    """Qwen2's q|k|v bias, on dense bf16 linears and on int8 ones (then on FP8 pools too)."""
+    if quantization == "none" and not _lib.kvserve_has_packed_matmul():
+        pytest.skip("dense bf16 linears in the stack need AVX-512 BF16")
+    save_tiny_model("qwen2", tmp_path, hidden_size=128, intermediate_size=96)
+    model, _ = load_model(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cpu",
+                                       quantization=quantization))
+    model.prepack()
     assert model.model.layers[0].self_attn.qkv_proj.bias is not None
     check_quantized_stack(model)
+    if quantization == "int8":   # check_quantized_stack ends on the modules
+        model.model.use_fused_layers = model.model.split_decode_batches = True
+        check_quantized_stack(model, torch.float8_e4m3fn, torch.tensor([0.05, 0.01]))
 
 
 def test_torch_backend_and_float32_run_as_modules(tmp_path):
@@ -241,6 +257,7 @@ def test_speculative_verification_in_the_fused_stack_is_identical_to_the_modules
     assert runs[True] == runs[False]
 
 
+@needs_bf16_gemm
 def test_serving_keeps_one_copy_of_the_packed_weights():
     """The engine drops each packed Linear's plain bf16 weight (serving reads only the pack); restoring them from
     the packs gives back exactly the loaded weights, and the engine's tokens do not change."""

@@ -97,10 +97,10 @@ def test_quantized_engine_equivalences(quantized_llm, gguf_path):
 
 
 def test_perplexity_within_one_percent_of_the_dequantized_model(quantized_llm, dense_llm):
-    text = open(TEXT, encoding="utf-8").read()[:5000]   # two chunks of 512 tokens
+    text = open(TEXT, encoding="utf-8").read()[:10000]   # four chunks of 512 tokens: two swing by ~0.5%
     pq = perplexity(quantized_llm, text, 512)
     pd = perplexity(dense_llm, text, 512)
-    assert pq["num_chunks"] == pd["num_chunks"] == 2 and pq["num_scored_tokens"] == 2 * 255
+    assert pq["num_chunks"] == pd["num_chunks"] == 4 and pq["num_scored_tokens"] == 4 * 255
     assert abs(pq["ppl"] / pd["ppl"] - 1) < 0.01, (pq["ppl"], pd["ppl"])
     with pytest.raises(InvalidRequestError, match="at least 2"):   # as llama-perplexity: two chunks at least
         perplexity(quantized_llm, text[:3000], 512)
@@ -214,27 +214,3 @@ def test_int8_engine_perplexity_and_equivalences(int8_llm, dense_llm):
     # rows are multiplied alone whatever shares their step
     alone = [greedy(int8_llm, [p], n=16)[0] for p in PROMPTS[:4]]
     assert greedy(int8_llm, PROMPTS[:4], n=16) == alone
-
-
-def test_fused_stack_code_on_a_cpu_without_avx512_bf16(tmp_path, monkeypatch):
-    """The fused stack's quantized-linear dispatch and batch split, where the stack itself does not run: without
-    AVX-512 BF16 it is gated off (its bf16 GEMM and fast SiLU are missing), yet with every linear quantized it
-    never calls that GEMM. Opening the gate (and giving the modules the stack's own scalar SiLU) runs the real
-    C++ stack, on bf16 pools and on FP8 ones; tests/test_fused_layers.py checks the same on CPUs where it runs
-    for real."""
-    from kvserve import kernels
-    lib = kernels.load()
-    if lib is None or lib.kvserve_has_packed_matmul():
-        pytest.skip("no C++ kernels, or a CPU where tests/test_fused_layers.py runs the stack for real")
-    # an HF Qwen2 checkpoint in int8 (q|k|v biases; every matrix quantized: nothing calls the C++ bf16 GEMM that
-    # the open gate claims is there)
-    save_tiny_model("qwen2", tmp_path / "int8", hidden_size=128, intermediate_size=96)
-    int8 = load(str(tmp_path / "int8"), "int8", dtype="bfloat16")
-    int8.prepack()
-    monkeypatch.setattr(lib, "kvserve_has_packed_matmul", lambda: 1)
-    monkeypatch.setattr(lib, "silu_mul_fast", True)
-    import test_fused_layers as fused_tests
-    fused_tests.check_quantized_stack(
-        fused_tests._tiny_quantized_bf16(tmp_path, "Q4_1", hidden_size=128, intermediate_size=96))
-    assert int8.model.layers[0].self_attn.qkv_proj.bias is not None
-    fused_tests.check_quantized_stack(int8, torch.float8_e4m3fn, torch.tensor([0.05, 0.01]))   # on FP8 pools

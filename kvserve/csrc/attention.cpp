@@ -71,6 +71,107 @@ void attend_item(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, con
   }
 }
 
+#ifdef KV_HAVE_AVX2
+// attend_item on 8 lanes (AVX2, D % 8 == 0): each chunk of keys converted to float32 once; per row, the scores of
+// 8 keys at a time (their partial-sum vectors transposed and summed into one vector), exps on 8 lanes, and P @ V
+// as broadcast multiply-adds into the row's accumulator.
+template <typename T>
+void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table, int64_t ctx_len,
+                      int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H, int64_t Hkv,
+                      int64_t D, int64_t bs, float scale) {
+  const int64_t G = H / Hkv, R = nt * G, nd = D / 8;
+  alignas(32) float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D];
+  float m[MAX_ROWS], l[MAX_ROWS];
+  int64_t limit[MAX_ROWS];
+  alignas(32) float kf[KC][MAX_D];
+  alignas(32) float vf[KC][MAX_D];
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = t0 + r / G, h = g * G + r % G;
+    const T* src = q + (q_row0 + t) * qs + h * D;
+    for (int64_t i = 0; i < nd; ++i) {
+      _mm256_store_ps(qf[r] + 8 * i, _mm256_mul_ps(load8(src + 8 * i), vscale));
+      _mm256_store_ps(acc[r] + 8 * i, _mm256_setzero_ps());
+    }
+    m[r] = -INFINITY; l[r] = 0.f;
+    limit[r] = ctx_len - q_len + t;
+  }
+  const int64_t end = limit[R - 1] + 1;
+  const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row;
+  for (int64_t p = 0; p < end;) {
+    const int64_t off = p % bs;
+    const int64_t n = std::min<int64_t>({KC, bs - off, end - p});
+    const int64_t base = int64_t(table[p / bs]) * blk_stride + off * kv_row + g * D;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < nd; ++i) {
+        _mm256_store_ps(kf[j] + 8 * i, load8(kc + base + j * kv_row + 8 * i));
+        _mm256_store_ps(vf[j] + 8 * i, load8(vc + base + j * kv_row + 8 * i));
+      }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t nv = std::min<int64_t>(n, limit[r] - p + 1);
+      if (nv <= 0) continue;
+      alignas(32) float s[KC];
+      const float* qr = qf[r];
+      int64_t j = 0;
+      for (; j + 8 <= nv; j += 8) {
+        __m256 part[8];
+        for (int k = 0; k < 8; ++k) {
+          __m256 a = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_load_ps(kf[j + k]));
+          for (int64_t i = 1; i < nd; ++i) a = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kf[j + k] + 8 * i), a);
+          part[k] = a;
+        }
+        _mm256_store_ps(s + j, transpose_sum8(part));
+      }
+      for (; j < nv; ++j) {
+        __m256 a = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_load_ps(kf[j]));
+        for (int64_t i = 1; i < nd; ++i) a = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kf[j] + 8 * i), a);
+        s[j] = hsum8(a);
+      }
+      float smax = s[0];
+      for (j = 1; j < nv; ++j) smax = std::max(smax, s[j]);
+      const float mnew = std::max(m[r], smax);
+      const float corr = std::exp(m[r] - mnew);
+      const __m256 vm = _mm256_set1_ps(mnew);
+      __m256 psum = _mm256_setzero_ps();
+      for (j = 0; j + 8 <= nv; j += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + j), vm));
+        _mm256_store_ps(s + j, e);
+        psum = _mm256_add_ps(psum, e);
+      }
+      float ptail = 0.f;
+      for (; j < nv; ++j) { s[j] = std::exp(s[j] - mnew); ptail += s[j]; }
+      l[r] = l[r] * corr + (hsum8(psum) + ptail);
+      m[r] = mnew;
+      // P @ V, 8 accumulator vectors (64 dims) at a time: 8 independent chains of multiply-adds
+      float* a = acc[r];
+      const __m256 vc8 = _mm256_set1_ps(corr);
+      for (int64_t i0 = 0; i0 < nd; i0 += 8) {
+        const int64_t ni = std::min<int64_t>(8, nd - i0);
+        __m256 av[8];
+        for (int64_t i = 0; i < ni; ++i) av[i] = _mm256_mul_ps(_mm256_load_ps(a + 8 * (i0 + i)), vc8);
+        for (j = 0; j < nv; ++j) {
+          const __m256 pj = _mm256_set1_ps(s[j]);
+          const float* vr = vf[j] + 8 * i0;
+          if (ni == 8) {
+            for (int i = 0; i < 8; ++i) av[i] = _mm256_fmadd_ps(pj, _mm256_load_ps(vr + 8 * i), av[i]);
+          } else {
+            for (int64_t i = 0; i < ni; ++i) av[i] = _mm256_fmadd_ps(pj, _mm256_load_ps(vr + 8 * i), av[i]);
+          }
+        }
+        for (int64_t i = 0; i < ni; ++i) _mm256_store_ps(a + 8 * (i0 + i), av[i]);
+      }
+    }
+    p += n;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = t0 + r / G, h = g * G + r % G;
+    T* dst = out + ((q_row0 + t) * H + h) * D;
+    const __m256 inv = _mm256_set1_ps(1.f / l[r]);
+    for (int64_t i = 0; i < nd; ++i) store8(dst + 8 * i, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * i), inv));
+  }
+}
+#endif
+
 #ifdef KV_HAVE_AVX512
 // a[j] (16 vectors) -> one vector whose lane j is the sum of a[j]'s lanes
 inline __m512 transpose_sum16(__m512* a) {
@@ -405,6 +506,12 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
 #ifdef KV_HAVE_AVX512
   simd = std::is_same<T, KV>::value && D % 32 == 0 && Hkv * D <= MAX_KV_ROW && H <= MAX_ROWS;
 #endif
+  bool avx2 = false;   // the AVX2 kernel: where the AVX-512 one does not apply
+#ifdef KV_HAVE_AVX2
+  avx2 = !simd && std::is_same<T, KV>::value && D % 8 == 0;
+#else
+  (void)avx2;
+#endif
   const float k_scale = kv_scales ? kv_scales[0] : 1.f, v_scale = kv_scales ? kv_scales[1] : 1.f;
   // A work item is (sequence, query tile, kv heads). With many sequences an item takes all kv heads, so it
   // reads whole contiguous KV rows; with few (single-stream decode) it takes one kv head, for parallelism.
@@ -442,6 +549,15 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
       if (simd) {
         attend_item_simd<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D,
                             bs, scale);
+        continue;
+      }
+    }
+#endif
+#ifdef KV_HAVE_AVX2
+    if constexpr (std::is_same<T, KV>::value) {
+      if (avx2) {
+        attend_item_avx2<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D, bs,
+                            scale);
         continue;
       }
     }
@@ -503,6 +619,14 @@ void write_kv_fp8(const T* k, int64_t ks, const T* v, int64_t vs, const int64_t*
 extern "C" {
 int kvserve_simd() {
 #ifdef KV_HAVE_AVX512
+  return 1;
+#else
+  return 0;
+#endif
+}
+// 1 when the AVX2 kernels are built (attention, bf16 norms, RoPE and SiLU on 8 lanes)
+int kvserve_avx2() {
+#ifdef KV_HAVE_AVX2
   return 1;
 #else
   return 0;

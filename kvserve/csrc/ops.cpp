@@ -2,9 +2,9 @@
 #include "common.h"
 
 extern "C" {
-// 1 when kvserve_silu_mul_bf16 is vectorized (AVX-512 BF16); its scalar loop is slower than torch's own ops
+// 1 when kvserve_silu_mul_bf16 is vectorized (AVX-512 BF16 or AVX2); its scalar loop is slower than torch's ops
 int kvserve_silu_mul_fast() {
-#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+#if (defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)) || defined(KV_HAVE_AVX2)
   return 1;
 #else
   return 0;
@@ -27,6 +27,13 @@ void kvserve_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t
       const __m256i sb = (__m256i)_mm512_cvtneps_pbh(s);   // silu rounded to bf16, as torch's output
       const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, uv)));
+    }
+#elif defined(KV_HAVE_AVX2)
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= I; i += 8) {   // the same roundings on 8 lanes
+      const __m256 gv = load8(g + i), uv = load8(u + i);
+      const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+      store8(o + i, _mm256_mul_ps(round_bf16_8(s), uv));
     }
 #endif
     for (; i < I; ++i) {
@@ -60,6 +67,18 @@ void kvserve_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t*
       ssv = _mm512_fmadd_ps(r, r, ssv);
     }
     ss = _mm512_reduce_add_ps(ssv);
+#elif defined(KV_HAVE_AVX2)
+    __m256 ssv = _mm256_setzero_ps();
+    for (; i + 8 <= N; i += 8) {
+      __m256 r = load8(xr + i);
+      if (rr) {
+        r = round_bf16_8(_mm256_add_ps(r, load8(rr + i)));
+        store8(rr + i, r);
+      }
+      _mm256_storeu_ps(buf + i, r);
+      ssv = _mm256_fmadd_ps(r, r, ssv);
+    }
+    ss = hsum8(ssv);
 #endif
     for (int64_t j = i; j < N; ++j) {
       float r = bf16_to_f32(xr[j]);
@@ -73,6 +92,10 @@ void kvserve_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t*
     const __m512 vinv = _mm512_set1_ps(inv);
     for (; i + 16 <= N; i += 16)
       store16_bf16(o + i, _mm512_mul_ps(load16(w + i), round_bf16(_mm512_mul_ps(_mm512_loadu_ps(buf + i), vinv))));
+#elif defined(KV_HAVE_AVX2)
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; i + 8 <= N; i += 8)
+      store8(o + i, _mm256_mul_ps(load8(w + i), round_bf16_8(_mm256_mul_ps(_mm256_loadu_ps(buf + i), vinv))));
 #endif
     for (; i < N; ++i) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(buf[i] * inv)));
   }
@@ -97,6 +120,19 @@ void kvserve_rope_bf16(uint16_t* x, int64_t xs, const uint16_t* cos, const uint1
           const __m512 rhi = round_bf16(_mm512_mul_ps(lo, load16(s + d + half)));
           store16_bf16(p + d, _mm512_add_ps(xlo, rlo));
           store16_bf16(p + d + half, _mm512_add_ps(xhi, rhi));
+        }
+        continue;
+      }
+#elif defined(KV_HAVE_AVX2)
+      if (half % 8 == 0) {   // 8 dims of each half at a time, the same roundings as below
+        for (int64_t d = 0; d < half; d += 8) {
+          const __m256 lo = load8(p + d), hi = load8(p + d + half);
+          const __m256 xlo = round_bf16_8(_mm256_mul_ps(lo, load8(c + d)));
+          const __m256 rlo = round_bf16_8(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), hi), load8(s + d)));
+          const __m256 xhi = round_bf16_8(_mm256_mul_ps(hi, load8(c + d + half)));
+          const __m256 rhi = round_bf16_8(_mm256_mul_ps(lo, load8(s + d + half)));
+          store8(p + d, _mm256_add_ps(xlo, rlo));
+          store8(p + d + half, _mm256_add_ps(xhi, rhi));
         }
         continue;
       }

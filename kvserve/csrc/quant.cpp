@@ -259,13 +259,6 @@ template <> __m256i quants<Q6_K>(const uint8_t* b, int j) {
   return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int T, int R>
 void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
   using F = Format<T>;
@@ -290,7 +283,7 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + macc[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + macc[r];
 }
 #endif
 

@@ -100,11 +100,12 @@ class LLMEngine:
                     self.device, self.parallel_description(),
                     time.perf_counter() - t0, self.num_kv_blocks, config.block_size, self.num_kv_pool_tokens,
                     self.kv_cache_description())
-        self.kernel_summary = kernels.summary(self.dtype, self.device, self.kv_cache_dtype)
+        fused_stack = self.runs_fused_stack()
+        self.kernel_summary = kernels.summary(self.dtype, self.device, self.kv_cache_dtype, fused_stack)
         self.weights_summary = describe_weights(self.model)
         logger.info("kvserve: weights: %s", self.weights_summary)
         # a path the machine rules out (no compiler, no AVX-512 BF16) is a warning: users otherwise never know
-        log = logger.warning if kernels.is_degraded(self.device) else logger.info
+        log = logger.warning if kernels.is_degraded(self.device, fused_stack) else logger.info
         log("kvserve: kernels: %s", self.kernel_summary)
         if self.lora is not None:
             logger.info("kvserve: LoRA: %s", self.lora_description())
@@ -126,6 +127,14 @@ class LLMEngine:
         name = str(self.kv_cache_dtype).removeprefix("torch.float8_").removesuffix("fn")
         scales = "calibrated on the first step" if self.config.calculate_kv_scales else "1.0"
         return f" in fp8_{name} (scales {scales})"
+
+    def runs_fused_stack(self) -> bool:
+        """Whether this engine's model runs its decoder layers in the fused C++ stack (bf16 on the CPU, with every
+        kernel it needs), as its steps will decide."""
+        from kvserve.model.fused import build_fused_layers
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        return (self.device.type == "cpu" and self.dtype == torch.bfloat16 and layers is not None
+                and build_fused_layers(layers) is not None)
 
     def parallel_description(self) -> str:
         """', tensor parallel 2 (mp, shared-memory all-reduce, 1 thread per rank)', or '' on one process."""

@@ -107,7 +107,9 @@ def _linear_weight(m) -> tuple[int, int] | None:
 def build_fused_layers(layers) -> FusedLayers | None:
     """The fused stack for these LlamaDecoderLayers, or None where one of its kernels does not apply."""
     lib = kernels.load()
-    if not layers or lib is None or not (lib.kvserve_has_packed_matmul() and lib.silu_mul_fast):
+    # the stack's bf16 ops must be vectorized (AVX-512 BF16 or AVX2); each linear's own kernel is checked below
+    # (packed bf16 needs AVX-512 BF16, so on AVX2 the stack runs models whose linears are all quantized)
+    if not layers or lib is None or not lib.silu_mul_fast:
         return None
     ptrs, tiled, kv_formats, lora = [], set(), set(), []
     for layer in layers:

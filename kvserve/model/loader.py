@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvserve import kernels
 from kvserve.errors import ModelLoadError
 from kvserve.model import gguf_loader, weight_cache
 from kvserve.model.model_config import ModelConfig
@@ -63,8 +64,11 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
-    """Serving dtype: an explicit name, or for 'auto' bf16 where the hardware is fast at it, else fp16/fp32."""
+def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None = None,
+                  quantized: bool = False) -> torch.dtype:
+    """Serving dtype: an explicit name, or for 'auto' bf16 where the hardware is fast at it, else fp16/fp32.
+    quantized: every linear keeps GGUF or int8 blocks; then bf16 also wherever the fused layer stack runs them
+    (its bf16 norms, RoPE and SiLU vectorized: AVX2 is enough)."""
     if name != "auto":
         if name not in _DTYPE_NAMES:
             raise ModelLoadError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
@@ -73,7 +77,10 @@ def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch
         if checkpoint_dtype == torch.float16 or not torch.cuda.is_bf16_supported():
             return torch.float16
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if cpu_has_fast_bf16():
+        return torch.bfloat16
+    lib = kernels.load() if quantized else None
+    return torch.bfloat16 if lib is not None and lib.silu_mul_fast else torch.float32
 
 
 def is_gguf(path: str) -> bool:
@@ -89,7 +96,8 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     device = resolve_device(getattr(config, "device", "auto"))
     quantization = resolve_quantization(getattr(config, "quantization", "auto"), is_gguf(path), device)
     if is_gguf(path):
-        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device)   # a GGUF has no checkpoint dtype
+        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device,   # a GGUF has no checkpoint dtype
+                              quantized=quantization in ("gguf", "int8"))
         # int8 streams the dequantized tensors one at a time into quantize (no dequantized cache); a tensor-parallel
         # rank reads the cache but never writes it (the ranks would write the same file at once)
         cfg, weights = _load_gguf_weights(path, dtype, keep_quantized=quantization == "gguf",
@@ -97,7 +105,7 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
-        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype)
+        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype, quantization == "int8")
     plan = shard(cfg) if shard is not None else None
     if plan is not None:
         from kvserve.distributed.plan import shard_weights

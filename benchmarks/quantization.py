@@ -3,7 +3,8 @@ single-stream TPOT and TTFT (prompt 256, output 128, greedy, EOS ignored) and re
 offline throughput of 16 requests (prompts 64-256, outputs 32-128 tokens) per kvserve configuration.
 
     python benchmarks/quantization.py [--models smollm2 qwen1.5b] [--llama-cpp ~/peers/llama.cpp-src/build/bin]
-        [--configs gguf int8 none] [--iters 3] [--throughput] [--output-json benchmarks/results/quantization.json]
+        [--configs gguf int8 none] [--dtypes auto float32] [--iters 3] [--throughput]
+        [--output-json benchmarks/results/quantization.json]
 
 kvserve runs in a subprocess per configuration (`kvserve bench latency`), with a 256 MiB KV pool; its memory is
 the process's resident set after the engine started and its peak (/usr/bin/time). llama.cpp runs llama-bench
@@ -66,26 +67,29 @@ bench_main(sys.argv[1:])
 """
 
 
-def run_kvserve(path: str, quantization: str, iters: int) -> dict:
+def run_kvserve(path: str, quantization: str, iters: int, dtype: str = "auto") -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = ["/usr/bin/time", "-v", sys.executable, "-c", _CHILD, "latency", "--model", path, "--quantization",
-               quantization, "--kv-cache-memory", "256MiB", "--input-len", "256", "--output-len", "128",
+               quantization, "--dtype", dtype, "--kv-cache-memory", "256MiB", "--input-len", "256",
+               "--output-len", "128",
                "--num-iters", str(iters), "--num-iters-warmup", "1", "--output-json", out.name]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"kvserve failed:\n{proc.stderr[-3000:]}")
         result = json.loads(Path(out.name).read_text())
     start = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"rss_at_start')))
-    return {"engine": f"kvserve --quantization {quantization}", "tpot_ms": result["tpot_ms"]["mean"],
+    label = f"kvserve --quantization {quantization}" + ("" if dtype == "auto" else f" --dtype {dtype}")
+    return {"engine": label, "tpot_ms": result["tpot_ms"]["mean"],
             "ttft_ms": result["ttft_ms"]["mean"], "dtype": result["dtype"], **start,
             "peak_rss_mib": peak_rss_mib(proc.stderr)}
 
 
-def run_throughput(path: str, quantization: str) -> dict:
+def run_throughput(path: str, quantization: str, dtype: str = "auto") -> dict:
     """`kvserve bench throughput` of 16 requests (prompts 64-256, outputs 32-128 tokens): its JSON result."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "kvserve", "bench", "throughput", "--model", path, "--quantization",
-               quantization, "--kv-cache-memory", "512MiB", "--num-prompts", "16", "--input-len", "64:256",
+               quantization, "--dtype", dtype, "--kv-cache-memory", "512MiB", "--num-prompts", "16",
+               "--input-len", "64:256",
                "--output-len", "32:128", "--no-tqdm", "--output-json", out.name]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -114,6 +118,7 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["gguf", "int8", "none"], choices=["gguf", "int8", "none"],
                    help="kvserve --quantization values to run (the first is the ratios' base)")
     p.add_argument("--throughput", action="store_true", help="also offline throughput per configuration")
+    p.add_argument("--dtypes", nargs="+", default=["auto"], help="run each configuration in each of these dtypes")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     results = {}
@@ -121,11 +126,12 @@ def main() -> None:
         path = model_file(name)
         hf = hf_copy(name)
         sources = {q: hf if q != "gguf" and hf else path for q in args.configs}
-        rows = [run_kvserve(sources[q], q, args.iters) for q in args.configs]
-        for row, q in zip(rows, args.configs):
+        runs = [(q, dt) for q in args.configs for dt in args.dtypes]
+        rows = [run_kvserve(sources[q], q, args.iters, dt) for q, dt in runs]
+        for row, (q, dt) in zip(rows, runs):
             row["checkpoint"] = "bf16 HF copy" if sources[q] != path else "GGUF file"
             if args.throughput:
-                row["throughput_tok_s"] = round(run_throughput(sources[q], q)["output_tokens_per_s"], 2)
+                row["throughput_tok_s"] = round(run_throughput(sources[q], q, dt)["output_tokens_per_s"], 2)
         if os.path.exists(os.path.join(args.llama_cpp, "llama-bench")):
             rows.append(run_llama_cpp(args.llama_cpp, path, args.iters))
         results[name] = {"file": os.path.basename(path), "rows": rows}

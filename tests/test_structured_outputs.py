@@ -183,7 +183,8 @@ def test_batched_requests_equal_each_alone(llm, mixed_reference):
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                                          "prompt_lookup_max": 3}], ids=["plain", "ngram"])
 def test_chunked_prefill_preemption_prefix_caching_and_speculation(spec, mixed_reference_block8):
-    stress = LLM(dtype="float32", max_num_batched_tokens=16, num_kv_blocks=10, block_size=8, max_num_seqs=4,
+    # a 32-token budget chunks the later prompts and runs all four at once, so 10 blocks must preempt one
+    stress = LLM(dtype="float32", max_num_batched_tokens=32, num_kv_blocks=10, block_size=8, max_num_seqs=4,
                  speculative_config=spec)
     sched = stress.llm_engine.scheduler
     assert run_mixed(stress) + run_mixed(stress) == mixed_reference_block8 + mixed_reference_block8

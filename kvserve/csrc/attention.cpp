@@ -9,15 +9,101 @@ constexpr int MAX_D = 256;    // largest head_dim supported (checked on the Pyth
 constexpr int MAX_ROWS = 64;  // query rows (tokens x q heads) per work item
 constexpr int MAX_KV_ROW = 1024;  // kv heads x head_dim of the SIMD path
 
+// One query row's online-softmax step over the chunk's keys kf / vf [0, nv) (float32): scores, exps, and P @ V
+// into its accumulator a, with its running max m and sum l.
+inline void row_update(const float* qr, float* a, float& m, float& l, const float (*kf)[MAX_D],
+                       const float (*vf)[MAX_D], int64_t nv, int64_t D) {
+  float s[KC];
+  float smax = -INFINITY;
+  for (int64_t j = 0; j < nv; ++j) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) dot += qr[d] * kf[j][d];
+    s[j] = dot;
+    smax = std::max(smax, dot);
+  }
+  const float mnew = std::max(m, smax);
+  const float corr = std::exp(m - mnew);
+  float psum = 0.f;
+  for (int64_t j = 0; j < nv; ++j) { s[j] = std::exp(s[j] - mnew); psum += s[j]; }
+  l = l * corr + psum;
+  m = mnew;
+  for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+  for (int64_t j = 0; j < nv; ++j) {
+    const float pj = s[j];
+    for (int64_t d = 0; d < D; ++d) a[d] += pj * vf[j][d];
+  }
+}
+
+#ifdef KV_HAVE_AVX2
+// row_update on 8 lanes (D % 8 == 0; qr, a, kf, vf 32-byte aligned): the scores of 8 keys at a time (their
+// partial-sum vectors transposed and summed into one vector), exps on 8 lanes, and P @ V as 8 independent chains
+// of broadcast multiply-adds
+inline void row_update_avx2(const float* qr, float* a, float& m, float& l, const float (*kf)[MAX_D],
+                            const float (*vf)[MAX_D], int64_t nv, int64_t D) {
+  const int64_t nd = D / 8;
+  alignas(32) float s[KC];
+  int64_t j = 0;
+  for (; j + 8 <= nv; j += 8) {
+    __m256 part[8];
+    for (int k = 0; k < 8; ++k) {
+      __m256 x = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_load_ps(kf[j + k]));
+      for (int64_t i = 1; i < nd; ++i)
+        x = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kf[j + k] + 8 * i), x);
+      part[k] = x;
+    }
+    _mm256_store_ps(s + j, transpose_sum8(part));
+  }
+  for (; j < nv; ++j) {
+    __m256 x = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_load_ps(kf[j]));
+    for (int64_t i = 1; i < nd; ++i)
+      x = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kf[j] + 8 * i), x);
+    s[j] = hsum8(x);
+  }
+  float smax = s[0];
+  for (j = 1; j < nv; ++j) smax = std::max(smax, s[j]);
+  const float mnew = std::max(m, smax);
+  const float corr = std::exp(m - mnew);
+  const __m256 vm = _mm256_set1_ps(mnew);
+  __m256 psum = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= nv; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + j), vm));
+    _mm256_store_ps(s + j, e);
+    psum = _mm256_add_ps(psum, e);
+  }
+  float ptail = 0.f;
+  for (; j < nv; ++j) { s[j] = std::exp(s[j] - mnew); ptail += s[j]; }
+  l = l * corr + (hsum8(psum) + ptail);
+  m = mnew;
+  const __m256 vc8 = _mm256_set1_ps(corr);
+  for (int64_t i0 = 0; i0 < nd; i0 += 8) {   // 8 accumulator vectors (64 dims) at a time
+    const int64_t ni = std::min<int64_t>(8, nd - i0);
+    __m256 av[8];
+    for (int64_t i = 0; i < ni; ++i) av[i] = _mm256_mul_ps(_mm256_load_ps(a + 8 * (i0 + i)), vc8);
+    for (j = 0; j < nv; ++j) {
+      const __m256 pj = _mm256_set1_ps(s[j]);
+      const float* vr = vf[j] + 8 * i0;
+      if (ni == 8) {
+        for (int i = 0; i < 8; ++i) av[i] = _mm256_fmadd_ps(pj, _mm256_load_ps(vr + 8 * i), av[i]);
+      } else {
+        for (int64_t i = 0; i < ni; ++i) av[i] = _mm256_fmadd_ps(pj, _mm256_load_ps(vr + 8 * i), av[i]);
+      }
+    }
+    for (int64_t i = 0; i < ni; ++i) _mm256_store_ps(a + 8 * (i0 + i), av[i]);
+  }
+}
+#endif
+
 // One work item: sequence b, kv head g, query tokens [t0, t0 + nt) of that sequence.
 // Rows are (token, q head of this kv head) pairs; every row runs its own online softmax.
-// KV: the pools' element type (T, or an FP8 format whose values are scaled by k_scale / v_scale).
-template <typename T, typename KV = T>
+// KV: the pools' element type (T, or an FP8 format whose values are scaled by k_scale / v_scale). AVX2: the rows'
+// updates on 8 lanes (D % 8 == 0).
+template <typename T, typename KV = T, bool AVX2 = false>
 void attend_item(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* table, int64_t ctx_len,
                  int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H, int64_t Hkv,
                  int64_t D, int64_t bs, float scale, float k_scale = 1.f, float v_scale = 1.f) {  // one kv head g
   const int64_t G = H / Hkv, R = nt * G;
-  float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D], m[MAX_ROWS], l[MAX_ROWS];
+  alignas(64) float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D];
+  float m[MAX_ROWS], l[MAX_ROWS];
   int64_t limit[MAX_ROWS];
   alignas(64) float kf[KC][MAX_D];
   alignas(64) float vf[KC][MAX_D];
@@ -40,26 +126,13 @@ void attend_item(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, con
     for (int64_t r = 0; r < R; ++r) {
       const int64_t nv = std::min<int64_t>(n, limit[r] - p + 1);  // keys of this chunk the row may see
       if (nv <= 0) continue;
-      float s[KC];
-      float smax = -INFINITY;
-      for (int64_t j = 0; j < nv; ++j) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qf[r][d] * kf[j][d];
-        s[j] = dot;
-        smax = std::max(smax, dot);
+#ifdef KV_HAVE_AVX2
+      if constexpr (AVX2) {
+        row_update_avx2(qf[r], acc[r], m[r], l[r], kf, vf, nv, D);
+        continue;
       }
-      const float mnew = std::max(m[r], smax);
-      const float corr = std::exp(m[r] - mnew);
-      float psum = 0.f;
-      for (int64_t j = 0; j < nv; ++j) { s[j] = std::exp(s[j] - mnew); psum += s[j]; }
-      l[r] = l[r] * corr + psum;
-      m[r] = mnew;
-      float* a = acc[r];
-      for (int64_t d = 0; d < D; ++d) a[d] *= corr;
-      for (int64_t j = 0; j < nv; ++j) {
-        const float pj = s[j];
-        for (int64_t d = 0; d < D; ++d) a[d] += pj * vf[j][d];
-      }
+#endif
+      row_update(qf[r], acc[r], m[r], l[r], kf, vf, nv, D);
     }
     p += n;
   }
@@ -71,106 +144,6 @@ void attend_item(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, con
   }
 }
 
-#ifdef KV_HAVE_AVX2
-// attend_item on 8 lanes (AVX2, D % 8 == 0): each chunk of keys converted to float32 once; per row, the scores of
-// 8 keys at a time (their partial-sum vectors transposed and summed into one vector), exps on 8 lanes, and P @ V
-// as broadcast multiply-adds into the row's accumulator.
-template <typename T>
-void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table, int64_t ctx_len,
-                      int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H, int64_t Hkv,
-                      int64_t D, int64_t bs, float scale) {
-  const int64_t G = H / Hkv, R = nt * G, nd = D / 8;
-  alignas(32) float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D];
-  float m[MAX_ROWS], l[MAX_ROWS];
-  int64_t limit[MAX_ROWS];
-  alignas(32) float kf[KC][MAX_D];
-  alignas(32) float vf[KC][MAX_D];
-  const __m256 vscale = _mm256_set1_ps(scale);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = t0 + r / G, h = g * G + r % G;
-    const T* src = q + (q_row0 + t) * qs + h * D;
-    for (int64_t i = 0; i < nd; ++i) {
-      _mm256_store_ps(qf[r] + 8 * i, _mm256_mul_ps(load8(src + 8 * i), vscale));
-      _mm256_store_ps(acc[r] + 8 * i, _mm256_setzero_ps());
-    }
-    m[r] = -INFINITY; l[r] = 0.f;
-    limit[r] = ctx_len - q_len + t;
-  }
-  const int64_t end = limit[R - 1] + 1;
-  const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row;
-  for (int64_t p = 0; p < end;) {
-    const int64_t off = p % bs;
-    const int64_t n = std::min<int64_t>({KC, bs - off, end - p});
-    const int64_t base = int64_t(table[p / bs]) * blk_stride + off * kv_row + g * D;
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = 0; i < nd; ++i) {
-        _mm256_store_ps(kf[j] + 8 * i, load8(kc + base + j * kv_row + 8 * i));
-        _mm256_store_ps(vf[j] + 8 * i, load8(vc + base + j * kv_row + 8 * i));
-      }
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t nv = std::min<int64_t>(n, limit[r] - p + 1);
-      if (nv <= 0) continue;
-      alignas(32) float s[KC];
-      const float* qr = qf[r];
-      int64_t j = 0;
-      for (; j + 8 <= nv; j += 8) {
-        __m256 part[8];
-        for (int k = 0; k < 8; ++k) {
-          __m256 a = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_load_ps(kf[j + k]));
-          for (int64_t i = 1; i < nd; ++i) a = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kf[j + k] + 8 * i), a);
-          part[k] = a;
-        }
-        _mm256_store_ps(s + j, transpose_sum8(part));
-      }
-      for (; j < nv; ++j) {
-        __m256 a = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_load_ps(kf[j]));
-        for (int64_t i = 1; i < nd; ++i) a = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kf[j] + 8 * i), a);
-        s[j] = hsum8(a);
-      }
-      float smax = s[0];
-      for (j = 1; j < nv; ++j) smax = std::max(smax, s[j]);
-      const float mnew = std::max(m[r], smax);
-      const float corr = std::exp(m[r] - mnew);
-      const __m256 vm = _mm256_set1_ps(mnew);
-      __m256 psum = _mm256_setzero_ps();
-      for (j = 0; j + 8 <= nv; j += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + j), vm));
-        _mm256_store_ps(s + j, e);
-        psum = _mm256_add_ps(psum, e);
-      }
-      float ptail = 0.f;
-      for (; j < nv; ++j) { s[j] = std::exp(s[j] - mnew); ptail += s[j]; }
-      l[r] = l[r] * corr + (hsum8(psum) + ptail);
-      m[r] = mnew;
-      // P @ V, 8 accumulator vectors (64 dims) at a time: 8 independent chains of multiply-adds
-      float* a = acc[r];
-      const __m256 vc8 = _mm256_set1_ps(corr);
-      for (int64_t i0 = 0; i0 < nd; i0 += 8) {
-        const int64_t ni = std::min<int64_t>(8, nd - i0);
-        __m256 av[8];
-        for (int64_t i = 0; i < ni; ++i) av[i] = _mm256_mul_ps(_mm256_load_ps(a + 8 * (i0 + i)), vc8);
-        for (j = 0; j < nv; ++j) {
-          const __m256 pj = _mm256_set1_ps(s[j]);
-          const float* vr = vf[j] + 8 * i0;
-          if (ni == 8) {
-            for (int i = 0; i < 8; ++i) av[i] = _mm256_fmadd_ps(pj, _mm256_load_ps(vr + 8 * i), av[i]);
-          } else {
-            for (int64_t i = 0; i < ni; ++i) av[i] = _mm256_fmadd_ps(pj, _mm256_load_ps(vr + 8 * i), av[i]);
-          }
-        }
-        for (int64_t i = 0; i < ni; ++i) _mm256_store_ps(a + 8 * (i0 + i), av[i]);
-      }
-    }
-    p += n;
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = t0 + r / G, h = g * G + r % G;
-    T* dst = out + ((q_row0 + t) * H + h) * D;
-    const __m256 inv = _mm256_set1_ps(1.f / l[r]);
-    for (int64_t i = 0; i < nd; ++i) store8(dst + 8 * i, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * i), inv));
-  }
-}
-#endif
 
 #ifdef KV_HAVE_AVX512
 // a[j] (16 vectors) -> one vector whose lane j is the sum of a[j]'s lanes
@@ -556,8 +529,8 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
 #ifdef KV_HAVE_AVX2
     if constexpr (std::is_same<T, KV>::value) {
       if (avx2) {
-        attend_item_avx2<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D, bs,
-                            scale);
+        attend_item<T, T, true>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D,
+                                bs, scale);
         continue;
       }
     }

@@ -130,11 +130,10 @@ class LLMEngine:
 
     def runs_fused_stack(self) -> bool:
         """Whether this engine's model runs its decoder layers in the fused C++ stack (bf16 on the CPU, with every
-        kernel it needs), as its steps will decide."""
-        from kvserve.model.fused import build_fused_layers
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
-        return (self.device.type == "cpu" and self.dtype == torch.bfloat16 and layers is not None
-                and build_fused_layers(layers) is not None)
+        kernel it needs): the model's own decision, whose stack it keeps for its first step."""
+        fused_layers = getattr(getattr(self.model, "model", None), "_fused_layers", None)
+        return (self.device.type == "cpu" and self.dtype == torch.bfloat16 and fused_layers is not None
+                and fused_layers() is not None)
 
     def parallel_description(self) -> str:
         """', tensor parallel 2 (mp, shared-memory all-reduce, 1 thread per rank)', or '' on one process."""

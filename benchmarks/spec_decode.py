@@ -8,10 +8,10 @@ Sections (greedy throughout, prefix caching off so that every repeat does the sa
           paragraph), max_tokens 128. Configurations: off, ngram k=5 (lookup 2-5), suffix k=16 and k=8 with the
           global tree off (suffix_max_cached_requests 0: the repeats send the same prompts, and a tree of earlier
           outputs would draft them from memory), and suffix k=16 with that tree (the repeat case, an upper bound).
-  draft   Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, float32 here) with Qwen2.5-Coder-0.5B-Instruct as the draft
-          model (`make models`; skipped without them): 2 code prompts, max_tokens 64. Configurations: off, draft k=3,
-          draft k=5, ngram k=5. Both models in float32 take ~11 GB, four engines would not fit: one engine holds
-          them and the configurations are switched on it between runs (switch_speculation).
+  draft   Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) with Qwen2.5-Coder-0.5B-Instruct as the draft model
+          (`make models`; skipped without them): 2 code prompts, max_tokens 64. Configurations: off, draft k=3,
+          draft k=5, ngram k=5. One engine holds both models and the configurations are switched on it between runs
+          (switch_speculation). All sections run with --quantization (auto: the GGUFs stay quantized) and --dtype.
   batch   throughput of 64 concurrent requests (32 copy-heavy, 32 ordinary; max_tokens 64) on the bundled model:
           off, ngram k=5 with the default disable_by_batch_size (8) and ngram k=5 always on (None); then copy-heavy
           batches of 1-32 requests, off against ngram always on: the ratio per batch size places the threshold.
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import QUANTIZATION_CHOICES
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("single", "draft", "batch")
@@ -216,7 +217,7 @@ def first_difference(tok, ref: list[int], got: list[int]) -> dict | None:
 
 def make_llm(model: str | None, spec: dict | None, args, **kwargs) -> LLM:
     llm = LLM(model=model, speculative_config=spec, enable_prefix_caching=False, num_threads=args.num_threads,
-              quantization="none", **kwargs)
+              quantization=args.quantization, dtype=args.dtype, **kwargs)
     llm.generate([{"prompt_token_ids": chat_ids(llm, ["Say hello."])[0]}], greedy(8), use_tqdm=False)   # warm up
     return llm
 
@@ -428,6 +429,10 @@ def main() -> None:
     p.add_argument("--batch-repeats", type=int, default=3)
     p.add_argument("--batch-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+                   help="weights: auto keeps a GGUF's quantization, none dequantizes it (the bundled model is a GGUF)")
+    p.add_argument("--dtype", default="auto", help="activation dtype (auto: bf16 for quantized models where the "
+                   "kernels' bf16 ops are vectorized, float32 otherwise)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "spec_decode.json"))
     args = p.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]

@@ -263,7 +263,7 @@ def test_serving_keeps_one_copy_of_the_packed_weights():
     the packs gives back exactly the loaded weights, and the engine's tokens do not change."""
     from kvserve.model.layers import Linear, restore_unpacked_weights, unpack_weight
     from model_utils import load_ours
-    llm = LLM(dtype="bfloat16", max_model_len=256, enable_prefix_caching=False)
+    llm = LLM(dtype="bfloat16", quantization="none", max_model_len=256, enable_prefix_caching=False)
     model = llm.llm_engine.model
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     before = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids

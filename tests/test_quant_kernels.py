@@ -30,10 +30,11 @@ def reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return (x.double() @ weight.dequantize().double().T)
 
 
-def check_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
-    # quantizing x to int8 per 32 values moves each value by at most half a step (its block's max |x| / 254)
-    amax = x.abs().double().reshape(x.shape[0], -1, 32).amax(-1, keepdim=True)
-    step = (amax / 254).expand(-1, -1, 32).reshape(x.shape)
+def check_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group: int = 32):
+    # quantizing x to int8 per `group` values (32; 256 for the K-quants, as llama.cpp's Q8_K) moves each value by
+    # at most half a step (its block's max |x| / 254)
+    amax = x.abs().double().reshape(x.shape[0], -1, group).amax(-1, keepdim=True)
+    step = (amax / 254).expand(-1, -1, group).reshape(x.shape)
     bound = step @ w.abs().double().T * 1.001 + 1e-5
     err = (y.double() - ref).abs()
     assert (err <= bound).all(), f"max error {err.max():.3g}, bound {bound.min():.3g}"
@@ -54,11 +55,11 @@ def test_every_format_against_dequantized_matmul(fmt, variant):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             y = quantized_matmul(x, w)
             assert y.dtype == torch.float32 and y.shape == (rows, 37)
-            check_close(y, reference(x, w), x, dense)
+            check_close(y, reference(x, w), x, dense, 256 if fmt.endswith("K") else 32)
 
 
 def test_rows_of_a_step_are_independent():
-    # a row's result does not depend on which other rows share its step (row tiles of 4 and the remainders)
+    # a row's result does not depend on which other rows share its step (K-quant row tiles of 8, remainders)
     w = QuantizedWeight([random_quantized("Q4_K", 20, 256)])
     x = torch.randn(11, 256)
     whole = quantized_matmul(x, w)

@@ -1,8 +1,9 @@
-// Matmuls on GGUF-quantized weights kept in their block formats: y[M, N] = x[M, K] @ W[N, K]^T, W given as rows of
-// ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q4_K, Q5_K, Q6_K: 256 a block in 8 sub-blocks of
-// 32). As llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below);
-// each 32-value sub-block of W is unpacked in registers to 32 small integers q with a float scale s (and a min m
-// for the formats that have one: w = s q + m), and the 32 products come from integer dot products:
+// GGUF-quantized weights kept in their block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q4_K, Q5_K,
+// Q6_K: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of the 32-value formats, and rows
+// dequantized for embedding lookups. The matmul over them is quant_matmul.cpp's. For the 32-value formats, as
+// llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below); each block
+// of W is unpacked in registers to 32 small integers q with a float scale s (and a min m for the formats that have
+// one: w = s q + m), and the 32 products come from integer dot products:
 //   sum_i w_i x_i ~= s dx sum_i q_i qx_i + m dx sum_i qx_i.
 // The integer sums are exact, so the AVX2 path (vpmaddubsw, or vpdpbusd with AVX-512 VNNI) and the scalar one
 // agree but for the order of the float additions. A step reads each quantized row once for up to QMR rows of x.
@@ -64,6 +65,20 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
     sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
     m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
+}
+
+// all 8 scales and mins of a Q4_K / Q5_K super-block at once: the 12 packed bytes rearranged into 8 scale bytes
+// then 8 min bytes (llama.cpp's kmask trick; scale_min_k4 per sub-block, unrolled)
+inline void k4_ints(const uint8_t* b, uint8_t* out) {
+  uint32_t u[4];
+  std::memcpy(u, b + 4, 12);
+  const uint32_t mask6 = 0x3f3f3f3f, mask4 = 0x0f0f0f0f, mask2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & mask4) | (((u[1] >> 6) & mask2) << 4);
+  const uint32_t mins_lo = u[1] & mask6;
+  u[1] = (u[2] & mask4) | (((u[0] >> 6) & mask2) << 4);
+  u[2] = mins_lo;
+  u[0] &= mask6;
+  std::memcpy(out, u, 16);
 }
 
 // One sub-block of 32 weights: q[i] (0..63 unsigned with a min, or signed), scale s and min m (w = s q + m), and
@@ -217,19 +232,11 @@ inline void bytes_times(const void* p, bool is_signed, float f, float* out) {
   const __m256i i = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
   _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(f)));
 }
-// all 8 scales and mins of a Q4_K / Q5_K super-block at once: the 12 packed bytes rearranged into 8 scale bytes
-// then 8 min bytes (llama.cpp's kmask trick; scale_min_k4 per sub-block, unrolled)
 inline void k4_header(const uint8_t* b, float* s, float* m) {
-  uint32_t u[4];
-  std::memcpy(u, b + 4, 12);
-  const uint32_t mask6 = 0x3f3f3f3f, mask4 = 0x0f0f0f0f, mask2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & mask4) | (((u[1] >> 6) & mask2) << 4);
-  const uint32_t mins_lo = u[1] & mask6;
-  u[1] = (u[2] & mask4) | (((u[0] >> 6) & mask2) << 4);
-  u[2] = mins_lo;
-  u[0] &= mask6;
+  uint8_t u[16];
+  k4_ints(b, u);
   bytes_times(u, false, fp16_to_f32(b), s);
-  bytes_times(u + 2, false, -fp16_to_f32(b + 2), m);
+  bytes_times(u + 8, false, -fp16_to_f32(b + 2), m);
 }
 inline __m256i k_nibbles(const uint8_t* qs, int j) {   // sub-block j's 32 nibbles of a Q4_K / Q5_K super-block
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 2)));
@@ -249,14 +256,17 @@ template <> void header<Q6_K>(const uint8_t* b, float* s, float*) {
   bytes_times(b + 192, true, d, s);
   bytes_times(b + 200, true, d, s + 8);
 }
-template <> __m256i quants<Q6_K>(const uint8_t* b, int j) {
+inline __m256i q6_unsigned(const uint8_t* b, int j) {   // sub-block j of a Q6_K block as 0..63 (q + 32)
   const int h = j / 4, i4 = j % 4;
   const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (i4 & 1)));
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
   const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (i4 >> 1))), _mm256_set1_epi8(0xF));
   const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i4)),
                                                         _mm256_set1_epi8(3)), 4);
-  return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+  return _mm256_or_si256(lo, hi);
+}
+template <> __m256i quants<Q6_K>(const uint8_t* b, int j) {
+  return _mm256_sub_epi8(q6_unsigned(b, j), _mm256_set1_epi8(32));
 }
 
 template <int T, int R>
@@ -294,75 +304,6 @@ inline void row_dot(const uint8_t* w, const QX* const* x, int64_t nsub, float* o
 #else
   row_dot_scalar<T, R>(w, x, nsub, out);
 #endif
-}
-
-// x rows [M, K] (float32 or bf16, row stride xs) -> QX blocks [M, K / 32]
-template <typename X>
-void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
-  const int64_t nb = K / 32;
-  #pragma omp parallel for if (M * K >= 65536)
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const X* p = x + m * xs + 32 * b;
-      float v[32], amax = 0.f;
-      for (int i = 0; i < 32; ++i) { v[i] = load(p, i); amax = std::max(amax, std::fabs(v[i])); }
-      QX& o = out[m * nb + b];
-      const float id = amax > 0.f ? 127.f / amax : 0.f;
-      int sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int q = int(std::nearbyint(v[i] * id));
-        o.q[i] = int8_t(q);
-        sum += q;
-      }
-      o.d = amax / 127.f;
-      o.sum = o.d * float(sum);
-    }
-}
-
-constexpr int64_t QNB = 16;   // weight rows per work unit: they stay in L1/L2 while every row tile of x passes
-
-template <int T, typename Y>
-void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const QX* xq, int64_t M, int64_t nsub, Y* y,
-                 int64_t ys) {
-  // each thread takes units of QNB whole weight rows, read from memory once per step, and runs every row tile of
-  // x over them (a tile of QMR rows shares each unpacked sub-block; its activations stay in L1 across the unit)
-  const int64_t units = (N + QNB - 1) / QNB;
-  #pragma omp parallel for schedule(static) if (N * nsub * M >= 2048)
-  for (int64_t u = 0; u < units; ++u) {
-    const int64_t n1 = std::min(N, (u + 1) * QNB);
-    const QX* xr[QMR];
-    float out[QMR];
-    for (int64_t m = 0; m < M; m += QMR) {
-      const int rows = int(std::min<int64_t>(QMR, M - m));
-      for (int r = 0; r < rows; ++r) xr[r] = xq + (m + r) * nsub;
-      for (int64_t n = u * QNB; n < n1; ++n) {
-        const uint8_t* wr = w + n * row_bytes;
-        switch (rows) {
-          case 4: row_dot<T, 4>(wr, xr, nsub, out); break;
-          case 3: row_dot<T, 3>(wr, xr, nsub, out); break;
-          case 2: row_dot<T, 2>(wr, xr, nsub, out); break;
-          default: row_dot<T, 1>(wr, xr, nsub, out); break;
-        }
-        for (int r = 0; r < rows; ++r) store(y + (m + r) * ys, n, out[r]);
-      }
-    }
-  }
-}
-
-template <typename Y>
-bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, const QX* xq, int64_t M,
-                  int64_t nsub, Y* y, int64_t ys) {
-  switch (type) {
-    case Q4_0: matmul_rows<Q4_0>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
-    case Q4_1: matmul_rows<Q4_1>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
-    case Q5_0: matmul_rows<Q5_0>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
-    case Q5_1: matmul_rows<Q5_1>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
-    case Q8_0: matmul_rows<Q8_0>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
-    case Q4_K: matmul_rows<Q4_K>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
-    case Q5_K: matmul_rows<Q5_K>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
-    case Q6_K: matmul_rows<Q6_K>(w, N, row_bytes, xq, M, nsub, y, ys); return true;
-    default: return false;
-  }
 }
 
 template <int T, typename Y>
@@ -419,9 +360,6 @@ bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
   }
 }
 
-// the quantized activations of one call, reused across calls (one engine thread calls at a time per library)
-thread_local std::vector<QX> qx_buffer;
-
 }  // namespace
 
 #pragma GCC pop_options
@@ -438,33 +376,6 @@ int kvserve_quant_simd() {
 #else
   return 0;
 #endif
-}
-
-// A quantized linear: desc = [num_segments, then per segment: ggml type, data pointer, rows, bytes per row]; the
-// segments' rows stack into the N output columns (a fused q|k|v may mix formats). y[M, N] = x[M, K] @ W^T with
-// x and y float32 (x_bf16 = 0) or bf16 (1), rows strided by xs / ys elements; K a multiple of 256 for K-quant
-// segments, of 32 otherwise. Returns 0, or -1 for a type it does not know (the segments before it are written).
-int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t x_bf16, void* y, int64_t ys,
-                         int64_t M, int64_t K) {
-  const int64_t nseg = desc[0], nsub = K / 32;
-  std::vector<QX>& xq = qx_buffer;
-  if (int64_t(xq.size()) < M * nsub) xq.resize(M * nsub);
-  if (x_bf16)
-    quantize_rows(static_cast<const uint16_t*>(x), xs, M, K, xq.data());
-  else
-    quantize_rows(static_cast<const float*>(x), xs, M, K, xq.data());
-  int64_t col = 0;
-  for (int64_t s = 0; s < nseg; ++s) {
-    const int64_t* seg = desc + 1 + 4 * s;
-    const auto* w = reinterpret_cast<const uint8_t*>(seg[1]);
-    const bool ok = x_bf16 ? matmul_typed(seg[0], w, seg[2], seg[3], xq.data(), M, nsub,
-                                          static_cast<uint16_t*>(y) + col, ys)
-                           : matmul_typed(seg[0], w, seg[2], seg[3], xq.data(), M, nsub,
-                                          static_cast<float*>(y) + col, ys);
-    if (!ok) return -1;
-    col += seg[2];
-  }
-  return 0;
 }
 
 // out[i, :] = row ids[i] of a quantized [rows, K] matrix, dequantized (float32 or bf16): embedding lookups

@@ -1,0 +1,317 @@
+// The quantized matmul itself (kvserve_quant_matmul), over the formats and unpacking of quant.cpp. The activations
+// are quantized first, per row, to int8 with one float scale per block: per 32 values for the 32-value formats (QX),
+// per 256 for the K-quants (QK, llama.cpp's block_q8_K). A K-quant super-block's products then stay integer to its
+// end: each sub-block's int8 dot products (vpmaddubsw) are weighted by its integer scale (vpmaddwd) and summed
+// over the 8 sub-blocks, and its mins (or Q6_K's offset of 32) are the integer scales times the activations'
+// integer sums per 16 values; one float multiply-add per super-block and row remains:
+//   sum_i w_i x_i ~= dx (d sum_g sc_g sum_(i in g) q_i qx_i - dmin sum_g mn_g sum_(i in g) qx_i).
+// Those integer sums are exact; the scalar and AVX2 paths agree but for the order of their float additions.
+#include "common.h"
+#if defined(__AVX2__) && !defined(KVSERVE_PORTABLE)
+#include <immintrin.h>
+#endif
+
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
+
+namespace {
+
+// one 256-value block of a quantized activation row for the K-quants: x_i ~= d q_i; sum16[g] = sum of q over
+// values 16 g .. 16 g + 15 (aligned: the kernels' 32-byte loads of q then never straddle a cache line)
+struct alignas(64) QK {
+  int8_t q[256];
+  int16_t sum16[16];
+  float d;
+};
+
+constexpr int QKR = 8;   // rows of x per pass over a K-quant weight row (a pass holds one int32 sum per row)
+
+// a K-quant super-block's integer scales per 16 values (sc) and mins per 16 values (mn; a sub-block's twice) with
+// its float factors: w = d sc q - dmin mn (Q4_K, Q5_K: q unsigned), or w = d sc (q - 32) (Q6_K, q in 0..63)
+template <int T> void k_ints(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {   // Q4_K, Q5_K
+  uint8_t u[16];
+  k4_ints(b, u);
+  for (int g = 0; g < 16; ++g) { sc[g] = u[g / 2]; mn[g] = u[8 + g / 2]; }
+  d = fp16_to_f32(b);
+  dmin = fp16_to_f32(b + 2);
+}
+template <> void k_ints<Q6_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
+  for (int g = 0; g < 16; ++g) { sc[g] = reinterpret_cast<const int8_t*>(b + 192)[g]; mn[g] = 0; }
+  d = fp16_to_f32(b + 208);
+  dmin = 0.f;
+}
+
+// a row's super-block: isum = sum_g sc_g (q . qx over g) (Q6_K: with q - 32), msum = sum_g mn_g sum16_g
+inline float k_term(float dx, float d, int32_t isum, float dmin, int32_t msum) {
+  return dx * (d * float(isum) - dmin * float(msum));
+}
+
+template <int T, int R>
+void row_dot_k_scalar(const uint8_t* w, const QK* const* x, int64_t nblocks, float* out) {
+  using F = Format<T>;
+  float acc[R] = {};
+  int16_t sc[16], mn[16];
+  float d, dmin;
+  Sub sub;
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const uint8_t* b = w + blk * F::BYTES;
+    k_ints<T>(b, sc, mn, d, dmin);
+    int32_t isum[R] = {}, msum[R] = {};
+    for (int j = 0; j < 8; ++j) {
+      unpack_scalar<T>(b, j, sub);   // Q6_K: q - 32, whose sums equal the SIMD path's q sums less 32 sum16
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x[r][blk].q + 32 * j;
+        for (int h = 0; h < 2; ++h) {
+          int32_t s = 0;
+          for (int i = 16 * h; i < 16 * h + 16; ++i) s += int32_t(sub.q[i]) * xq[i];
+          isum[r] += s * sc[2 * j + h];
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if (F::MIN)
+        for (int g = 0; g < 16; ++g) msum[r] += int32_t(mn[g]) * x[r][blk].sum16[g];
+      acc[r] += k_term(x[r][blk].d, d, isum[r], dmin, msum[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+#ifdef KV_HAVE_QAVX2
+// acc + the int16 pairs of p times those of s, summed per int32 lane (AVX-512 VNNI: one vpdpwssd)
+inline __m256i madd_add(__m256i acc, __m256i p, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, p, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+#endif
+}
+template <int T> inline __m256i k_quants_unsigned(const uint8_t* b, int j) { return quants<T>(b, j); }
+template <> inline __m256i k_quants_unsigned<Q6_K>(const uint8_t* b, int j) { return q6_unsigned(b, j); }
+
+// the SIMD header of a K-quant super-block: its integer scales, mins per 16 values as int16 lanes (mn; Q6_K: its
+// scales, sc16), and d and dmin as in k_ints; scale(j) is sub-block j's scale in every int16 lane of the first 16
+// values' half and the second's (Q4_K, Q5_K: one scale for both)
+template <int T> struct KHeader {   // Q4_K, Q5_K
+  __m256i sc, mn;   // sc: the 8 scales as int16, in both 128-bit halves
+  float d, dmin;
+  explicit KHeader(const uint8_t* b) {
+    uint8_t u[16];   // 8 scales, then 8 mins
+    k4_ints(b, u);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+    sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v));
+    mn = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14,
+                                                                 15, 15)));
+    d = fp16_to_f32(b);
+    dmin = fp16_to_f32(b + 2);
+  }
+  __m256i scale(int j) const {
+    return _mm256_shuffle_epi8(sc, _mm256_set1_epi16(int16_t(0x0100 * (2 * j + 1) + 2 * j)));
+  }
+};
+template <> struct KHeader<Q6_K> {
+  __m256i sc16;   // the 16 scales as int16
+  float d, dmin = 0.f;
+  explicit KHeader(const uint8_t* b) {
+    sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    d = fp16_to_f32(b + 208);
+  }
+  __m256i scale(int j) const {   // int32 element j holds scales 2j, 2j + 1: spread to the halves
+    const __m256i pair = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j));
+    return _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                      2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+  }
+};
+
+template <int T, int R>
+void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float* out) {
+  using F = Format<T>;
+  __m256 vacc[R];   // per row: 8 lanes of float sums, added up at the end
+  for (int r = 0; r < R; ++r) vacc[r] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const uint8_t* b = w + blk * F::BYTES;
+    const KHeader<T> h(b);
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    #pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      // unsigned q (< 64) times signed qx (|qx| <= 127): each pair's sum fits int16 (vpmaddubsw saturates)
+      const __m256i q = k_quants_unsigned<T>(b, j), s = h.scale(j);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][blk].q + 32 * j));
+        isum[r] = madd_add(isum[r], _mm256_maddubs_epi16(q, xq), s);
+      }
+    }
+    const __m256 d = _mm256_set1_ps(h.d), dmin = _mm256_set1_ps(-h.dmin);
+    for (int r = 0; r < R; ++r) {
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][blk].sum16));
+      const __m256 dx = _mm256_set1_ps(x[r][blk].d);
+      __m256i i = isum[r];
+      if constexpr (T == Q6_K) i = _mm256_sub_epi32(i, _mm256_slli_epi32(_mm256_madd_epi16(h.sc16, s16), 5));
+      vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, dx), vacc[r]);
+      if constexpr (F::MIN)
+        vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h.mn, s16)), _mm256_mul_ps(dmin, dx), vacc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(vacc[r]);
+}
+#endif
+
+// out[r] = dot(weight row w, x row r) over nblocks activation blocks, for R rows; A: the activation blocks (QK
+// for the K-quants, QX otherwise)
+template <int T, int R, typename A>
+inline void dot_rows(const uint8_t* w, const A* const* x, int64_t nblocks, float* out) {
+  if constexpr (std::is_same_v<A, QK>) {
+#ifdef KV_HAVE_QAVX2
+    row_dot_k_simd<T, R>(w, x, nblocks, out);
+#else
+    row_dot_k_scalar<T, R>(w, x, nblocks, out);
+#endif
+  } else {
+    row_dot<T, R>(w, x, nblocks, out);
+  }
+}
+
+// x rows [M, K] (float32 or bf16, row stride xs) -> B-value blocks [M, K / B] (QX: B = 32, QK: 256)
+template <typename A, typename X>
+void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, A* out) {
+  constexpr int B = sizeof(A::q), G = std::is_same_v<A, QK> ? 16 : 32;   // G: values per integer sum
+  const int64_t nb = K / B;
+  #pragma omp parallel for if (M * K >= 65536)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const X* p = x + m * xs + B * b;
+      float v[B], amax = 0.f;
+      for (int i = 0; i < B; ++i) { v[i] = load(p, i); amax = std::max(amax, std::fabs(v[i])); }
+      A& o = out[m * nb + b];
+      const float id = amax > 0.f ? 127.f / amax : 0.f;
+      int sums[B / G];
+      for (int g = 0; g < B / G; ++g) {
+        sums[g] = 0;
+        for (int i = G * g; i < G * g + G; ++i) {
+          const int q = int(std::nearbyint(v[i] * id));
+          o.q[i] = int8_t(q);
+          sums[g] += q;
+        }
+      }
+      o.d = amax / 127.f;
+      if constexpr (std::is_same_v<A, QK>)
+        for (int g = 0; g < 16; ++g) o.sum16[g] = int16_t(sums[g]);
+      else
+        o.sum = o.d * float(sums[0]);
+    }
+}
+
+constexpr int64_t QNB = 16;   // weight rows per work unit: they stay in L1/L2 while every row tile of x passes
+
+template <int T, int R, typename A>
+void tile_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t row_bytes, const A* const* xr, int64_t nblocks,
+               float (*out)[QKR]) {
+  for (int64_t n = n0; n < n1; ++n) dot_rows<T, R>(w + n * row_bytes, xr, nblocks, out[n - n0]);
+}
+
+template <int T, typename Y>
+void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const void* xv, int64_t M, int64_t K, Y* y,
+                 int64_t ys) {
+  // each thread takes units of QNB whole weight rows, read from memory once per step, and runs every row tile of
+  // x over them (a tile shares each unpacked sub-block)
+  using A = std::conditional_t<Format<T>::SUBS == 8, QK, QX>;
+  constexpr bool KQ = std::is_same_v<A, QK>;
+  constexpr int TILE = KQ ? QKR : QMR;
+  const A* xq = static_cast<const A*>(xv);
+  const int64_t nblocks = K / int64_t(sizeof(A::q));
+  const int64_t units = (N + QNB - 1) / QNB;
+  #pragma omp parallel for schedule(static) if (N * K * M >= 65536)
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t n0 = u * QNB, n1 = std::min(N, n0 + QNB);
+    const A* xr[TILE];
+    float out[QNB][QKR];
+    for (int64_t m = 0; m < M; m += TILE) {
+      const int rows = int(std::min<int64_t>(TILE, M - m));
+      for (int r = 0; r < rows; ++r) xr[r] = xq + (m + r) * nblocks;
+      switch (rows) {
+        case 8: if constexpr (TILE >= 8) { tile_rows<T, 8>(w, n0, n1, row_bytes, xr, nblocks, out); break; }
+          [[fallthrough]];
+        case 7: if constexpr (TILE >= 7) { tile_rows<T, 7>(w, n0, n1, row_bytes, xr, nblocks, out); break; }
+          [[fallthrough]];
+        case 6: if constexpr (TILE >= 6) { tile_rows<T, 6>(w, n0, n1, row_bytes, xr, nblocks, out); break; }
+          [[fallthrough]];
+        case 5: if constexpr (TILE >= 5) { tile_rows<T, 5>(w, n0, n1, row_bytes, xr, nblocks, out); break; }
+          [[fallthrough]];
+        case 4: tile_rows<T, 4>(w, n0, n1, row_bytes, xr, nblocks, out); break;
+        case 3: tile_rows<T, 3>(w, n0, n1, row_bytes, xr, nblocks, out); break;
+        case 2: tile_rows<T, 2>(w, n0, n1, row_bytes, xr, nblocks, out); break;
+        default: tile_rows<T, 1>(w, n0, n1, row_bytes, xr, nblocks, out); break;
+      }
+      for (int64_t n = n0; n < n1; ++n)
+        for (int r = 0; r < rows; ++r) store(y + (m + r) * ys, n, out[n - n0][r]);
+    }
+  }
+}
+
+// the activations quantized for a segment of this type: QK blocks for the K-quants, QX otherwise
+template <typename Y>
+bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, const QX* qx, const QK* qk,
+                  int64_t M, int64_t K, Y* y, int64_t ys) {
+  switch (type) {
+    case Q4_0: matmul_rows<Q4_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case Q4_1: matmul_rows<Q4_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case Q5_0: matmul_rows<Q5_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case Q5_1: matmul_rows<Q5_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case Q8_0: matmul_rows<Q8_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case Q4_K: matmul_rows<Q4_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
+    case Q5_K: matmul_rows<Q5_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
+    case Q6_K: matmul_rows<Q6_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
+    default: return false;
+  }
+}
+
+inline bool is_k_quant(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+// the quantized activations of one call, reused across calls (one engine thread calls at a time per library)
+thread_local std::vector<QX> qx_buffer;
+thread_local std::vector<QK> qk_buffer;
+
+template <typename A, typename X>
+const A* quantized(std::vector<A>& buf, const X* x, int64_t xs, int64_t M, int64_t K) {
+  const int64_t n = M * (K / int64_t(sizeof(A::q)));
+  if (int64_t(buf.size()) < n) buf.resize(n);
+  quantize_rows(x, xs, M, K, buf.data());
+  return buf.data();
+}
+
+template <typename X, typename Y>
+int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, int64_t M, int64_t K) {
+  const int64_t nseg = desc[0];
+  const QX* qx = nullptr;
+  const QK* qk = nullptr;
+  for (int64_t s = 0; s < nseg; ++s) {   // each kind of activation blocks the segments need, once
+    if (is_k_quant(desc[1 + 4 * s]) && !qk) qk = quantized(qk_buffer, x, xs, M, K);
+    if (!is_k_quant(desc[1 + 4 * s]) && !qx) qx = quantized(qx_buffer, x, xs, M, K);
+  }
+  int64_t col = 0;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t* seg = desc + 1 + 4 * s;
+    if (!matmul_typed(seg[0], reinterpret_cast<const uint8_t*>(seg[1]), seg[2], seg[3], qx, qk, M, K, y + col, ys))
+      return -1;
+    col += seg[2];
+  }
+  return 0;
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+extern "C" {
+// A quantized linear: desc = [num_segments, then per segment: ggml type, data pointer, rows, bytes per row]; the
+// segments' rows stack into the N output columns (a fused q|k|v may mix formats). y[M, N] = x[M, K] @ W^T with
+// x and y float32 (x_bf16 = 0) or bf16 (1), rows strided by xs / ys elements; K a multiple of 256 for K-quant
+// segments, of 32 otherwise. Returns 0, or -1 for a type it does not know (the segments before it are written).
+int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t x_bf16, void* y, int64_t ys,
+                         int64_t M, int64_t K) {
+  if (x_bf16)
+    return quant_matmul(desc, static_cast<const uint16_t*>(x), xs, static_cast<uint16_t*>(y), ys, M, K);
+  return quant_matmul(desc, static_cast<const float*>(x), xs, static_cast<float*>(y), ys, M, K);
+}
+}

@@ -1,6 +1,7 @@
 """Speculative decoding end to end: every method's output equals the output without speculation (greedy, and seeded
 sampling too), under batching, chunked prefill, preemption and prefix caching; stops, logprobs and n > 1 across
 accepted tokens; bad configurations refused at start; the batch-size switch; the metrics."""
+import copy
 import logging
 
 import pytest
@@ -258,7 +259,8 @@ class RowCounter:
 def test_the_draft_skips_what_its_proposal_wrote_and_keeps_a_right_kv(tmp_path, gguf_path):
     """The draft is the target's first layer, so at every computed position its KV must equal the target's first
     layer's, through accepted and rejected drafts alike (a row the draft skipped that its proposal did not write
-    would not); verification steps run the draft on about one row instead of k + 1."""
+    would not); verification steps run the draft on no row (the last draft of a verification that accepted all k
+    rides with the next proposal's first draft forward)."""
     from kvserve.attention import attention_layers
     target = save_tiny_model("qwen2", tmp_path / "target", num_hidden_layers=2, vocab_size=96)
     with torch.no_grad():   # a faint second layer: most drafts are accepted, some are not
@@ -283,17 +285,34 @@ def test_the_draft_skips_what_its_proposal_wrote_and_keeps_a_right_kv(tmp_path, 
     prompts = tiny_prompts(3)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    bs = engine.block_size
+
+    def check_draft_kv():
+        for i in range(len(prompts)):
+            req = engine.scheduler.requests[str(i)]
+            pos = torch.arange(req.num_computed_tokens)
+            slots = torch.tensor(engine.kv.get_block_ids(str(i)))[pos // bs] * bs + pos % bs
+            for t, d in ((target_kv.k_cache, draft_kv.k_cache), (target_kv.v_cache, draft_kv.v_cache)):
+                torch.testing.assert_close(d.flatten(0, 1)[slots], t.flatten(0, 1)[slots], atol=1e-5, rtol=1e-5)
+
     for _ in range(8):
         engine.step()
-    bs = engine.block_size
-    for i in range(len(prompts)):
-        req = engine.scheduler.requests[str(i)]
-        pos = torch.arange(req.num_computed_tokens)
-        slots = torch.tensor(engine.kv.get_block_ids(str(i)))[pos // bs] * bs + pos % bs
-        for t, d in ((target_kv.k_cache, draft_kv.k_cache), (target_kv.v_cache, draft_kv.v_cache)):
-            torch.testing.assert_close(d.flatten(0, 1)[slots], t.flatten(0, 1)[slots], atol=1e-5, rtol=1e-5)
-    stats = engine.scheduler.spec_stats
+    check_draft_kv()
+    stats = copy.deepcopy(engine.scheduler.spec_stats)
+    draft_rows, target_rows = runner.draft_model.num_rows, runner.model.num_rows
+    # proposals off: the next step verifies the last ones; a request that accepted all its drafts lacks the last
+    # one's draft KV, which the decode after writes with its own token
+    engine.spec_config.disable_by_batch_size = 0
+    engine.step()
+    reqs = [engine.scheduler.requests[str(i)] for i in range(len(prompts))]
+    assert any(req.draft_kv_end < req.num_computed_tokens for req in reqs)
+    for _ in range(2):
+        engine.step()
+    check_draft_kv()
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens   # both paths ran
-    verify_rows = runner.draft_model.num_rows - sum(proposal_rows)
+    verify_rows = draft_rows - sum(proposal_rows)
     prompt_rows = sum(len(p["prompt_token_ids"]) for p in prompts)
-    assert verify_rows - prompt_rows <= stats.num_drafts < (runner.model.num_rows - prompt_rows) / 3
+    assert verify_rows == prompt_rows and stats.num_drafts < (target_rows - prompt_rows) / 3
+    # each proposal's draft forwards: k rows per request, and one more after each verification that accepted all
+    all_accepted = stats.num_accepted_per_pos[3]
+    assert all_accepted > 0 and sum(proposal_rows) == 4 * len(prompts) * len(proposal_rows) + all_accepted

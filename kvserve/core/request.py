@@ -16,6 +16,7 @@ With speculative decoding a decoding request also carries draft tokens guessed b
 from __future__ import annotations
 
 import enum
+import sys
 import time
 
 import torch
@@ -66,9 +67,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []   # drafts to verify in the next step (speculative decoding)
-        # draft model: (start, end, num_preemptions) of the positions [start, end) whose draft KV its proposal
-        # wrote; the next step's draft forward skips them (valid while the request was not preempted since)
-        self.draft_kv_written: tuple[int, int, int] | None = None
+        # draft model: its KV is written for the positions below min(draft_kv_end, num_computed_tokens), those of
+        # prefix-cache hits included (no limit until its first forward; model_runner._write_draft_kv)
+        self.draft_kv_end = sys.maxsize
         self.structured_output = None        # StructuredOutputRequest when the output is constrained
         self.num_cached_tokens = -1          # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0

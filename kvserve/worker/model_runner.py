@@ -247,9 +247,9 @@ class ModelRunner:
             raise EngineDeadError(message) from e
 
     def _execute(self, sched: SchedulerOutput, inp: StepInputs) -> dict[str, list[int]]:
-        hidden, ids, positions = self.run_forward(inp.message)
+        hidden, ids, _ = self.run_forward(inp.message)
         if self.draft_model is not None:
-            self._write_draft_kv(sched, ids, positions)
+            self._write_draft_kv(sched, ids)
         self._calls_left = len(inp.message.logits_lens)
         logits = self.iter_logits(hidden, inp.message)
         if inp.prompt_lp:
@@ -296,38 +296,41 @@ class ModelRunner:
         return emitted
 
     # ----- speculative decoding: the draft model's proposals -----
-    def _write_draft_kv(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """The draft model's KV for the step's tokens, skipping the positions its last proposal already wrote.
+    def _write_draft_kv(self, sched: SchedulerOutput, input_ids: torch.Tensor) -> None:
+        """The draft model's KV for the step's requests that do not verify drafts (prefill chunks, decodes), from
+        the first position whose draft KV is missing.
 
-        A request verifying k drafts computes its last token and d1..dk; the proposal wrote the KV of the last
-        token and d1..d(k-1) (KV of an accepted draft is right as written; that of a rejected one is overwritten
-        by the next proposal, which starts there), so only dk's row remains. Prefill chunks, requests without a
-        proposal and requests preempted since theirs run whole."""
-        rows, query_lens, seq_lens, tables, row = [], [], [], [], 0
+        A request verifying k drafts is left out: its proposal wrote the draft KV of its last token and of d1..d(k-1);
+        what it lacks once the target has accepted some (dk, when all k are) its next proposal writes in the same
+        draft forward as its first draft (propose_drafts), and a decode without a proposal here. The KV of an
+        accepted draft is right as written: the missing positions start at min(draft_kv_end, num_computed_tokens),
+        the rollback having set num_computed_tokens back past the rejected ones."""
+        step_ids = None
+        ids, pos, query_lens, seq_lens, tables, row = [], [], [], [], [], 0
         for req, n in sched.scheduled:
             start = req.num_computed_tokens
-            first = start
-            written = req.draft_kv_written
-            if written is not None and written[0] == start and written[2] == req.num_preemptions:
-                first = min(max(start, written[1]), start + n)
-            req.draft_kv_written = None
-            if first < start + n:
-                rows.extend(range(row + first - start, row + n))
+            if not req.spec_token_ids:
+                first = min(req.draft_kv_end, start)
+                if step_ids is None:
+                    step_ids = input_ids.tolist()
+                ids += req.all_token_ids[first:start] + step_ids[row:row + n]
+                pos.extend(range(first, start + n))
                 query_lens.append(start + n - first)
                 seq_lens.append(start + n)
                 tables.append(self.kv.get_block_ids(req.request_id))
+                req.draft_kv_end = start + n
             row += n
-        if not rows:
-            return
-        meta = build_attention_metadata(query_lens, seq_lens, tables, self.kv.block_size, self.device)
-        idx = self._long(rows)
-        self.draft_model(input_ids[idx], positions[idx], meta)   # only its KV is wanted
+        if ids:
+            meta = build_attention_metadata(query_lens, seq_lens, tables, self.kv.block_size, self.device)
+            self.draft_model(self._long(ids), self._long(pos), meta)   # only its KV is wanted
 
     @torch.inference_mode()
     def propose_drafts(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
         """Up to max_drafts[i] drafts for each request, by the draft model: greedy, batched over the requests, one
-        draft forward per draft position. The draft writes its KV for the last token and the drafts but the last,
-        in slots allocated now (those the next step needs anyway); a request the pool has no room for gets none."""
+        draft forward per draft position. The first one also writes the draft KV the request lacks before its last
+        token (the last draft of a verification that accepted all). The draft writes its KV for the last token
+        and the drafts but the last, in slots allocated now (those the next step needs anyway); a request the pool
+        has no room for gets none."""
         live, limits = [], []
         for req, limit in zip(reqs, max_drafts):
             # the next step computes positions num_tokens - 1 .. num_tokens - 1 + limit; the draft writes all but
@@ -343,17 +346,25 @@ class ModelRunner:
         drafts = [[] for _ in live]
         for step in range(max(limits, default=0)):
             idx = [i for i, limit in enumerate(limits) if limit > step]
-            positions = [live[i].num_tokens - 1 + step for i in idx]
-            ids = [drafts[i][-1] if step else live[i].all_token_ids[-1] for i in idx]
-            meta = build_attention_metadata([1] * len(idx), [p + 1 for p in positions],
+            if step:
+                ids = [drafts[i][-1] for i in idx]
+                positions = [live[i].num_tokens - 1 + step for i in idx]
+                query_lens = [1] * len(idx)
+            else:   # from the first position whose draft KV is missing to the last token
+                firsts = [min(live[i].draft_kv_end, live[i].num_computed_tokens) for i in idx]
+                ids = [t for i, f in zip(idx, firsts) for t in live[i].all_token_ids[f:]]
+                positions = [p for i, f in zip(idx, firsts) for p in range(f, live[i].num_tokens)]
+                query_lens = [live[i].num_tokens - f for i, f in zip(idx, firsts)]
+            meta = build_attention_metadata(query_lens, [live[i].num_tokens + step for i in idx],
                                             [self.kv.get_block_ids(live[i].request_id) for i in idx],
                                             self.kv.block_size, self.device)
             hidden = self.draft_model(self._long(ids), self._long(positions), meta)
+            if len(ids) > len(idx):   # the last row of each request
+                hidden = hidden[self._long(np.cumsum(query_lens) - 1)]
             for i, token in zip(idx, argmax_rows(self.draft_model.compute_logits(hidden)).tolist()):
                 drafts[i].append(token)
         for req, limit in zip(live, limits):
-            start = req.num_tokens - 1
-            req.draft_kv_written = (start, start + limit, req.num_preemptions)
+            req.draft_kv_end = req.num_tokens - 1 + limit
         by_req = {id(req): d for req, d in zip(live, drafts)}
         return [by_req.get(id(req), []) for req in reqs]
 

@@ -306,6 +306,9 @@ def test_the_draft_skips_what_its_proposal_wrote_and_keeps_a_right_kv(tmp_path, 
     engine.step()
     reqs = [engine.scheduler.requests[str(i)] for i in range(len(prompts))]
     assert any(req.draft_kv_end < req.num_computed_tokens for req in reqs)
+    # a block whose draft KV is not all written yet is not registered in the prefix cache
+    assert engine.kv.enable_caching
+    assert all(engine.kv.num_cached_blocks.get(req.request_id, 0) * bs <= req.draft_kv_end for req in reqs)
     for _ in range(2):
         engine.step()
     check_draft_kv()

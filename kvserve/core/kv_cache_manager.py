@@ -138,10 +138,11 @@ class KVCacheManager:
             req.block_hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Register the request's blocks whose KV is fully written (called after each step)."""
+        """Register the request's blocks whose KV is fully written (called after each step): the draft model's
+        too, which lags by the last draft of a verification that accepted all (Request.draft_kv_end)."""
         if not self.enable_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        num_full = min(req.num_computed_tokens, req.draft_kv_end) // self.block_size
         start = self.num_cached_blocks.get(req.request_id, 0)
         if num_full <= start:
             return

@@ -6,7 +6,7 @@
 // products (vpmaddubsw) are weighted by its integer scale (vpmaddwd, or AVX-512 VNNI's vpdpwssd) and summed, and
 // its mins (or Q6_K's offset of 32) are the integer scales times the activations' integer sums per 16 values:
 //   sum_i w_i x_i ~= sum_h dx_h (d sum_(g in h) sc_g sum_(i in g) q_i qx_i - dmin sum_(g in h) mn_g sum_(i in g) qx_i).
-// Those integer sums are exact; the scalar and AVX2 paths agree but for the order of their float additions.
+// Those integer sums are exact; the scalar and AVX2 paths agree up to float rounding (their float steps differ).
 #include "common.h"
 #if defined(__AVX2__) && !defined(KVSERVE_PORTABLE)
 #include <immintrin.h>

@@ -4,8 +4,8 @@ gguf: a GGUF file's weights kept in their block formats. int8 (W8A8): any checkp
 output head quantized at load to int8 blocks of 32 values along each output channel, each with a float16 scale
 (ggml's Q8_0 layout, as llama.cpp's Q8_0 files hold them). Either way a quantized linear holds a QuantizedWeight
 (rows of ggml blocks, one segment per format: a fused q|k|v may mix Q4_K and Q6_K) inside its PackedWeight; the
-matmul is kvserve/csrc/quant.cpp's (activations quantized to int8 per 32 values as they arrive, int32 dot
-products), for the modules path and the fused layer stack alike. GGUF formats without a kernel here are
+matmul is kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as they arrive, per 32 values, per
+128 for the K-quants; int32 dot products), for the modules path and the fused layer stack alike. GGUF formats without a kernel here are
 dequantized at load.
 """
 from __future__ import annotations

@@ -53,8 +53,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, vocab_size: int, device: torch.device, seed: int = 0,
                  draft_model: torch.nn.Module | None = None):
         self.model = model
-        # speculative decoding with a draft model: it runs every step over the tokens whose KV it lacks (its own KV
-        # pools, the same block tables; _write_draft_kv), then guesses the next drafts (propose_drafts)
+        # speculative decoding with a draft model: it runs with the target over the tokens whose KV it lacks (its own
+        # KV pools, the same block tables; _write_draft_kv), then guesses the next drafts (propose_drafts)
         self.draft_model = draft_model
         self.kv: KVCacheManager | None = None   # set by init_kv_cache()
         self.vocab_size = vocab_size

@@ -3,13 +3,14 @@ single-stream TPOT and TTFT (prompt 256, output 128, greedy, EOS ignored) and re
 offline throughput of 16 requests (prompts 64-256, outputs 32-128 tokens) per kvserve configuration.
 
     python benchmarks/quantization.py [--models smollm2 qwen1.5b] [--llama-cpp ~/peers/llama.cpp-src/build/bin]
-        [--configs gguf int8 none] [--dtypes auto float32] [--iters 3] [--throughput]
+        [--configs gguf int8 none] [--dtypes auto float32] [--iters 3] [--rounds 1] [--throughput]
         [--output-json benchmarks/results/quantization.json]
 
 kvserve runs in a subprocess per configuration (`kvserve bench latency`), with a 256 MiB KV pool; its memory is
 the process's resident set after the engine started and its peak (/usr/bin/time). llama.cpp runs llama-bench
 (-p 256 -n 128 -t 2; its figures are tokens/s of a prompt batch and of generation) and its peak resident set.
-Machines of this kind differ from day to day: read the ratios, measured in one run.
+Machines of this kind differ from day to day, and drift within minutes: read the ratios, measured in one run, and
+with --rounds N every engine runs N times in turn (the table gives medians, and the TPOT ratio of each round).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -110,11 +112,24 @@ def run_llama_cpp(bin_dir: str, path: str, iters: int) -> dict:
             "ttft_ms": round(1000 * 256 / pp["avg_ts"], 2), "peak_rss_mib": peak_rss_mib(proc.stderr)}
 
 
+def merge_rounds(rows: list[dict]) -> dict:
+    """One engine's rows of every round: the medians of its times, the largest of its memory figures."""
+    out = dict(rows[0])
+    for key in ("tpot_ms", "ttft_ms"):
+        out[key] = round(statistics.median(r[key] for r in rows), 2)
+    for key in ("peak_rss_mib", "rss_at_start_mib"):
+        if key in out:
+            out[key] = max(r[key] for r in rows)
+    out["tpot_ms_per_round"] = [r["tpot_ms"] for r in rows]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["smollm2", "qwen1.5b"], choices=list(MODELS))
     p.add_argument("--llama-cpp", default=os.path.expanduser("~/peers/llama.cpp-src/build/bin"))
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="run every engine this many times, in turn (medians)")
     p.add_argument("--configs", nargs="+", default=["gguf", "int8", "none"], choices=["gguf", "int8", "none"],
                    help="kvserve --quantization values to run (the first is the ratios' base)")
     p.add_argument("--throughput", action="store_true", help="also offline throughput per configuration")
@@ -127,16 +142,25 @@ def main() -> None:
         hf = hf_copy(name)
         sources = {q: hf if q != "gguf" and hf else path for q in args.configs}
         runs = [(q, dt) for q in args.configs for dt in args.dtypes]
-        rows = [run_kvserve(sources[q], q, args.iters, dt) for q, dt in runs]
+        with_llama = os.path.exists(os.path.join(args.llama_cpp, "llama-bench"))
+        rounds = []   # every engine once per round: a machine whose speed drifts slows all of a round alike
+        for _ in range(args.rounds):
+            rows = [run_kvserve(sources[q], q, args.iters, dt) for q, dt in runs]
+            if with_llama:
+                rows.append(run_llama_cpp(args.llama_cpp, path, args.iters))
+            rounds.append(rows)
+        rows = [merge_rounds([r[i] for r in rounds]) for i in range(len(rounds[0]))]
         for row, (q, dt) in zip(rows, runs):
             row["checkpoint"] = "bf16 HF copy" if sources[q] != path else "GGUF file"
             if args.throughput:
                 row["throughput_tok_s"] = round(run_throughput(sources[q], q, dt)["output_tokens_per_s"], 2)
-        if os.path.exists(os.path.join(args.llama_cpp, "llama-bench")):
-            rows.append(run_llama_cpp(args.llama_cpp, path, args.iters))
         results[name] = {"file": os.path.basename(path), "rows": rows}
         base = rows[0]["tpot_ms"]
         print(f"\n{name} ({os.path.basename(path)})")
+        if args.rounds > 1:
+            ratios = [f"{r[-1]['tpot_ms'] / r[0]['tpot_ms']:.2f}" for r in rounds]
+            print(f"  TPOT of the last engine over the first's, per round: {' '.join(ratios)}")
+            results[name]["tpot_ratio_last_over_first_per_round"] = [float(x) for x in ratios]
         for r in rows:
             print(f"  {r['engine'] + ' (' + r.get('checkpoint', 'GGUF file') + ')':50s} TPOT {r['tpot_ms']:8.2f} ms ({r['tpot_ms'] / base:.2f}x)  TTFT "
                   f"{r['ttft_ms']:8.1f} ms  RSS at start {r.get('rss_at_start_mib', float('nan')):7.0f} MiB  "

@@ -22,6 +22,28 @@
 
 namespace {
 
+// common.h's helpers are compiled without this region's no-associative-math, and GCC does not inline a function
+// into one with other optimize options: those called per block or per value are repeated here
+inline float qmax(float a, float b) { return a > b ? a : b; }
+template <typename X> inline float qload(const X* p, int64_t i) {
+  if constexpr (std::is_same_v<X, float>) {
+    return p[i];
+  } else {   // bf16
+    const uint32_t u = uint32_t(p[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+}
+#ifdef KV_HAVE_QAVX2
+inline float qhsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // ggml type ids (gguf's GGMLQuantizationType)
 enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -293,7 +315,7 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + macc[r];
+  for (int r = 0; r < R; ++r) out[r] = qhsum8(acc[r]) + macc[r];
 }
 #endif
 

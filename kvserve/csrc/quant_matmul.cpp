@@ -164,7 +164,7 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
         vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h.mn, s16)), dl, vacc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(vacc[r]);
+  for (int r = 0; r < R; ++r) out[r] = qhsum8(vacc[r]);
 }
 #endif
 
@@ -197,12 +197,12 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, A* out) {
       for (int s0 = 0; s0 < B; s0 += S) {
         const X* p = x + m * xs + B * b + s0;
         float v[S], amax = 0.f;
-        for (int i = 0; i < S; ++i) { v[i] = load(p, i); amax = std::max(amax, std::fabs(v[i])); }
+        for (int i = 0; i < S; ++i) { v[i] = qload(p, i); amax = qmax(amax, std::fabs(v[i])); }
         const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
         for (int g = 0; g < S / G; ++g) {
           int sum = 0;
           for (int i = G * g; i < G * g + G; ++i) {
-            const int q = int(std::nearbyint(v[i] * id));
+            const int q = int(__builtin_rintf(v[i] * id));   // to nearest even, as nearbyint
             o.q[s0 + i] = int8_t(q);
             sum += q;
           }

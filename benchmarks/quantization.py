@@ -3,7 +3,7 @@ single-stream TPOT and TTFT (prompt 256, output 128, greedy, EOS ignored) and re
 offline throughput of 16 requests (prompts 64-256, outputs 32-128 tokens) per kvserve configuration.
 
     python benchmarks/quantization.py [--models smollm2 qwen1.5b] [--llama-cpp ~/peers/llama.cpp-src/build/bin]
-        [--configs gguf int8 none] [--dtypes auto float32] [--iters 3] [--rounds 1] [--throughput]
+        [--configs gguf int8 none] [--dtypes auto float32] [--iters 3] [--rounds 1] [--throughput [--vllm]]
         [--output-json benchmarks/results/quantization.json]
 
 kvserve runs in a subprocess per configuration (`kvserve bench latency`), with a 256 MiB KV pool; its memory is
@@ -86,17 +86,37 @@ def run_kvserve(path: str, quantization: str, iters: int, dtype: str = "auto") -
             "peak_rss_mib": peak_rss_mib(proc.stderr)}
 
 
-def run_throughput(path: str, quantization: str, dtype: str = "auto") -> dict:
-    """`kvserve bench throughput` of 16 requests (prompts 64-256, outputs 32-128 tokens): its JSON result."""
+def run_throughput(path: str, quantization: str, dtype: str = "auto", workload: str | None = None) -> dict:
+    """`kvserve bench throughput` of 16 requests (prompts 64-256, outputs 32-128 tokens): its JSON result; the
+    workload's token ids go to `workload` when given."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "kvserve", "bench", "throughput", "--model", path, "--quantization",
                quantization, "--dtype", dtype, "--kv-cache-memory", "512MiB", "--num-prompts", "16",
                "--input-len", "64:256",
                "--output-len", "32:128", "--no-tqdm", "--output-json", out.name]
+        if workload:
+            cmd += ["--save-workload", workload]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"kvserve bench throughput failed:\n{proc.stderr[-3000:]}")
         return json.loads(Path(out.name).read_text())
+
+
+def run_vllm_throughput(hf_dir: str, workload: str) -> dict | None:
+    """vLLM's CPU build (bf16) on the same workload, offline (benchmarks/compare.py's script); None without it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compare import VLLM_ENV, VLLM_OFFLINE_SCRIPT, VLLM_PY
+    if not VLLM_PY.exists():
+        print(f"vLLM is not installed at {VLLM_PY.parent.parent} (make peers): skipped", file=sys.stderr)
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        script, out = Path(tmp) / "vllm_generate.py", Path(tmp) / "vllm.json"
+        script.write_text(VLLM_OFFLINE_SCRIPT)
+        proc = subprocess.run([str(VLLM_PY), str(script), workload, hf_dir, str(out)], capture_output=True,
+                              text=True, env={**os.environ, **VLLM_ENV})
+        if proc.returncode != 0 or not out.exists():
+            sys.exit(f"vLLM failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
 
 
 def run_llama_cpp(bin_dir: str, path: str, iters: int) -> dict:
@@ -133,6 +153,8 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["gguf", "int8", "none"], choices=["gguf", "int8", "none"],
                    help="kvserve --quantization values to run (the first is the ratios' base)")
     p.add_argument("--throughput", action="store_true", help="also offline throughput per configuration")
+    p.add_argument("--vllm", action="store_true", help="with --throughput: vLLM's CPU build (bf16) on the same "
+                   "workload too (make peers; the bf16 HF copy of make hf-models)")
     p.add_argument("--dtypes", nargs="+", default=["auto"], help="run each configuration in each of these dtypes")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
@@ -150,10 +172,18 @@ def main() -> None:
                 rows.append(run_llama_cpp(args.llama_cpp, path, args.iters))
             rounds.append(rows)
         rows = [merge_rounds([r[i] for r in rounds]) for i in range(len(rounds[0]))]
+        workload = Path(tempfile.mkdtemp()) / "workload.json"
         for row, (q, dt) in zip(rows, runs):
             row["checkpoint"] = "bf16 HF copy" if sources[q] != path else "GGUF file"
             if args.throughput:
-                row["throughput_tok_s"] = round(run_throughput(sources[q], q, dt)["output_tokens_per_s"], 2)
+                row["throughput_tok_s"] = round(run_throughput(sources[q], q, dt, str(workload))["output_tokens_per_s"],
+                                                2)
+        if args.throughput and args.vllm and hf and workload.exists():
+            v = run_vllm_throughput(hf, str(workload))
+            if v is not None:
+                rows.append({"engine": f"vLLM {v['version']} offline", "checkpoint": "bf16 HF copy",
+                             "tpot_ms": float("nan"), "ttft_ms": float("nan"), "peak_rss_mib": float("nan"),
+                             "throughput_tok_s": v["output_tokens_per_s"]})
         results[name] = {"file": os.path.basename(path), "rows": rows}
         base = rows[0]["tpot_ms"]
         print(f"\n{name} ({os.path.basename(path)})")
@@ -162,7 +192,8 @@ def main() -> None:
             print(f"  TPOT of the last engine over the first's, per round: {' '.join(ratios)}")
             results[name]["tpot_ratio_last_over_first_per_round"] = [float(x) for x in ratios]
         for r in rows:
-            print(f"  {r['engine'] + ' (' + r.get('checkpoint', 'GGUF file') + ')':50s} TPOT {r['tpot_ms']:8.2f} ms ({r['tpot_ms'] / base:.2f}x)  TTFT "
+            label = f"{r['engine']} ({r.get('checkpoint', 'GGUF file')})"
+            print(f"  {label:50s} TPOT {r['tpot_ms']:8.2f} ms ({r['tpot_ms'] / base:.2f}x)  TTFT "
                   f"{r['ttft_ms']:8.1f} ms  RSS at start {r.get('rss_at_start_mib', float('nan')):7.0f} MiB  "
                   f"peak {r['peak_rss_mib']:7.0f} MiB"
                   + (f"  throughput {r['throughput_tok_s']:7.1f} output tok/s" if "throughput_tok_s" in r else ""))

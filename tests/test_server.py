@@ -333,6 +333,24 @@ def test_bench_serve_client_measures_the_random_workload(server, tmp_path):
     assert "Output token throughput (tok/s):" in proc.stdout
 
 
+def test_bench_throughput_saves_the_workload_it_ran(tmp_path):
+    """`kvserve bench throughput --save-workload` writes the token ids and output lengths it ran, for a peer
+    (benchmarks/quantization.py --vllm) to run the same requests."""
+    from kvserve.entrypoints.bench import _special_ids, random_workload
+    from kvserve.model.tokenizer import load_tokenizer
+    work_file, out = tmp_path / "work.json", tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "kvserve", "bench", "throughput", "--num-prompts", "3",
+                           "--input-len", "8:16", "--output-len", "2:4", "--seed", "5", "--no-tqdm",
+                           "--save-workload", str(work_file), "--output-json", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    saved, got = json.loads(work_file.read_text()), json.loads(out.read_text())
+    tok = load_tokenizer(None)
+    assert saved == random_workload(3, (8, 16), (2, 4), 5, len(tok), _special_ids(tok))
+    assert got["num_input_tokens"] == sum(len(w["prompt_token_ids"]) for w in saved)
+    assert got["num_output_tokens"] == sum(w["output_len"] for w in saved)
+
+
 def test_bench_serve_client_reports_the_servers_rejection_and_bad_flags(server, tmp_path):
     wait_idle(server)
     proc, got = _bench_serve(server, tmp_path, "--num-prompts", "2", "--input-len", "8",

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -75,6 +76,8 @@ def run_throughput(args) -> dict:
     engine = llm.llm_engine
     work = random_workload(args.num_prompts, args.input_len, args.output_len, args.seed, engine.vocab_size,
                            _special_ids(engine.tokenizer))
+    if args.save_workload:
+        Path(args.save_workload).write_text(json.dumps(work))
     if args.warmup:
         llm.generate([{"prompt_token_ids": work[0]["prompt_token_ids"][:32]}],
                      SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -179,6 +182,8 @@ def add_throughput_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tqdm", action="store_true")
     p.add_argument("--disable-detokenize", action="store_true", help="as vLLM's flag: skip detokenizing outputs")
     p.add_argument("--output-tokens", default=None, help="write every request's output token ids to this JSON file")
+    p.add_argument("--save-workload", default=None,
+                   help="write the workload (prompt token ids, output lengths) to this JSON file, for a peer to run")
     p.set_defaults(bench_func=run_throughput)
 
 

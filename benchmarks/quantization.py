@@ -172,27 +172,35 @@ def main() -> None:
                 rows.append(run_llama_cpp(args.llama_cpp, path, args.iters))
             rounds.append(rows)
         rows = [merge_rounds([r[i] for r in rounds]) for i in range(len(rounds[0]))]
-        workload = Path(tempfile.mkdtemp()) / "workload.json"
+        tmp = tempfile.TemporaryDirectory()
+        workload = Path(tmp.name) / "workload.json"   # the first throughput run's, which vLLM runs
         for row, (q, dt) in zip(rows, runs):
             row["checkpoint"] = "bf16 HF copy" if sources[q] != path else "GGUF file"
             if args.throughput:
-                row["throughput_tok_s"] = round(run_throughput(sources[q], q, dt, str(workload))["output_tokens_per_s"],
-                                                2)
-        if args.throughput and args.vllm and hf and workload.exists():
+                save = str(workload) if not workload.exists() else None
+                row["throughput_tok_s"] = round(run_throughput(sources[q], q, dt, save)["output_tokens_per_s"], 2)
+        if args.vllm and not (args.throughput and hf and sources[runs[0][0]] == hf):
+            print("--vllm: skipped (it needs --throughput, make hf-models, and a first configuration that loads the "
+                  "bf16 HF copy, whose workload vLLM runs)", file=sys.stderr)
+        elif args.vllm:
             v = run_vllm_throughput(hf, str(workload))
             if v is not None:
                 rows.append({"engine": f"vLLM {v['version']} offline", "checkpoint": "bf16 HF copy",
-                             "tpot_ms": float("nan"), "ttft_ms": float("nan"), "peak_rss_mib": float("nan"),
+                             "tpot_ms": None, "ttft_ms": None, "peak_rss_mib": None,
                              "throughput_tok_s": v["output_tokens_per_s"]})
+        tmp.cleanup()
         results[name] = {"file": os.path.basename(path), "rows": rows}
         base = rows[0]["tpot_ms"]
         print(f"\n{name} ({os.path.basename(path)})")
         if args.rounds > 1:
             ratios = [f"{r[-1]['tpot_ms'] / r[0]['tpot_ms']:.2f}" for r in rounds]
-            print(f"  TPOT of the last engine over the first's, per round: {' '.join(ratios)}")
+            print(f"  TPOT of {rounds[0][-1]['engine']} over {rounds[0][0]['engine']}'s, per round: {' '.join(ratios)}")
             results[name]["tpot_ratio_last_over_first_per_round"] = [float(x) for x in ratios]
         for r in rows:
             label = f"{r['engine']} ({r.get('checkpoint', 'GGUF file')})"
+            if r["tpot_ms"] is None:   # vLLM: throughput only
+                print(f"  {label:50s} throughput {r['throughput_tok_s']:7.1f} output tok/s")
+                continue
             print(f"  {label:50s} TPOT {r['tpot_ms']:8.2f} ms ({r['tpot_ms'] / base:.2f}x)  TTFT "
                   f"{r['ttft_ms']:8.1f} ms  RSS at start {r.get('rss_at_start_mib', float('nan')):7.0f} MiB  "
                   f"peak {r['peak_rss_mib']:7.0f} MiB"

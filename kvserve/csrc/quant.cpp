@@ -24,11 +24,12 @@ namespace {
 
 // common.h's helpers are compiled without this region's no-associative-math, and GCC does not inline a function
 // into one with other optimize options: those called per block or per value are repeated here
-inline float qmax(float a, float b) { return a > b ? a : b; }
+inline float qmax(float a, float b) { return a < b ? b : a; }   // std::max
 template <typename X> inline float qload(const X* p, int64_t i) {
   if constexpr (std::is_same_v<X, float>) {
     return p[i];
-  } else {   // bf16
+  } else {
+    static_assert(std::is_same_v<X, uint16_t>, "float32 or bf16");
     const uint32_t u = uint32_t(p[i]) << 16;
     float f;
     std::memcpy(&f, &u, 4);
@@ -236,13 +237,19 @@ template <int T> void header(const uint8_t* b, float* s, float* m);
 template <int T> __m256i quants(const uint8_t* b, int j);
 template <> void header<Q4_0>(const uint8_t* b, float* s, float*) { s[0] = fp16_to_f32(b); }
 template <> __m256i quants<Q4_0>(const uint8_t* b, int) { return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8)); }
-template <> void header<Q4_1>(const uint8_t* b, float* s, float* m) { s[0] = fp16_to_f32(b); m[0] = fp16_to_f32(b + 2); }
+template <> void header<Q4_1>(const uint8_t* b, float* s, float* m) {
+  s[0] = fp16_to_f32(b);
+  m[0] = fp16_to_f32(b + 2);
+}
 template <> __m256i quants<Q4_1>(const uint8_t* b, int) { return nibbles(b + 4); }
 template <> void header<Q5_0>(const uint8_t* b, float* s, float*) { s[0] = fp16_to_f32(b); }
 template <> __m256i quants<Q5_0>(const uint8_t* b, int) {
   return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), bits_to_0x10(b + 2)), _mm256_set1_epi8(16));
 }
-template <> void header<Q5_1>(const uint8_t* b, float* s, float* m) { s[0] = fp16_to_f32(b); m[0] = fp16_to_f32(b + 2); }
+template <> void header<Q5_1>(const uint8_t* b, float* s, float* m) {
+  s[0] = fp16_to_f32(b);
+  m[0] = fp16_to_f32(b + 2);
+}
 template <> __m256i quants<Q5_1>(const uint8_t* b, int) { return _mm256_or_si256(nibbles(b + 8), bits_to_0x10(b + 4)); }
 template <> void header<Q8_0>(const uint8_t* b, float* s, float*) { s[0] = fp16_to_f32(b); }
 template <> __m256i quants<Q8_0>(const uint8_t* b, int) {

@@ -197,7 +197,7 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, A* out) {
       for (int s0 = 0; s0 < B; s0 += S) {
         const X* p = x + m * xs + B * b + s0;
         float v[S], amax = 0.f;
-        for (int i = 0; i < S; ++i) { v[i] = qload(p, i); amax = qmax(amax, std::fabs(v[i])); }
+        for (int i = 0; i < S; ++i) { v[i] = qload(p, i); amax = qmax(amax, __builtin_fabsf(v[i])); }
         const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
         for (int g = 0; g < S / G; ++g) {
           int sum = 0;

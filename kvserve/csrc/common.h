@@ -13,18 +13,31 @@
 
 namespace {
 
-inline float bf16_to_f32(uint16_t x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
+// the helpers called per value or per block: always inlined, also into the quantized kernels (quant*.cpp), which
+// compile in a region of other optimize options that GCC does not otherwise inline across
+#define KV_ALWAYS_INLINE __attribute__((always_inline)) inline
+
+KV_ALWAYS_INLINE float bf16_to_f32(uint16_t x) {
+  uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+KV_ALWAYS_INLINE uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
   uint32_t u; std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 template <typename T> inline float load(const T* p, int64_t i);
-template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
-template <> inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+template <> KV_ALWAYS_INLINE float load<float>(const float* p, int64_t i) { return p[i]; }
+template <> KV_ALWAYS_INLINE float load<uint16_t>(const uint16_t* p, int64_t i) {
+  return bf16_to_f32(p[i]);
+}
 template <typename T> inline void store(T* p, int64_t i, float v);
-template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
-template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+template <> KV_ALWAYS_INLINE void store<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <> KV_ALWAYS_INLINE void store<uint16_t>(uint16_t* p, int64_t i, float v) {
+  p[i] = f32_to_bf16(v);
+}
 
 // FP8 KV cache values (kvserve/attention/fp8.py): one byte per value, e4m3 (OCP "fn": no infinities, largest
 // 448) or e5m2 (largest 57344). A pool stores x / scale, saturated to the largest finite value and rounded to
@@ -153,7 +166,7 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
 }
 
-inline float hsum8(__m256 v) {
+KV_ALWAYS_INLINE float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));

@@ -22,29 +22,6 @@
 
 namespace {
 
-// common.h's helpers are compiled without this region's no-associative-math, and GCC does not inline a function
-// into one with other optimize options: those called per block or per value are repeated here
-inline float qmax(float a, float b) { return a < b ? b : a; }   // std::max
-template <typename X> inline float qload(const X* p, int64_t i) {
-  if constexpr (std::is_same_v<X, float>) {
-    return p[i];
-  } else {
-    static_assert(std::is_same_v<X, uint16_t>, "float32 or bf16");
-    const uint32_t u = uint32_t(p[i]) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-}
-#ifdef KV_HAVE_QAVX2
-inline float qhsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
 // ggml type ids (gguf's GGMLQuantizationType)
 enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -184,20 +161,20 @@ template <> struct Format<Q6_K> { static constexpr int SUBS = 8, BYTES = 210; st
 
 constexpr int QMR = 4;   // rows of x per pass over a weight row
 
-// out[r] = dot(W row w, x row r) for R rows, scalar
+// out[r] = dot(W row w, x row r) for R rows, scalar; the 32-value formats (the K-quants: quant_matmul.cpp)
 template <int T, int R>
 void row_dot_scalar(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
   using F = Format<T>;
+  static_assert(F::SUBS == 1);
   float acc[R] = {};
   Sub sub;
   for (int64_t j = 0; j < nsub; ++j) {
-    unpack_scalar<T>(w + (j / F::SUBS) * F::BYTES, int(j % F::SUBS), sub);
+    unpack_scalar<T>(w + j * F::BYTES, 0, sub);
     for (int r = 0; r < R; ++r) {
       const QX& xb = x[r][j];
-      int32_t lo = 0, hi = 0;
-      for (int i = 0; i < 16; ++i) lo += int32_t(sub.q[i]) * xb.q[i];
-      for (int i = 16; i < 32; ++i) hi += int32_t(sub.q[i]) * xb.q[i];
-      acc[r] += float(lo * sub.isc[0] + hi * sub.isc[1]) * (sub.s * xb.d);
+      int32_t dot = 0;
+      for (int i = 0; i < 32; ++i) dot += int32_t(sub.q[i]) * xb.q[i];
+      acc[r] += float(dot) * (sub.s * xb.d);
       if (F::MIN) acc[r] += sub.m * xb.sum;
     }
   }
@@ -304,25 +281,22 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
   __m256 acc[R];
   float macc[R];
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
+  static_assert(F::SUBS == 1);   // the 32-value formats (the K-quants: quant_matmul.cpp)
   float s[16], m[8];
-  for (int64_t blk = 0; blk < nsub / F::SUBS; ++blk) {
+  for (int64_t blk = 0; blk < nsub; ++blk) {
     const uint8_t* b = w + blk * F::BYTES;
     header<T>(b, s, m);
-    for (int j = 0; j < F::SUBS; ++j) {
-      const __m256i q = quants<T>(b, j);
-      // Q6_K: one scale per 16 values, i.e. per 4 of the 8 int32 lanes
-      const __m256 sv = T == Q6_K ? _mm256_set_m128(_mm_set1_ps(s[2 * j + 1]), _mm_set1_ps(s[2 * j]))
-                                  : _mm256_set1_ps(s[j]);
-      for (int r = 0; r < R; ++r) {
-        const QX& xb = x[r][blk * F::SUBS + j];
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
-        const __m256i p = F::MIN ? dot_u8s8(q, xq) : dot_s8s8(q, xq);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(xb.d)), acc[r]);
-        if (F::MIN) macc[r] += m[j] * xb.sum;
-      }
+    const __m256i q = quants<T>(b, 0);
+    const __m256 sv = _mm256_set1_ps(s[0]);
+    for (int r = 0; r < R; ++r) {
+      const QX& xb = x[r][blk];
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
+      const __m256i p = F::MIN ? dot_u8s8(q, xq) : dot_s8s8(q, xq);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(xb.d)), acc[r]);
+      if (F::MIN) macc[r] += m[0] * xb.sum;
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = qhsum8(acc[r]) + macc[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + macc[r];
 }
 #endif
 

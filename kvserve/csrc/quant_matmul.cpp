@@ -164,7 +164,7 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
         vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h.mn, s16)), dl, vacc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = qhsum8(vacc[r]);
+  for (int r = 0; r < R; ++r) out[r] = hsum8(vacc[r]);
 }
 #endif
 
@@ -197,7 +197,10 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, A* out) {
       for (int s0 = 0; s0 < B; s0 += S) {
         const X* p = x + m * xs + B * b + s0;
         float v[S], amax = 0.f;
-        for (int i = 0; i < S; ++i) { v[i] = qload(p, i); amax = qmax(amax, __builtin_fabsf(v[i])); }
+        for (int i = 0; i < S; ++i) {
+          v[i] = load(p, i);
+          amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;   // std::max, not inlined here
+        }
         const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
         for (int g = 0; g < S / G; ++g) {
           int sum = 0;
@@ -212,7 +215,7 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, A* out) {
             o.sum = d * float(sum);
         }
         if constexpr (KQ)
-          std::fill(o.dl + s0 / 32, o.dl + (s0 + S) / 32, d);
+          for (int j = s0 / 32; j < (s0 + S) / 32; ++j) o.dl[j] = d;
         else
           o.d = d;
       }

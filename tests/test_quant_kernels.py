@@ -1,12 +1,14 @@
-"""The quantized GGUF matmul kernels (kvserve/csrc/quant.cpp) against gguf-py's dequantization then a matmul, on
-random blocks of every format, odd shapes and 1..300 rows, on the native and the portable build."""
+"""The quantized matmul kernels (kvserve/csrc/quant*.cpp): the GGUF formats against gguf-py's dequantization then
+a matmul, on random blocks of every format, odd shapes and 1..300 rows; INT8 (--quantization int8) bit for bit
+against its definition in integers; on the native and the portable build."""
 import numpy as np
 import pytest
 import torch
 
 from kvserve import kernels
-from kvserve.model.quantization import (KERNEL_FORMATS, FORMAT_IDS, QuantizedTensor, QuantizedWeight,
-                                        embedding_rows, quantized_matmul)
+from kvserve.model.quantization import (INT8_GROUP, KERNEL_FORMATS, FORMAT_IDS, QuantizedTensor, QuantizedWeight,
+                                        embedding_rows, int8_act_group, int8_row_bytes, quantize_for_int8,
+                                        quantize_int8, quantized_matmul)
 
 # byte offsets of each format's fp16 fields (scales and mins): random bytes there would be NaN or huge
 _FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
@@ -136,3 +138,67 @@ def test_float16_input_wrong_width_and_auto_on_the_scalar_build():
         assert resolve_quantization("auto", True, cpu) == "none"
         assert resolve_quantization("gguf", True, cpu) == "gguf"
     assert resolve_quantization("auto", False, cpu) == "none"
+
+
+# ----- INT8: int8 per output channel, activations per token and group of int8_act_group(K) values -----
+
+def int8_reference(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """What the INT8 kernels compute, from the packed bytes: x quantized per row and group (id = 127 / amax,
+    q = round-to-even(x id), d = amax * float32(1 / 127)), exact integer sums per group, accumulated over the
+    groups in order by fused multiply-adds in float32, times the row's weight scale."""
+    k, ig = qt.cols, int8_act_group(qt.cols)
+    groups = qt.data.reshape(-1, INT8_GROUP * int8_row_bytes(k))
+    qw = groups[:, :INT8_GROUP * k].contiguous().view(torch.int8).reshape(-1, k // 4, INT8_GROUP, 4)
+    qw = qw.permute(0, 2, 1, 3).reshape(-1, k // ig, ig).long()
+    sw = groups[:, INT8_GROUP * k:INT8_GROUP * (k + 4)].contiguous().view(torch.float32).reshape(-1)
+    xg = x.float().reshape(x.shape[0], k // ig, ig)
+    amax = xg.abs().amax(-1, keepdim=True)
+    qx = torch.round(xg * torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))).long()
+    dx = (amax * torch.tensor(1 / 127, dtype=torch.float32))[..., 0]
+    sums = torch.einsum("mgi,ngi->mng", qx, qw).float()
+    acc = torch.zeros(x.shape[0], qw.shape[0])
+    for g in range(k // ig):   # fma: the float32 product is exact in float64, the sum rounded once
+        acc = (sums[:, :, g].double() * dx[:, g, None].double() + acc.double()).float()
+    return (sw * acc).to(x.dtype)
+
+
+@pytest.mark.parametrize("variant", ["native", "portable"])
+def test_int8_is_its_integer_definition_bit_for_bit(variant):
+    """Every row count (the row tiles and the GEMV alike), each activation group size (128, 64, 32), float32 and
+    bf16: the same bits as the definition, so the AVX-512 VNNI, AVX2 and scalar paths agree exactly."""
+    with kernels.variant(variant) as lib:
+        if lib is None:
+            pytest.skip("no C++ kernels")
+        for k, n in ((1536, 48), (576, 32), (96, 64)):
+            w = torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * torch.logspace(-2, 0, n)[:, None]
+            qt = quantize_int8(w)
+            weight = QuantizedWeight([qt])
+            for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13, 64, 300):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                x[:, :k // 3] *= 20   # the activation groups' scales differ
+                for dtype in (torch.float32, torch.bfloat16):
+                    xd = x.to(dtype)
+                    y = quantized_matmul(xd, weight)
+                    assert y.dtype == dtype and y.shape == (rows, n)
+                    assert torch.equal(y, int8_reference(xd, qt)), (k, rows, dtype)
+            check_close(quantized_matmul(x, weight), reference(x, weight), x, weight.dequantize(), int8_act_group(k))
+
+
+def test_int8_layout_rows_and_fallback():
+    w = torch.randn(64, 192, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 1, 64)[:, None]
+    w[5] = 0   # a zero row: scale 0
+    qt = quantize_int8(w)
+    assert qt.format == "INT8" and qt.shape == (64, 192) and qt.data.shape == (64, int8_row_bytes(192))
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert ((qt.dequantize() - w).abs() <= step / 2 * 1.0001).all()   # round to nearest: half a step at most
+    weight = QuantizedWeight([qt])
+    ids = torch.tensor([0, 63, 5, 17, 17])
+    assert torch.equal(embedding_rows(weight.segments[0], ids, torch.float32), qt.dequantize()[ids])
+    # q|k|v as one weight: INT8 segments of whole groups stack into one, the same bits as each alone
+    parts = [quantize_int8(w[:32]), quantize_int8(w[32:48]), quantize_int8(w[48:])]
+    fused = QuantizedWeight(parts)
+    assert fused.formats() == ["INT8"]
+    x = torch.randn(4, 192)
+    assert torch.equal(quantized_matmul(x, fused), quantized_matmul(x, weight))
+    # rows that do not come in groups of 16 take Q8_0 blocks
+    assert quantize_for_int8(w[:40]).format == "Q8_0" and quantize_for_int8(w[:48]).format == "INT8"

@@ -182,15 +182,15 @@ def test_int8_blocks_are_the_bytes_llama_quantize_writes():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_int8_on_an_hf_checkpoint_matches_the_float_model(tmp_path, family):
-    """Every linear, the output head and the embedding become Q8_0 blocks (Qwen2's q/k/v biases added after);
+    """Every linear, the output head and the embedding become INT8 (Qwen2's q/k/v biases added after);
     logits close to the float32 model's. Untied (llama) and tied (qwen2: the head multiplies the table's blocks)."""
     save_tiny_model(family, tmp_path / "hf", tie_word_embeddings=family == "qwen2")
     int8, dense = load(str(tmp_path / "hf"), "int8"), load(str(tmp_path / "hf"), "none")
     linears = [m for m in int8.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 2 + (family == "llama")
-    assert all(m.quantized.formats() == ["Q8_0"] and m.weight.is_meta for m in linears)
+    assert all(m.quantized.formats() == ["INT8"] and m.weight.is_meta for m in linears)
     embed = int8.model.embed_tokens
-    assert embed.quantized.formats() == ["Q8_0"] and embed.quantized.source == "int8" and embed.weight.is_meta
+    assert embed.quantized.formats() == ["INT8"] and embed.quantized.source == "int8" and embed.weight.is_meta
     if family == "qwen2":
         assert int8.packed_lm_head.quant is embed.quantized
     assert (family == "qwen2") == (int8.model.layers[0].self_attn.qkv_proj.bias is not None)
@@ -207,7 +207,7 @@ def int8_llm():
 
 def test_int8_engine_perplexity_and_equivalences(int8_llm, dense_llm):
     engine = int8_llm.llm_engine
-    assert engine.weights_summary.startswith("int8 W8A8 (Q8_0 x121): ")   # 120 linears and the tied table
+    assert engine.weights_summary.startswith("int8 W8A8 (INT8 x121): ")   # 120 linears and the tied table
     text = open(TEXT, encoding="utf-8").read()[:3000]   # two chunks of 256 tokens
     p8, pd = perplexity(int8_llm, text, 256), perplexity(dense_llm, text, 256)
     print(f"perplexity: int8 {p8['ppl']:.4f}, float32 {pd['ppl']:.4f}")

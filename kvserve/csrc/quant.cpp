@@ -22,8 +22,8 @@
 
 namespace {
 
-// ggml type ids (gguf's GGMLQuantizationType)
-enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+// ggml type ids (gguf's GGMLQuantizationType), and kvserve's own INT8 (quant_int8.cpp; no ggml type)
+enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, INT8 = 200 };
 
 // one 32-value block of a quantized activation row: x_i ~= d q_i; sum = d * sum_i q_i
 struct QX {
@@ -381,17 +381,4 @@ int kvserve_quant_simd() {
 #endif
 }
 
-// out[i, :] = row ids[i] of a quantized [rows, K] matrix, dequantized (float32 or bf16): embedding lookups
-int kvserve_quant_rows(int64_t type, const uint8_t* w, int64_t row_bytes, const int64_t* ids, int64_t n, int64_t K,
-                       void* out, int64_t out_bf16) {
-  bool ok = true;
-  #pragma omp parallel for if (n * K >= 65536) reduction(&& : ok)
-  for (int64_t i = 0; i < n; ++i) {
-    const uint8_t* row = w + ids[i] * row_bytes;
-    const bool done = out_bf16 ? dequant_typed(type, row, K / 32, static_cast<uint16_t*>(out) + i * K)
-                               : dequant_typed(type, row, K / 32, static_cast<float*>(out) + i * K);
-    ok = ok && done;
-  }
-  return ok ? 0 : -1;
-}
 }

@@ -300,20 +300,42 @@ const A* quantized(std::vector<A>& buf, const X* x, int64_t xs, int64_t M, int64
   return buf.data();
 }
 
+thread_local std::vector<uint8_t> i8_buffer;   // INT8: qx rows [M, K], then their scales dx [M, K / IG]
+
+inline float* i8_scales(const uint8_t* q, int64_t M, int64_t K) {
+  return reinterpret_cast<float*>(const_cast<uint8_t*>(q) + ((M * K + 3) & ~int64_t(3)));
+}
+
+template <typename X>
+const uint8_t* quantized_i8(const X* x, int64_t xs, int64_t M, int64_t K) {
+  const int64_t n = M * K + 4 * M * (K / i8_act_group(K)) + 4;
+  if (int64_t(i8_buffer.size()) < n) i8_buffer.resize(n);
+  i8_quantize_rows(x, xs, M, K, i8_buffer.data(), i8_scales(i8_buffer.data(), M, K));
+  return i8_buffer.data();
+}
+
 template <typename X, typename Y>
 int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, int64_t M, int64_t K) {
   const int64_t nseg = desc[0];
   const QX* qx = nullptr;
   const QK* qk = nullptr;
+  const uint8_t* qi = nullptr;
   for (int64_t s = 0; s < nseg; ++s) {   // each kind of activation blocks the segments need, once
-    if (is_k_quant(desc[1 + 4 * s]) && !qk) qk = quantized(qk_buffer, x, xs, M, K);
-    if (!is_k_quant(desc[1 + 4 * s]) && !qx) qx = quantized(qx_buffer, x, xs, M, K);
+    const int64_t type = desc[1 + 4 * s];
+    if (type == INT8) { if (!qi) qi = quantized_i8(x, xs, M, K); }
+    else if (is_k_quant(type)) { if (!qk) qk = quantized(qk_buffer, x, xs, M, K); }
+    else if (!qx) { qx = quantized(qx_buffer, x, xs, M, K); }
   }
   int64_t col = 0;
   for (int64_t s = 0; s < nseg; ++s) {
     const int64_t* seg = desc + 1 + 4 * s;
-    if (!matmul_typed(seg[0], reinterpret_cast<const uint8_t*>(seg[1]), seg[2], seg[3], qx, qk, M, K, y + col, ys))
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(seg[1]);
+    if (seg[0] == INT8) {
+      if (seg[2] % INT8_GROUP || K % 4) return -1;
+      i8_matmul(w, seg[2], qi, i8_scales(qi, M, K), M, K, y + col, ys);
+    } else if (!matmul_typed(seg[0], w, seg[2], seg[3], qx, qk, M, K, y + col, ys)) {
       return -1;
+    }
     col += seg[2];
   }
   return 0;
@@ -333,5 +355,24 @@ int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t
   if (x_bf16)
     return quant_matmul(desc, static_cast<const uint16_t*>(x), xs, static_cast<uint16_t*>(y), ys, M, K);
   return quant_matmul(desc, static_cast<const float*>(x), xs, static_cast<float*>(y), ys, M, K);
+}
+
+// out[i, :] = row ids[i] of a quantized [rows, K] matrix, dequantized (float32 or bf16): embedding lookups
+int kvserve_quant_rows(int64_t type, const uint8_t* w, int64_t row_bytes, const int64_t* ids, int64_t n, int64_t K,
+                       void* out, int64_t out_bf16) {
+  bool ok = true;
+  #pragma omp parallel for if (n * K >= 65536) reduction(&& : ok)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = w + ids[i] * row_bytes;
+    if (type == INT8) {   // packed in groups of rows (quant_int8.cpp)
+      if (out_bf16) i8_dequant_row(w, ids[i], K, static_cast<uint16_t*>(out) + i * K);
+      else i8_dequant_row(w, ids[i], K, static_cast<float*>(out) + i * K);
+      continue;
+    }
+    const bool done = out_bf16 ? dequant_typed(type, row, K / 32, static_cast<uint16_t*>(out) + i * K)
+                               : dequant_typed(type, row, K / 32, static_cast<float*>(out) + i * K);
+    ok = ok && done;
+  }
+  return ok ? 0 : -1;
 }
 }

@@ -1,12 +1,13 @@
 """Quantized weights, and the linear method that multiplies them.
 
 gguf: a GGUF file's weights kept in their block formats. int8 (W8A8): any checkpoint's linears, token embedding and
-output head quantized at load to int8 blocks of 32 values along each output channel, each with a float16 scale
-(ggml's Q8_0 layout, as llama.cpp's Q8_0 files hold them). Either way a quantized linear holds a QuantizedWeight
-(rows of ggml blocks, one segment per format: a fused q|k|v may mix Q4_K and Q6_K) inside its PackedWeight; the
-matmul is kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as they arrive, per 32 values, per
-128 for the K-quants; int32 dot products), for the modules path and the fused layer stack alike. GGUF formats without a kernel here are
-dequantized at load.
+output head quantized at load to int8 per output channel (INT8: one float scale per row, rows packed in groups of
+16 for kvserve/csrc/quant_int8.cpp's dot products; a matrix whose rows do not come in 16s takes ggml's Q8_0
+blocks of 32 values instead). Either way a quantized linear holds a QuantizedWeight (rows of ggml blocks or INT8
+groups, one segment per format: a fused q|k|v may mix Q4_K and Q6_K) inside its PackedWeight; the matmul is
+kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as they arrive: per token for INT8, per 32 values
+for the 32-value formats, per 128 for the K-quants; int32 dot products), for the modules path and the fused layer
+stack alike. GGUF formats without a kernel here are dequantized at load.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from kvserve.errors import ModelLoadError
 KERNEL_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
                   8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 FORMAT_IDS = {name: tid for tid, (name, _, _) in KERNEL_FORMATS.items()}
+INT8 = 200   # kvserve's own type (no ggml type): int8 per output channel, packed in groups of INT8_GROUP rows
+INT8_GROUP = 16
+INT8_MAX_COLS = 65536   # its int32 sums hold K * 255 * 127 (the AVX-512 VNNI path's unsigned x) up to here
 
 
 def resolve_quantization(name: str | None, is_gguf_file: bool, device: torch.device) -> str:
@@ -57,7 +61,7 @@ class QuantizedTensor:
     ggml_type: int
     data: torch.Tensor
     cols: int
-    source: str = "gguf"   # "gguf": a file's blocks; "int8": quantized at load (quantize_q8_0)
+    source: str = "gguf"   # "gguf": a file's blocks; "int8": quantized at load (quantize_int8, quantize_q8_0)
 
     @property
     def rows(self) -> int:
@@ -69,10 +73,12 @@ class QuantizedTensor:
 
     @property
     def format(self) -> str:
-        return KERNEL_FORMATS[self.ggml_type][0]
+        return "INT8" if self.ggml_type == INT8 else KERNEL_FORMATS[self.ggml_type][0]
 
     def select_rows(self, order: np.ndarray) -> QuantizedTensor:
         """The rows in `order` (a row permutation such as the llama q/k unpermute)."""
+        if self.ggml_type == INT8:   # rows interleave within their group; only GGUF blocks are permuted
+            raise ModelLoadError("INT8 weights are quantized after the checkpoint's rows are in place")
         return QuantizedTensor(self.ggml_type, self.data[torch.from_numpy(order)].contiguous(), self.cols,
                                self.source)
 
@@ -82,7 +88,14 @@ class QuantizedTensor:
                                                  n, self.cols, out_ptr, out_bf16)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [rows, cols] by gguf-py's reference dequantization (tests and --quantization none)."""
+        """float32 [rows, cols] by gguf-py's reference dequantization (tests and --quantization none); INT8 by its
+        layout (see quantize_int8)."""
+        if self.ggml_type == INT8:
+            k = self.cols
+            groups = self.data.reshape(-1, INT8_GROUP * int8_row_bytes(k))
+            q = groups[:, :INT8_GROUP * k].view(torch.int8).reshape(-1, k // 4, INT8_GROUP, 4)
+            scale = groups[:, INT8_GROUP * k:INT8_GROUP * (k + 4)].contiguous().view(torch.float32)
+            return q.permute(0, 2, 1, 3).reshape(-1, INT8_GROUP, k).float().mul(scale[:, :, None]).reshape(-1, k)
         from gguf import GGMLQuantizationType, dequantize
         out = dequantize(self.data.numpy(), GGMLQuantizationType(self.ggml_type))
         return torch.from_numpy(np.ascontiguousarray(out.reshape(self.rows, self.cols)))
@@ -142,6 +155,48 @@ Q8_0 = FORMAT_IDS["Q8_0"]
 _Q8_ROWS = 2048
 
 
+def can_quantize_int8(shape: torch.Size | tuple[int, ...]) -> bool:
+    """Whether a [N, K] matrix takes the INT8 format: rows in whole groups, K a multiple of 32."""
+    n, k = shape
+    return n % INT8_GROUP == 0 and k % 32 == 0 and k <= INT8_MAX_COLS
+
+
+def int8_act_group(k: int) -> int:
+    """Values per activation scale of an INT8 matmul with input size k (kvserve/csrc/quant_int8.cpp's)."""
+    return 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
+
+
+def int8_row_bytes(k: int) -> int:
+    """Bytes per row of an INT8 matrix: k values, its scale, and its sums per activation group."""
+    return k + 4 + 4 * (k // int8_act_group(k))
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedTensor:
+    """W [N, K] (can_quantize_int8) as INT8: per row, s = max |w| / 127 and q = round(w / s) (to nearest even),
+    |q| <= 127. Each group of 16 rows is 16 int8_row_bytes(K) bytes: K / 4 lines of 64 bytes (line j: the 16 rows'
+    values 4j .. 4j + 3, row by row), then the rows' float32 scales, then per activation group (int8_act_group)
+    the rows' int32 sums of q over it; data is viewed as [N, int8_row_bytes(K)]."""
+    n, k = w.shape
+    ig = int8_act_group(k)
+    out = torch.empty(n // INT8_GROUP, INT8_GROUP * int8_row_bytes(k), dtype=torch.uint8)
+    for r0 in range(0, n, _Q8_ROWS):   # in row chunks (_Q8_ROWS is a multiple of 16): the temporaries stay small
+        x = w[r0:r0 + _Q8_ROWS].detach().float()
+        s = x.abs().amax(1, keepdim=True) / 127
+        q = torch.round(x * torch.where(s == 0, torch.zeros_like(s), 1 / s)).clamp(-127, 127).to(torch.int8)
+        g0, g1 = r0 // INT8_GROUP, (r0 + x.shape[0]) // INT8_GROUP
+        lines = q.reshape(-1, INT8_GROUP, k // 4, 4).permute(0, 2, 1, 3).reshape(g1 - g0, -1)
+        sums = q.reshape(-1, INT8_GROUP, k // ig, ig).sum(-1, dtype=torch.int32).transpose(1, 2).contiguous()
+        out[g0:g1, :INT8_GROUP * k] = lines.view(torch.uint8)
+        out[g0:g1, INT8_GROUP * k:INT8_GROUP * (k + 4)] = s.reshape(-1, INT8_GROUP).view(torch.uint8)
+        out[g0:g1, INT8_GROUP * (k + 4):] = sums.view(torch.uint8).reshape(g1 - g0, -1)
+    return QuantizedTensor(INT8, out.view(n, int8_row_bytes(k)), k, "int8")
+
+
+def quantize_for_int8(w: torch.Tensor) -> QuantizedTensor:
+    """quantization="int8"'s format for one matrix: INT8, or Q8_0 where its rows do not come in groups of 16."""
+    return quantize_int8(w) if can_quantize_int8(w.shape) else quantize_q8_0(w)
+
+
 def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
     """W [N, K] (K a multiple of 32) as Q8_0 rows, the bytes ggml's quantize_row_q8_0_ref (and llama-quantize)
     writes: per 32 values of a row, d = max |w| / 127, q = roundf(w * (1 / d)) (halves away from zero) in int8,
@@ -167,19 +222,19 @@ def _int8_target(name: str) -> bool:
 
 def int8_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """quantization="int8" as the checkpoint streams in: each decoder projection weight (model.layers.*_proj.weight),
-    the token embedding and the output head (input size a multiple of 32) become Q8_0 blocks before the next tensor
-    is read, so the model's dense matrices are never filled (their never-touched storage never becomes resident);
+    the token embedding and the output head (input size a multiple of 32) are quantized (quantize_for_int8) before
+    the next tensor is read, so the model's dense matrices are never filled (their never-touched storage never becomes resident);
     load_packed_weights assembles the blocks as it does a GGUF's (a tied head multiplies the embedding's blocks),
     and quantize_linears_int8 then catches any linear left dense."""
     for name, t in weights:
         if isinstance(t, torch.Tensor) and t.dim() == 2 and _int8_target(name) and t.shape[1] % 32 == 0:
-            yield name, quantize_q8_0(t)
+            yield name, quantize_for_int8(t)
         else:
             yield name, t
 
 
 def quantize_linears_int8(model: torch.nn.Module) -> int:
-    """quantization="int8": every Linear still dense becomes Q8_0 blocks (its plain weight freed as it goes),
+    """quantization="int8": every Linear still dense is quantized (quantize_for_int8; its plain weight freed as it goes),
     multiplied by the int8 kernels. Returns how many were quantized here (one whose input size is not a multiple
     of 32 stays dense)."""
     from kvserve.model.layers import Linear, PackedWeight
@@ -187,7 +242,7 @@ def quantize_linears_int8(model: torch.nn.Module) -> int:
     for m in model.modules():
         if not isinstance(m, Linear) or m.quantized is not None or m.weight.shape[1] % 32:
             continue
-        weight = QuantizedWeight([quantize_q8_0(m.weight)])
+        weight = QuantizedWeight([quantize_for_int8(m.weight)])
         m.packed = PackedWeight(weight.out_features, quant=weight)
         m.weight = torch.nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"),
                                       requires_grad=False)
@@ -231,7 +286,7 @@ def embedding_rows(table: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype
 
 def describe(model: torch.nn.Module) -> str:
     """What a model's weights are, for the logs: 'GGUF kept quantized (Q4_K x99, Q6_K x29): 1.03 GiB quantized +
-    0.00 GiB dense' (a format counted once per linear segment), 'int8 W8A8 (Q8_0 x121): 0.13 GiB quantized +
+    0.00 GiB dense' (a format counted once per linear segment), 'int8 W8A8 (INT8 x121): 0.13 GiB quantized +
     0.00 GiB dense', or 'not quantized; 0.50 GiB weights'."""
     formats: Counter = Counter()
     sources = set()

@@ -37,8 +37,8 @@ from kvserve.attention import fp8, kv_layout
 logger = logging.getLogger("kvserve")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "quant_int8.cpp", "quant_matmul.cpp", "lora.cpp",
-          "layers.cpp", "shm.cpp")
+_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "quant_int8.cpp", "quant_matmul.cpp",
+          "lora.cpp", "layers.cpp", "shm.cpp")
 
 
 def _read_source() -> str:

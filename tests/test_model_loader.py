@@ -204,6 +204,31 @@ def test_bfloat16_load_and_float32_logits(tmp_path):
 
 # --- HF directory errors -------------------------------------------------------------------------------
 
+def test_threads_building_models_at_once_each_get_their_dtype():
+    """torch's default dtype is one per process: a thread building a model in float16 while another builds one in
+    bf16 (tensor-parallel ranks as threads) waits its turn, so neither sees the other's dtype and float32 is the
+    default again after both."""
+    import threading
+    from kvserve.model.loader import _default_dtype
+    entered, release, seen = threading.Event(), threading.Event(), {}
+
+    def other():
+        with _default_dtype(torch.float16):
+            entered.set()
+            release.wait(10)
+            seen["other"] = torch.empty(1).dtype
+
+    with _default_dtype(torch.bfloat16):
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert not entered.wait(0.5)   # it waits for this build to end
+        seen["first"] = torch.empty(1).dtype
+        release.set()
+    thread.join(10)
+    assert seen == {"first": torch.bfloat16, "other": torch.float16}
+    assert torch.get_default_dtype() == torch.float32
+
+
 def test_missing_path():
     with pytest.raises(ModelLoadError, match=r"model path /nope/x does not exist; pass a Hugging Face directory "
                                              r"or a \.gguf file"):

@@ -157,8 +157,8 @@ def int8_reference(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
     dx = (amax * torch.tensor(1 / 127, dtype=torch.float32))[..., 0]
     sums = torch.einsum("mgi,ngi->mng", qx, qw).float()
     acc = torch.zeros(x.shape[0], qw.shape[0])
-    for g in range(k // ig):   # fma: the float32 product is exact in float64, the sum rounded once
-        acc = (sums[:, :, g].double() * dx[:, g, None].double() + acc.double()).float()
+    for g in range(k // ig):   # fma: the product is exact in float64; the float64 sum, rounded to float32, could
+        acc = (sums[:, :, g].double() * dx[:, g, None].double() + acc.double()).float()   # differ at rare ties
     return (sw * acc).to(x.dtype)
 
 
@@ -191,9 +191,16 @@ def test_int8_layout_rows_and_fallback():
     assert qt.format == "INT8" and qt.shape == (64, 192) and qt.data.shape == (64, int8_row_bytes(192))
     step = w.abs().amax(1, keepdim=True) / 127
     assert ((qt.dequantize() - w).abs() <= step / 2 * 1.0001).all()   # round to nearest: half a step at most
+    # each group's int32 sums of q per activation group (the VNNI path takes 128 times them back out)
+    ig = int8_act_group(192)
+    groups = qt.data.reshape(64 // INT8_GROUP, -1)
+    q = torch.round(qt.dequantize() / torch.where(step == 0, torch.ones_like(step), step)).long()
+    sums = groups[:, INT8_GROUP * (192 + 4):].contiguous().view(torch.int32).reshape(-1, 192 // ig, INT8_GROUP)
+    assert torch.equal(sums.transpose(1, 2).reshape(64, -1).long(), q.reshape(64, -1, ig).sum(-1))
     weight = QuantizedWeight([qt])
     ids = torch.tensor([0, 63, 5, 17, 17])
     assert torch.equal(embedding_rows(weight.segments[0], ids, torch.float32), qt.dequantize()[ids])
+    assert torch.equal(embedding_rows(weight.segments[0], ids, torch.bfloat16), qt.dequantize()[ids].bfloat16())
     # q|k|v as one weight: INT8 segments of whole groups stack into one, the same bits as each alone
     parts = [quantize_int8(w[:32]), quantize_int8(w[32:48]), quantize_int8(w[48:])]
     fused = QuantizedWeight(parts)

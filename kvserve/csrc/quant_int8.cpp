@@ -25,7 +25,7 @@ constexpr int I8_BIAS = 128;   // x is stored as qx + 128 (unsigned for vpdpbusd
 constexpr int I8_MR = 6, I8_NB = 2;   // row tile: rows of x x groups of 16 weight rows (12 + 12 accumulators)
 #else
 constexpr int I8_BIAS = 0;
-constexpr int I8_MR = 4, I8_NB = 1;   // AVX2: 8 int32 accumulators in its 16 registers
+constexpr int I8_MR = 4, I8_NB = 1;   // AVX2: 8 int32 accumulators in its 16 registers (8 float ones beside)
 #endif
 
 // values per activation scale: 128, or the largest of 64 and 32 that divides K (kvserve/model/quantization.py's
@@ -103,8 +103,10 @@ inline void i8_tile(const uint8_t* w, int64_t gbytes, const uint8_t* const* x, c
         int32_t xk;
         std::memcpy(&xk, x[r] + k, 4);
         const __m256i xb = _mm256_set1_epi32(xk);
-        a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(xb, w0)), ones));
-        a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(xb, w1)), ones));
+        const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(xb, w0));
+        const __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(xb, w1));
+        a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(p0, ones));
+        a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(p1, ones));
       }
     }
     const int64_t g = k0 / IG;
@@ -173,7 +175,8 @@ void i8_matmul(const uint8_t* w, int64_t N, const uint8_t* xq, const float* dx, 
       }
       i8_tile_rows(rows, nb, wg, gbytes, xr, dr, K, acc);
       for (int j = 0; j < nb; ++j) {
-        const float* sw = reinterpret_cast<const float*>(wg + j * gbytes + INT8_GROUP * K);
+        float sw[INT8_GROUP];   // copied: a segment after a Q8_0 one in the same buffer may start unaligned
+        std::memcpy(sw, wg + j * gbytes + INT8_GROUP * K, sizeof(sw));
         for (int r = 0; r < rows; ++r)
           for (int i = 0; i < 16; ++i) store(y + (m + r) * ys, (g0 + j) * 16 + i, sw[i] * acc[r][16 * j + i]);
       }
@@ -186,7 +189,8 @@ template <typename Y>
 void i8_dequant_row(const uint8_t* w, int64_t n, int64_t K, Y* out) {
   const uint8_t* g = w + (n / INT8_GROUP) * i8_group_bytes(K);
   const int i = int(n % INT8_GROUP);
-  const float s = reinterpret_cast<const float*>(g + INT8_GROUP * K)[i];
+  float s;
+  std::memcpy(&s, g + INT8_GROUP * K + 4 * i, 4);
   for (int64_t k = 0; k < K; ++k)
     store(out, k, s * float(reinterpret_cast<const int8_t*>(g)[16 * (k & ~int64_t(3)) + 4 * i + (k & 3)]));
 }

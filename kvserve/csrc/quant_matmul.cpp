@@ -331,7 +331,7 @@ int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, 
     const int64_t* seg = desc + 1 + 4 * s;
     const uint8_t* w = reinterpret_cast<const uint8_t*>(seg[1]);
     if (seg[0] == INT8) {
-      if (seg[2] % INT8_GROUP || K % 4) return -1;
+      if (seg[2] % INT8_GROUP || K % i8_act_group(K) || seg[3] != i8_group_bytes(K) / INT8_GROUP) return -1;
       i8_matmul(w, seg[2], qi, i8_scales(qi, M, K), M, K, y + col, ys);
     } else if (!matmul_typed(seg[0], w, seg[2], seg[3], qx, qk, M, K, y + col, ys)) {
       return -1;
@@ -349,7 +349,8 @@ extern "C" {
 // A quantized linear: desc = [num_segments, then per segment: ggml type, data pointer, rows, bytes per row]; the
 // segments' rows stack into the N output columns (a fused q|k|v may mix formats). y[M, N] = x[M, K] @ W^T with
 // x and y float32 (x_bf16 = 0) or bf16 (1), rows strided by xs / ys elements; K a multiple of 256 for K-quant
-// segments, of 32 otherwise. Returns 0, or -1 for a type it does not know (the segments before it are written).
+// segments, of 32 otherwise; INT8 segments (quant_int8.cpp) have rows in groups of 16. Returns 0, or -1 for a
+// type it does not know or an INT8 segment of another shape (the segments before it are written).
 int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t x_bf16, void* y, int64_t ys,
                          int64_t M, int64_t K) {
   if (x_bf16)

@@ -5,6 +5,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -153,15 +154,21 @@ def _load_gguf_weights(path: str, dtype: torch.dtype, keep_quantized: bool = Fal
     return cfg, weights
 
 
+_DEFAULT_DTYPE_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
-    """Create parameters directly in the serving dtype instead of float32-then-cast."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
+    """Create parameters directly in the serving dtype instead of float32-then-cast. torch's default dtype is one
+    per process: threads building models at once (tensor-parallel ranks as threads) take turns, else one's restore
+    lands in the middle of the other's build and leaves some of its parameters in float32."""
+    with _DEFAULT_DTYPE_LOCK:
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(old)
 
 
 def _read_json(path: Path) -> dict:

@@ -5,9 +5,9 @@ output head quantized at load to int8 per output channel (INT8: one float scale 
 16 for kvserve/csrc/quant_int8.cpp's dot products; a matrix whose rows do not come in 16s takes ggml's Q8_0
 blocks of 32 values instead). Either way a quantized linear holds a QuantizedWeight (rows of ggml blocks or INT8
 groups, one segment per format: a fused q|k|v may mix Q4_K and Q6_K) inside its PackedWeight; the matmul is
-kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as they arrive: per token for INT8, per 32 values
-for the 32-value formats, per 128 for the K-quants; int32 dot products), for the modules path and the fused layer
-stack alike. GGUF formats without a kernel here are dequantized at load.
+kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as they arrive: per token and 128 values for INT8,
+per 32 values for the 32-value formats, per 128 for the K-quants; int32 dot products), for the modules path and
+the fused layer stack alike. GGUF formats without a kernel here are dequantized at load.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ KERNEL_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
 FORMAT_IDS = {name: tid for tid, (name, _, _) in KERNEL_FORMATS.items()}
 INT8 = 200   # kvserve's own type (no ggml type): int8 per output channel, packed in groups of INT8_GROUP rows
 INT8_GROUP = 16
-INT8_MAX_COLS = 65536   # its int32 sums hold K * 255 * 127 (the AVX-512 VNNI path's unsigned x) up to here
 
 
 def resolve_quantization(name: str | None, is_gguf_file: bool, device: torch.device) -> str:
@@ -158,7 +157,7 @@ _Q8_ROWS = 2048
 def can_quantize_int8(shape: torch.Size | tuple[int, ...]) -> bool:
     """Whether a [N, K] matrix takes the INT8 format: rows in whole groups, K a multiple of 32."""
     n, k = shape
-    return n % INT8_GROUP == 0 and k % 32 == 0 and k <= INT8_MAX_COLS
+    return n % INT8_GROUP == 0 and k % 32 == 0
 
 
 def int8_act_group(k: int) -> int:
@@ -223,9 +222,9 @@ def _int8_target(name: str) -> bool:
 def int8_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """quantization="int8" as the checkpoint streams in: each decoder projection weight (model.layers.*_proj.weight),
     the token embedding and the output head (input size a multiple of 32) are quantized (quantize_for_int8) before
-    the next tensor is read, so the model's dense matrices are never filled (their never-touched storage never becomes resident);
-    load_packed_weights assembles the blocks as it does a GGUF's (a tied head multiplies the embedding's blocks),
-    and quantize_linears_int8 then catches any linear left dense."""
+    the next tensor is read, so the model's dense matrices are never filled (their never-touched storage never
+    becomes resident); load_packed_weights assembles the blocks as it does a GGUF's (a tied head multiplies the
+    embedding's blocks), and quantize_linears_int8 then catches any linear left dense."""
     for name, t in weights:
         if isinstance(t, torch.Tensor) and t.dim() == 2 and _int8_target(name) and t.shape[1] % 32 == 0:
             yield name, quantize_for_int8(t)
@@ -234,9 +233,9 @@ def int8_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
 
 
 def quantize_linears_int8(model: torch.nn.Module) -> int:
-    """quantization="int8": every Linear still dense is quantized (quantize_for_int8; its plain weight freed as it goes),
-    multiplied by the int8 kernels. Returns how many were quantized here (one whose input size is not a multiple
-    of 32 stays dense)."""
+    """quantization="int8": every Linear still dense is quantized (quantize_for_int8; its plain weight freed as it
+    goes), multiplied by the int8 kernels. Returns how many were quantized here (one whose input size is not a
+    multiple of 32 stays dense)."""
     from kvserve.model.layers import Linear, PackedWeight
     count = 0
     for m in model.modules():

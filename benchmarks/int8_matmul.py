@@ -11,25 +11,15 @@ kernels take bf16 activations, as the engine gives them wherever its fused stack
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from matmul import best_of   # benchmarks/matmul.py, beside this script
 
 from kvserve import kernels
 from kvserve.model.layers import packed_linear, prepack_weights
 from kvserve.model.quantization import QuantizedWeight, quantize_int8, quantize_q8_0, quantized_matmul
 
 SHAPES = [(8960, 1536), (1536, 8960)]   # gate|up halves and down of Qwen2.5-Coder-1.5B
-
-
-def best_of(fn, passes: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(passes):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def main() -> None:
@@ -49,9 +39,9 @@ def main() -> None:
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k)
             xb, xd = x.bfloat16(), x.to(dense_dtype)
-            t8 = best_of(lambda: quantized_matmul(xb, int8))
-            tq = best_of(lambda: quantized_matmul(xb, q8))
-            td = best_of(lambda: packed_linear(xd, dense))
+            t8 = best_of(lambda: quantized_matmul(xb, int8)) * 1e3
+            tq = best_of(lambda: quantized_matmul(xb, q8)) * 1e3
+            td = best_of(lambda: packed_linear(xd, dense)) * 1e3
             gmac = m * n * k / t8 / 1e6
             print(f"{n}x{k} M={m:4d}  INT8 {t8:8.2f} ms ({gmac:6.1f} GMAC/s)  Q8_0 {tq:8.2f} ms ({tq / t8:4.2f}x)  "
                   f"dense {str(dense_dtype).removeprefix('torch.')} {td:8.2f} ms ({td / t8:4.2f}x)")

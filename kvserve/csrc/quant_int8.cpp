@@ -32,6 +32,8 @@ constexpr int I8_MR = 4, I8_NB = 1;   // AVX2: 8 int32 accumulators in its 16 re
 // int8_act_group)
 inline int64_t i8_act_group(int64_t K) { return K % 128 == 0 ? 128 : K % 64 == 0 ? 64 : 32; }
 inline int64_t i8_group_bytes(int64_t K) { return INT8_GROUP * (K + 4 + 4 * (K / i8_act_group(K))); }
+// where row i (0..15) of a group keeps its value k: line k / 4, lane i, byte k % 4
+inline int64_t i8_offset(int i, int64_t k) { return 16 * (k & ~int64_t(3)) + 4 * i + (k & 3); }
 
 // x rows [M, K] (float32 or bf16, row stride xs) -> q [M, K] (qx + I8_BIAS) and d [M, K / IG]: x ~= d qx per IG
 // values, qx in -127..127
@@ -58,8 +60,8 @@ template <int R, int NB>
 inline void i8_tile(const uint8_t* w, int64_t gbytes, const uint8_t* const* x, const float* const* dx, int64_t K,
                     float (*acc)[16 * I8_NB]) {
   const int64_t IG = i8_act_group(K);
-  const uint8_t* wsum = w + INT8_GROUP * (K + 4);   // the first weight group's sums per activation group
 #if defined(KV_HAVE_I8_VNNI)
+  const uint8_t* wsum = w + INT8_GROUP * (K + 4);   // the first weight group's sums per activation group
   __m512 f[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) f[r][j] = _mm512_setzero_ps();
@@ -119,7 +121,6 @@ inline void i8_tile(const uint8_t* w, int64_t gbytes, const uint8_t* const* x, c
     _mm256_storeu_ps(acc[r] + 8, f[r][1]);
   }
 #else
-  (void)wsum;
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j)
       for (int i = 0; i < 16; ++i) {
@@ -128,7 +129,7 @@ inline void i8_tile(const uint8_t* w, int64_t gbytes, const uint8_t* const* x, c
         for (int64_t k0 = 0; k0 < K; k0 += IG) {
           int32_t s = 0;
           for (int64_t k = k0; k < k0 + IG; ++k)
-            s += int32_t(int8_t(x[r][k] - I8_BIAS)) * wg[16 * (k & ~int64_t(3)) + 4 * i + (k & 3)];
+            s += int32_t(int8_t(x[r][k] - I8_BIAS)) * wg[i8_offset(i, k)];
           f = std::fma(float(s), dx[r][k0 / IG], f);
         }
         acc[r][16 * j + i] = f;
@@ -192,7 +193,7 @@ void i8_dequant_row(const uint8_t* w, int64_t n, int64_t K, Y* out) {
   float s;
   std::memcpy(&s, g + INT8_GROUP * K + 4 * i, 4);
   for (int64_t k = 0; k < K; ++k)
-    store(out, k, s * float(reinterpret_cast<const int8_t*>(g)[16 * (k & ~int64_t(3)) + 4 * i + (k & 3)]));
+    store(out, k, s * float(reinterpret_cast<const int8_t*>(g)[i8_offset(i, k)]));
 }
 
 }  // namespace

@@ -61,9 +61,10 @@ def test_every_format_against_dequantized_matmul(fmt, variant):
             check_close(y, reference(x, w), x, dense, 128 if fmt.endswith("K") else 32)
 
 
-def test_rows_of_a_step_are_independent():
-    # a row's result does not depend on which other rows share its step (K-quant row tiles of 8, remainders)
-    w = QuantizedWeight([random_quantized("Q4_K", 20, 256)])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q4_1", "Q5_0", "Q8_0"])
+def test_rows_of_a_step_are_independent(fmt):
+    # a row's result does not depend on which other rows share its step (row tiles of 8, remainders)
+    w = QuantizedWeight([random_quantized(fmt, 20, 256)])
     x = torch.randn(11, 256)
     whole = quantized_matmul(x, w)
     for i in range(11):

@@ -159,7 +159,7 @@ template <> struct Format<Q4_K> { static constexpr int SUBS = 8, BYTES = 144; st
 template <> struct Format<Q5_K> { static constexpr int SUBS = 8, BYTES = 176; static constexpr bool MIN = true; };
 template <> struct Format<Q6_K> { static constexpr int SUBS = 8, BYTES = 210; static constexpr bool MIN = false; };
 
-constexpr int QMR = 4;   // rows of x per pass over a weight row
+constexpr int QMR = 8;   // rows of x per pass over a weight row (a verification step of k = 7 drafts in one)
 
 // out[r] = dot(W row w, x row r) for R rows, scalar; the 32-value formats (the K-quants: quant_matmul.cpp)
 template <int T, int R>

@@ -25,11 +25,28 @@ namespace {
 // ggml type ids (gguf's GGMLQuantizationType), and kvserve's own INT8 (quant_int8.cpp; no ggml type)
 enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, INT8 = 200 };
 
-// one 32-value block of a quantized activation row: x_i ~= d q_i; sum = d * sum_i q_i
-struct QX {
+// eight 32-value blocks of a quantized activation row, block b: x_i ~= d[b] q_i, sum[b] = d[b] * sum_i q_i. The
+// quants are chunk-major: q[c][4 b + i] is value 4 c + i of block b, so that one 32-byte load holds 4 values of
+// each of the 8 blocks and the kernels' int32 lanes are the blocks (one float step serves 8 blocks). A row's
+// last QX, when K / 32 is not a multiple of 8, holds its blocks in order instead (q[b][i]), the rest zero.
+struct alignas(32) QX {
+  int8_t q[8][32];
+  float d[8];
+  float sum[8];
+};
+constexpr int QXB = 8;   // blocks per QX
+
+// one 32-value block of a quantized activation row in order, for Q8_0, whose int8 weights keep the per-block
+// dot products (their int16 pair sums do not add up unwidened, so QX's chunks would gain nothing)
+struct QB {
   float d, sum;
   int8_t q[32];
 };
+
+// value i of block b of a QX, chunk-major or (a partial last one) in order
+inline int8_t qx_value(const QX& o, int b, int i, bool in_order) {
+  return in_order ? o.q[b][i] : o.q[i / 4][4 * b + i % 4];
+}
 
 inline float fp16_to_f32(const uint8_t* p) {
   uint16_t h;
@@ -162,20 +179,28 @@ template <> struct Format<Q6_K> { static constexpr int SUBS = 8, BYTES = 210; st
 constexpr int QMR = 8;   // rows of x per pass over a weight row (a verification step of k = 7 drafts in one)
 
 // out[r] = dot(W row w, x row r) for R rows, scalar; the 32-value formats (the K-quants: quant_matmul.cpp)
-template <int T, int R>
-void row_dot_scalar(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
+template <int T, int R, typename A>
+void row_dot_scalar(const uint8_t* w, const A* const* x, int64_t nsub, float* out) {
   using F = Format<T>;
   static_assert(F::SUBS == 1);
   float acc[R] = {};
   Sub sub;
   for (int64_t j = 0; j < nsub; ++j) {
     unpack_scalar<T>(w + j * F::BYTES, 0, sub);
+    const int b = int(j % QXB);
+    const bool in_order = j / QXB == nsub / QXB;   // the partial last QX
     for (int r = 0; r < R; ++r) {
-      const QX& xb = x[r][j];
       int32_t dot = 0;
-      for (int i = 0; i < 32; ++i) dot += int32_t(sub.q[i]) * xb.q[i];
-      acc[r] += float(dot) * (sub.s * xb.d);
-      if (F::MIN) acc[r] += sub.m * xb.sum;
+      if constexpr (std::is_same_v<A, QB>) {
+        const QB& xb = x[r][j];
+        for (int i = 0; i < 32; ++i) dot += int32_t(sub.q[i]) * xb.q[i];
+        acc[r] += float(dot) * (sub.s * xb.d);
+      } else {
+        const QX& xo = x[r][j / QXB];
+        for (int i = 0; i < 32; ++i) dot += int32_t(sub.q[i]) * qx_value(xo, b, i, in_order);
+        acc[r] += float(dot) * (sub.s * xo.d[b]);
+        if (F::MIN) acc[r] += sub.m * xo.sum[b];
+      }
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
@@ -275,28 +300,132 @@ template <> __m256i quants<Q6_K>(const uint8_t* b, int j) {
   return _mm256_sub_epi8(q6_unsigned(b, j), _mm256_set1_epi8(32));
 }
 
+// The 4- and 5-bit formats' quants as unsigned bytes with a min or offset (w = s q + m; Q4_0: m = -8 s, Q5_0:
+// m = -16 s), and where their parts sit in a block
+template <int T> struct Layout;
+template <> struct Layout<Q4_0> { static constexpr int QS = 2, QH = -1, M = -1, OFFSET = 8; };
+template <> struct Layout<Q4_1> { static constexpr int QS = 4, QH = -1, M = 2, OFFSET = 0; };
+template <> struct Layout<Q5_0> { static constexpr int QS = 6, QH = 2, M = -1, OFFSET = 16; };
+template <> struct Layout<Q5_1> { static constexpr int QS = 8, QH = 4, M = 2, OFFSET = 0; };
+
+// a 32-value block's quants in order, unsigned as Layout says
+template <int T> inline __m256i uquants(const uint8_t* b) {
+  if constexpr (T == Q4_0) return nibbles(b + 2);
+  else if constexpr (T == Q5_0) return _mm256_or_si256(nibbles(b + 6), bits_to_0x10(b + 2));
+  else return quants<T>(b, 0);
+}
+
+// the low (or high) 16 bits of 8 int32 lanes as 8 fp16 -> float
+inline __m256 half_lanes(__m256i v, bool high) {
+  v = high ? _mm256_srli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
+  return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+
+// the 8 consecutive weight blocks at w, chunk-major as QX's quants: q[c] holds values 4 c .. 4 c + 3 of each
+// block as its int32 lane b (unsigned); s and m the blocks' scales and mins (m = -offset * s where the format has
+// an offset)
+template <int T>
+inline void octet(const uint8_t* w, __m256i* q, __m256& s, __m256& m) {
+  using L = Layout<T>;
+  constexpr int B = Format<T>::BYTES;
+  const __m256i at = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
+  const __m256i head = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w), at, 1);   // d, then m or more
+  s = half_lanes(head, false);
+  m = L::M >= 0 ? half_lanes(head, true) : _mm256_mul_ps(s, _mm256_set1_ps(-float(L::OFFSET)));
+  // nibbles: byte i of a block's 16 holds value i (low) and i + 16 (high); lanes b and b + 4 share a vector
+  __m256i y[4];
+  for (int b = 0; b < 4; ++b)
+    y[b] = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * B + L::QS))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (b + 4) * B + L::QS)), 1);
+  const __m256i t0 = _mm256_unpacklo_epi32(y[0], y[1]), t1 = _mm256_unpackhi_epi32(y[0], y[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
+  const __m256i v[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                        _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};   // dword c, lane b
+  const __m256i lo4 = _mm256_set1_epi8(0xF);
+  for (int c = 0; c < 4; ++c) {
+    q[c] = _mm256_and_si256(v[c], lo4);
+    q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), lo4);
+  }
+  if constexpr (L::QH >= 0) {   // bit i of a block's 32-bit qh: value i's 0x10
+    const __m256i h = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + L::QH), at, 1);
+    const __m256i bits_lo = _mm256_set1_epi32(0x08040201), bits_hi = _mm256_set1_epi32(int32_t(0x80402010u));
+    for (int c = 0; c < 8; ++c) {   // values 4 c .. 4 c + 3: byte c / 2 of qh, its low or high half
+      const char k = char(c / 2);
+      const __m256i spread = _mm256_shuffle_epi8(h, _mm256_setr_epi8(k, k, k, k, 4 + k, 4 + k, 4 + k, 4 + k,
+          8 + k, 8 + k, 8 + k, 8 + k, 12 + k, 12 + k, 12 + k, 12 + k, k, k, k, k, 4 + k, 4 + k, 4 + k, 4 + k,
+          8 + k, 8 + k, 8 + k, 8 + k, 12 + k, 12 + k, 12 + k, 12 + k));
+      const __m256i bits = c % 2 ? bits_hi : bits_lo;
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits);
+      q[c] = _mm256_or_si256(q[c], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+  }
+}
+
+// R rows at once over the 4- and 5-bit formats. Whole octets of 8 blocks: each block's integer dot product lands
+// in its own int32 lane (4-bit quants: the int16 pair sums of 8 chunks, at most 8 * 2 * 15 * 127, added before
+// widening; 5-bit: of 4), then one float step per octet and row: acc += float(dot) * s * dx + m * sum of x. The
+// blocks of a partial last octet (K / 32 not a multiple of 8), in order there, one at a time.
 template <int T, int R>
 void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
   using F = Format<T>;
-  __m256 acc[R];
-  float macc[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
+  using L = Layout<T>;
   static_assert(F::SUBS == 1);   // the 32-value formats (the K-quants: quant_matmul.cpp)
-  float s[16], m[8];
-  for (int64_t blk = 0; blk < nsub; ++blk) {
-    const uint8_t* b = w + blk * F::BYTES;
-    header<T>(b, s, m);
-    const __m256i q = quants<T>(b, 0);
-    const __m256 sv = _mm256_set1_ps(s[0]);
+  constexpr int RUN = L::QH >= 0 ? 4 : 8;   // chunks whose int16 pair sums are added unwidened
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t full = nsub / QXB;
+  for (int64_t o = 0; o < full; ++o) {
+    __m256i q[8];
+    __m256 s, m;
+    octet<T>(w + o * QXB * F::BYTES, q, s, m);
     for (int r = 0; r < R; ++r) {
-      const QX& xb = x[r][blk];
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
-      const __m256i p = F::MIN ? dot_u8s8(q, xq) : dot_s8s8(q, xq);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(xb.d)), acc[r]);
-      if (F::MIN) macc[r] += m[0] * xb.sum;
+      const QX& xo = x[r][o];
+      __m256i isum = _mm256_setzero_si256();
+      for (int c0 = 0; c0 < 8; c0 += RUN) {
+        __m256i s16 = _mm256_setzero_si256();
+        for (int c = c0; c < c0 + RUN; ++c) {
+          const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.q[c]));
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[c], xq));
+        }
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, ones));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(s, _mm256_load_ps(xo.d)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_load_ps(xo.sum), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + macc[r];
+  for (int b = 0; b < int(nsub - full * QXB); ++b) {
+    const uint8_t* blk = w + (full * QXB + b) * F::BYTES;
+    const __m256i q = uquants<T>(blk);
+    const float s = fp16_to_f32(blk), m = L::M >= 0 ? fp16_to_f32(blk + L::M) : -float(L::OFFSET) * s;
+    const __m256 mv = _mm256_zextps128_ps256(_mm_set_ss(m));   // the min in one lane
+    for (int r = 0; r < R; ++r) {
+      const QX& xo = x[r][full];
+      const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.q[b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, xq)), _mm256_set1_ps(s * xo.d[b]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xo.sum[b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
+}
+
+// Q8_0, R rows at once, block by block: acc += float(w . qx) * s * dx
+template <int R>
+void row_dot_q8_simd(const uint8_t* w, const QB* const* x, int64_t nsub, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < nsub; ++blk) {
+    const uint8_t* b = w + blk * Format<Q8_0>::BYTES;
+    const __m256i q = quants<Q8_0>(b, 0);
+    const __m256 sv = _mm256_set1_ps(fp16_to_f32(b));
+    for (int r = 0; r < R; ++r) {
+      const QB& xb = x[r][blk];
+      const __m256i p = dot_s8s8(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(xb.d)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 #endif
 
@@ -304,6 +433,14 @@ template <int T, int R>
 inline void row_dot(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
 #ifdef KV_HAVE_QAVX2
   row_dot_simd<T, R>(w, x, nsub, out);
+#else
+  row_dot_scalar<T, R>(w, x, nsub, out);
+#endif
+}
+template <int T, int R>
+inline void row_dot(const uint8_t* w, const QB* const* x, int64_t nsub, float* out) {
+#ifdef KV_HAVE_QAVX2
+  row_dot_q8_simd<R>(w, x, nsub, out);
 #else
   row_dot_scalar<T, R>(w, x, nsub, out);
 #endif

@@ -183,44 +183,101 @@ inline void dot_rows(const uint8_t* w, const A* const* x, int64_t nblocks, float
   }
 }
 
-// x rows [M, K] (float32 or bf16, row stride xs) -> B-value blocks [M, K / B] (QX: B = 32, one scale; QK: 256,
-// one scale per 32 QKJ values)
-template <typename A, typename X>
-void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, A* out) {
-  constexpr bool KQ = std::is_same_v<A, QK>;
-  constexpr int B = sizeof(A::q), S = KQ ? 32 * QKJ : 32, G = KQ ? 16 : 32;   // values per scale, per integer sum
-  const int64_t nb = K / B;
+// x rows [M, K] (float32 or bf16, row stride xs) -> 256-value blocks [M, K / 256], one scale per 32 QKJ values
+template <typename X>
+void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QK* out) {
+  constexpr int S = 32 * QKJ;   // values per scale
+  const int64_t nb = K / 256;
   #pragma omp parallel for if (M * K >= 65536)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
-      A& o = out[m * nb + b];
-      for (int s0 = 0; s0 < B; s0 += S) {
-        const X* p = x + m * xs + B * b + s0;
+      QK& o = out[m * nb + b];
+      for (int s0 = 0; s0 < 256; s0 += S) {
+        const X* p = x + m * xs + 256 * b + s0;
         float v[S], amax = 0.f;
         for (int i = 0; i < S; ++i) {
           v[i] = load(p, i);
           amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;   // std::max, not inlined here
         }
         const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
-        for (int g = 0; g < S / G; ++g) {
+        for (int g = 0; g < S / 16; ++g) {
           int sum = 0;
-          for (int i = G * g; i < G * g + G; ++i) {
+          for (int i = 16 * g; i < 16 * g + 16; ++i) {
             const int q = int(__builtin_rintf(v[i] * id));   // to nearest even, as nearbyint
             o.q[s0 + i] = int8_t(q);
             sum += q;
           }
-          if constexpr (KQ)
-            o.sum16[(s0 + G * g) / 16] = int16_t(sum);
-          else
-            o.sum = d * float(sum);
+          o.sum16[(s0 + 16 * g) / 16] = int16_t(sum);
         }
-        if constexpr (KQ)
-          for (int j = s0 / 32; j < (s0 + S) / 32; ++j) o.dl[j] = d;
-        else
-          o.d = d;
+        for (int j = s0 / 32; j < (s0 + S) / 32; ++j) o.dl[j] = d;
       }
     }
 }
+
+// x rows [M, K] -> octets of 32-value blocks [M, ceil(K / 256)], one scale per 32 values (QX: chunk-major)
+template <typename X>
+void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
+  const int64_t nb = K / 32, no = (nb + QXB - 1) / QXB;
+  #pragma omp parallel for if (M * K >= 65536)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t o = 0; o < no; ++o) {
+      QX& ox = out[m * no + o];
+      const bool in_order = (o + 1) * QXB > nb;   // a partial last QX holds its blocks in order
+      for (int b = 0; b < QXB; ++b) {
+        const int64_t j = o * QXB + b;
+        float v[32] = {}, amax = 0.f;
+        if (j < nb)
+          for (int i = 0; i < 32; ++i) {
+            v[i] = load(x + m * xs + 32 * j, i);
+            amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;
+          }
+        const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
+        int sum = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int q = int(__builtin_rintf(v[i] * id));
+          (in_order ? ox.q[b][i] : ox.q[i / 4][4 * b + i % 4]) = int8_t(q);
+          sum += q;
+        }
+        ox.d[b] = d;
+        ox.sum[b] = d * float(sum);
+      }
+    }
+}
+
+// x rows [M, K] -> 32-value blocks in order [M, K / 32], one scale each (QB, for Q8_0)
+template <typename X>
+void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QB* out) {
+  const int64_t nb = K / 32;
+  #pragma omp parallel for if (M * K >= 65536)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < nb; ++j) {
+      QB& o = out[m * nb + j];
+      float v[32], amax = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        v[i] = load(x + m * xs + 32 * j, i);
+        amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;
+      }
+      const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int q = int(__builtin_rintf(v[i] * id));
+        o.q[i] = int8_t(q);
+        sum += q;
+      }
+      o.d = d;
+      o.sum = d * float(sum);
+    }
+}
+
+// activation units per row of x: QK blocks of 256, QX octets of 8 blocks of 32 (the last one partial), QB blocks
+template <typename A> inline int64_t units_per_row(int64_t K) {
+  if constexpr (std::is_same_v<A, QK>) return K / 256;
+  else if constexpr (std::is_same_v<A, QX>) return (K / 32 + QXB - 1) / QXB;
+  else return K / 32;
+}
+
+// the activation units a format's kernel reads
+template <int T> using Acts = std::conditional_t<Format<T>::SUBS == 8, QK, std::conditional_t<T == Q8_0, QB, QX>>;
 
 constexpr int64_t QNB = 16;   // weight rows per work unit: they stay in L1/L2 while every row tile of x passes
 
@@ -235,11 +292,11 @@ void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const void* xv,
                  int64_t ys) {
   // each thread takes units of QNB whole weight rows, read from memory once per step, and runs every row tile of
   // x over them (a tile shares each unpacked sub-block)
-  using A = std::conditional_t<Format<T>::SUBS == 8, QK, QX>;
+  using A = Acts<T>;
   constexpr bool KQ = std::is_same_v<A, QK>;
   constexpr int TILE = KQ ? QKR : QMR;
   const A* xq = static_cast<const A*>(xv);
-  const int64_t nblocks = K / int64_t(sizeof(A::q));
+  const int64_t nblocks = KQ ? K / 256 : K / 32, stride = units_per_row<A>(K);   // blocks per weight row; x units
   const int64_t units = (N + QNB - 1) / QNB;
   #pragma omp parallel for schedule(static) if (N * K * M >= 65536)
   for (int64_t u = 0; u < units; ++u) {
@@ -248,7 +305,7 @@ void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const void* xv,
     float out[QNB][QKR];
     for (int64_t m = 0; m < M; m += TILE) {
       const int rows = int(std::min<int64_t>(TILE, M - m));
-      for (int r = 0; r < rows; ++r) xr[r] = xq + (m + r) * nblocks;
+      for (int r = 0; r < rows; ++r) xr[r] = xq + (m + r) * stride;
       switch (rows) {
         case 8: if constexpr (TILE >= 8) { tile_rows<T, 8>(w, n0, n1, row_bytes, xr, nblocks, out); break; }
           [[fallthrough]];
@@ -269,16 +326,16 @@ void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const void* xv,
   }
 }
 
-// the activations quantized for a segment of this type: QK blocks for the K-quants, QX otherwise
+// the activations quantized for a segment of this type (Acts: QK for the K-quants, QB for Q8_0, QX otherwise)
 template <typename Y>
-bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, const QX* qx, const QK* qk,
-                  int64_t M, int64_t K, Y* y, int64_t ys) {
+bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, const QX* qx, const QB* qb,
+                  const QK* qk, int64_t M, int64_t K, Y* y, int64_t ys) {
   switch (type) {
     case Q4_0: matmul_rows<Q4_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case Q4_1: matmul_rows<Q4_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case Q5_0: matmul_rows<Q5_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case Q5_1: matmul_rows<Q5_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
-    case Q8_0: matmul_rows<Q8_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case Q8_0: matmul_rows<Q8_0>(w, N, row_bytes, qb, M, K, y, ys); return true;
     case Q4_K: matmul_rows<Q4_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case Q5_K: matmul_rows<Q5_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case Q6_K: matmul_rows<Q6_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
@@ -290,11 +347,12 @@ inline bool is_k_quant(int64_t type) { return type == Q4_K || type == Q5_K || ty
 
 // the quantized activations of one call, reused across calls (one engine thread calls at a time per library)
 thread_local std::vector<QX> qx_buffer;
+thread_local std::vector<QB> qb_buffer;
 thread_local std::vector<QK> qk_buffer;
 
 template <typename A, typename X>
 const A* quantized(std::vector<A>& buf, const X* x, int64_t xs, int64_t M, int64_t K) {
-  const int64_t n = M * (K / int64_t(sizeof(A::q)));
+  const int64_t n = M * units_per_row<A>(K);
   if (int64_t(buf.size()) < n) buf.resize(n);
   quantize_rows(x, xs, M, K, buf.data());
   return buf.data();
@@ -318,12 +376,14 @@ template <typename X, typename Y>
 int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, int64_t M, int64_t K) {
   const int64_t nseg = desc[0];
   const QX* qx = nullptr;
+  const QB* qb = nullptr;
   const QK* qk = nullptr;
   const uint8_t* qi = nullptr;
   for (int64_t s = 0; s < nseg; ++s) {   // each kind of activation blocks the segments need, once
     const int64_t type = desc[1 + 4 * s];
     if (type == INT8) { if (!qi) qi = quantized_i8(x, xs, M, K); }
     else if (is_k_quant(type)) { if (!qk) qk = quantized(qk_buffer, x, xs, M, K); }
+    else if (type == Q8_0) { if (!qb) qb = quantized(qb_buffer, x, xs, M, K); }
     else if (!qx) { qx = quantized(qx_buffer, x, xs, M, K); }
   }
   int64_t col = 0;
@@ -333,7 +393,7 @@ int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, 
     if (seg[0] == INT8) {
       if (seg[2] % INT8_GROUP || K % i8_act_group(K) || seg[3] != i8_group_bytes(K) / INT8_GROUP) return -1;
       i8_matmul(w, seg[2], qi, i8_scales(qi, M, K), M, K, y + col, ys);
-    } else if (!matmul_typed(seg[0], w, seg[2], seg[3], qx, qk, M, K, y + col, ys)) {
+    } else if (!matmul_typed(seg[0], w, seg[2], seg[3], qx, qb, qk, M, K, y + col, ys)) {
       return -1;
     }
     col += seg[2];

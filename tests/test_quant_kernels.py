@@ -61,27 +61,31 @@ def test_every_format_against_dequantized_matmul(fmt, variant):
             check_close(y, reference(x, w), x, dense, 128 if fmt.endswith("K") else 32)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_rows_of_a_step_are_independent(fmt):
-    # a row's result does not depend on which other rows share its step (row tiles of 8, remainders)
-    w = QuantizedWeight([random_quantized(fmt, 20, 256)])
-    x = torch.randn(11, 256)
+    # a row's result does not depend on which other rows share its step (row tiles of 8, remainders; for the
+    # 32-value formats 11 blocks: an octet and a partial one)
+    k = 256 if fmt.endswith("K") else 352
+    w = QuantizedWeight([random_quantized(fmt, 20, k)])
+    x = torch.randn(11, k)
     whole = quantized_matmul(x, w)
     for i in range(11):
         assert torch.equal(quantized_matmul(x[i:i + 1], w), whole[i:i + 1])
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_native_and_portable_agree_on_the_integer_sums(fmt):
     # same quantized activations and exact integer dot products: only float rounding differs, on the scale of the
-    # terms summed (a result near cancellation differs relatively more), over many random inputs
-    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(4))
+    # terms summed (a result near cancellation differs relatively more), over many random inputs; 32-value
+    # formats: 11 blocks, an octet and a partial one
+    k = 512 if fmt.endswith("K") else 352
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(4))
     outs = []
     for variant in ("native", "portable"):
         with kernels.variant(variant) as lib:
             if lib is None:
                 pytest.skip("no C++ kernels")
-            w = QuantizedWeight([random_quantized(fmt, 33, 512, seed=3)])   # bound to the variant's kernels
+            w = QuantizedWeight([random_quantized(fmt, 33, k, seed=3)])   # bound to the variant's kernels
             outs.append(quantized_matmul(x, w).double())
     scale = x.abs().double() @ w.dequantize().abs().double().T
     diff = (outs[0] - outs[1]).abs()

@@ -1,17 +1,18 @@
 // GGUF-quantized weights kept in their block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q4_K, Q5_K,
 // Q6_K: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of the 32-value formats, and rows
 // dequantized for embedding lookups. The matmul over them is quant_matmul.cpp's. For the 32-value formats, as
-// llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below); each block
-// of W is unpacked in registers to 32 small integers q with a float scale s (and a min m for the formats that have
-// one: w = s q + m), and the 32 products come from integer dot products:
+// llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below; QB for
+// Q8_0); each block of W is unpacked in registers to 32 small integers q with a float scale s (and a min m for the
+// formats that have one: w = s q + m), and the 32 products come from integer dot products:
 //   sum_i w_i x_i ~= s dx sum_i q_i qx_i + m dx sum_i qx_i.
-// The integer sums are exact, so the AVX2 path (vpmaddubsw, or vpdpbusd with AVX-512 VNNI) and the scalar one
-// agree but for the order of the float additions. A step reads each quantized row once for up to QMR rows of x.
+// The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; vpdpbusd with AVX-512 VNNI where a block
+// goes alone) and the scalar one agree but for the order of the float additions. A step reads each quantized row
+// once for up to QMR rows of x.
 #include "common.h"
 #if (defined(__AVX2__) || defined(__F16C__)) && !defined(KVSERVE_PORTABLE)
 #include <immintrin.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(KVSERVE_PORTABLE)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVSERVE_PORTABLE)
 #define KV_HAVE_QAVX2 1
 #endif
 
@@ -399,7 +400,7 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
     const uint8_t* blk = w + (full * QXB + b) * F::BYTES;
     const __m256i q = uquants<T>(blk);
     const float s = fp16_to_f32(blk), m = L::M >= 0 ? fp16_to_f32(blk + L::M) : -float(L::OFFSET) * s;
-    const __m256 mv = _mm256_zextps128_ps256(_mm_set_ss(m));   // the min in one lane
+    const __m256 mv = _mm256_setr_ps(m, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);   // the min in one lane
     for (int r = 0; r < R; ++r) {
       const QX& xo = x[r][full];
       const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.q[b]));

@@ -1,5 +1,5 @@
 // The quantized matmul itself (kvserve_quant_matmul), over the formats and unpacking of quant.cpp. The activations
-// are quantized first, per row, to int8 with one float scale per 32 values for the 32-value formats (QX), per 128
+// are quantized first, per row, to int8 with one float scale per 32 values for the 32-value formats (QX, QB), per 128
 // for the K-quants (QK: blocks of 256 like llama.cpp's block_q8_K, with two scales where it has one: a scale per
 // 256 put Qwen2.5-Coder-1.5B's perplexity 1-1.5% above the dequantized model's, per 128 within 0.5%). A K-quant
 // super-block's products then stay integer over each activation scale's 4 sub-blocks: each sub-block's int8 dot
@@ -168,8 +168,8 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
 }
 #endif
 
-// out[r] = dot(weight row w, x row r) over nblocks activation blocks, for R rows; A: the activation blocks (QK
-// for the K-quants, QX otherwise)
+// out[r] = dot(weight row w, x row r) over the row's nblocks weight blocks, for R rows; A: the activations (QK
+// for the K-quants, QB for Q8_0, QX otherwise: octets of 8 blocks)
 template <int T, int R, typename A>
 inline void dot_rows(const uint8_t* w, const A* const* x, int64_t nblocks, float* out) {
   if constexpr (std::is_same_v<A, QK>) {
@@ -302,6 +302,7 @@ void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const void* xv,
   for (int64_t u = 0; u < units; ++u) {
     const int64_t n0 = u * QNB, n1 = std::min(N, n0 + QNB);
     const A* xr[TILE];
+    static_assert(QMR <= QKR);
     float out[QNB][QKR];
     for (int64_t m = 0; m < M; m += TILE) {
       const int rows = int(std::min<int64_t>(TILE, M - m));

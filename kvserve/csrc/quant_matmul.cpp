@@ -214,6 +214,24 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QK* out) {
     }
 }
 
+// 32 values at p -> int8 q (to nearest even) with one scale, returned; *sum = the sum of the q
+template <typename X>
+inline float quantize32(const X* p, int8_t* q, int* sum) {
+  float v[32], amax = 0.f;
+  for (int i = 0; i < 32; ++i) {
+    v[i] = load(p, i);
+    amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;
+  }
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  *sum = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int qi = int(__builtin_rintf(v[i] * id));
+    q[i] = int8_t(qi);
+    *sum += qi;
+  }
+  return amax / 127.f;
+}
+
 // x rows [M, K] -> octets of 32-value blocks [M, ceil(K / 256)], one scale per 32 values (QX: chunk-major)
 template <typename X>
 void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
@@ -225,18 +243,16 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
       const bool in_order = (o + 1) * QXB > nb;   // a partial last QX holds its blocks in order
       for (int b = 0; b < QXB; ++b) {
         const int64_t j = o * QXB + b;
-        float v[32] = {}, amax = 0.f;
-        if (j < nb)
-          for (int i = 0; i < 32; ++i) {
-            v[i] = load(x + m * xs + 32 * j, i);
-            amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;
-          }
-        const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
         int sum = 0;
-        for (int i = 0; i < 32; ++i) {
-          const int q = int(__builtin_rintf(v[i] * id));
-          (in_order ? ox.q[b][i] : ox.q[i / 4][4 * b + i % 4]) = int8_t(q);
-          sum += q;
+        float d = 0.f;
+        if (j >= nb) {
+          std::memset(ox.q[b], 0, 32);   // in order: block b's row
+        } else if (in_order) {
+          d = quantize32(x + m * xs + 32 * j, ox.q[b], &sum);
+        } else {   // chunk-major: value i at q[i / 4][4 b + i % 4], four at a time
+          int8_t q[32];
+          d = quantize32(x + m * xs + 32 * j, q, &sum);
+          for (int c = 0; c < 8; ++c) std::memcpy(&ox.q[c][4 * b], q + 4 * c, 4);
         }
         ox.d[b] = d;
         ox.sum[b] = d * float(sum);
@@ -252,20 +268,9 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QB* out) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < nb; ++j) {
       QB& o = out[m * nb + j];
-      float v[32], amax = 0.f;
-      for (int i = 0; i < 32; ++i) {
-        v[i] = load(x + m * xs + 32 * j, i);
-        amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;
-      }
-      const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
-      int sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int q = int(__builtin_rintf(v[i] * id));
-        o.q[i] = int8_t(q);
-        sum += q;
-      }
-      o.d = d;
-      o.sum = d * float(sum);
+      int sum;
+      o.d = quantize32(x + m * xs + 32 * j, o.q, &sum);
+      o.sum = o.d * float(sum);
     }
 }
 

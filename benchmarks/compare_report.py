@@ -170,7 +170,11 @@ COMMANDS = """\
 | `python benchmarks/ablation.py --num-prompts 8 --num-threads 1` | each optimization switched on in turn, side by side in one process (W1-style throughput; `--single-stream`: one request's TPOT) |
 | `python benchmarks/attention_kernel.py [--num-threads N] [--layers 30]` | the bf16 attention kernel over the tiled KV layout against the AVX-512 kernel over the standard layout and the torch backend, on W1-shaped decode and prefill steps, K/V from DRAM (30 layers' pools) or caches (`--layers 1`) |
 | `python benchmarks/matmul.py [--num-threads N] [--rows ...]` | the C++ bf16 matmuls (GEMV, register-tiled GEMM) against oneDNN's packed path for steps of M rows, layer weights and LM head |
+| `python benchmarks/int8_matmul.py [--rows ...] [--num-threads N]` | `--quantization int8`'s matmul (INT8) against the Q8_0 kernels and the dense linear this CPU would run, on Qwen2.5-Coder-1.5B's MLP shapes, for steps of M rows |
 | `python benchmarks/bf16_accuracy.py` | bf16 against float32 with each kernel switched in or out (teacher-forced top-1 agreement and logprob error) |
+| `python benchmarks/quantization.py [--models smollm2 qwen1.5b] [--throughput --vllm]` | GGUF kept quantized, int8 and FP8 KV against the dequantized model, llama.cpp and vLLM: TPOT, TTFT, memory, throughput |
+| `python benchmarks/spec_decode.py [--only single,draft,batch]` | speculative decoding (n-gram, suffix, draft model) against none, side by side in one process |
+| `python benchmarks/fp8_kv.py`, `lora.py`, `distributed.py`, `structured_outputs.py`, `kernel_paths.py`, `float32_packing.py` | FP8 KV, multi-LoRA, tensor parallelism and replicas, grammars, each kernel path, float32 packing: each against its baseline in one run (the script's docstring says how) |
 | `python benchmarks/prefix_caching.py --json benchmarks/results/prefix_caching.json` | prefix caching on against off |
 | `kvserve bench throughput --num-prompts 64 --input-len 64:512 --output-len 32:256 --dtype bfloat16` | W1 for kvserve alone (`--output-json`) |
 | `kvserve bench latency --input-len 256 --output-len 128 --num-iters 8` | TTFT / TPOT percentiles of one request at a time |

@@ -149,6 +149,8 @@ def test_batch_size_switch_turns_drafts_off():
     ({"method": "ngram", "num_speculative_tokens": 3, "k": 1}, "unknown speculative_config key"),
     ("{not json", "not valid JSON"),
     ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_vocab_size": 100}, "draft_vocab_size"),
+    ({"model": "x", "num_speculative_tokens": 3, "draft_vocab_size": 0}, "draft_vocab_size"),
 ])
 def test_bad_configs_are_refused_at_start(spec, match):
     with pytest.raises(InvalidRequestError, match=match) as e:
@@ -206,6 +208,51 @@ def test_draft_model_greedy_equals_no_speculation(tiny_pair, gguf_path, config):
     seeded = SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=30, ignore_eos=True)
     assert tokens(llm.generate(prompts, seeded, use_tqdm=False)) == \
         tokens(make_llm(model=target, tokenizer=gguf_path).generate(prompts, seeded, use_tqdm=False))
+
+
+def test_draft_vocabulary_of_its_first_ids_keeps_the_output(tiny_pair, gguf_path):
+    target, draft = tiny_pair
+    prompts = tiny_prompts()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = tokens(make_llm(model=target, tokenizer=gguf_path).generate(prompts, params, use_tqdm=False))
+    assert any(t >= 48 for req in want for seq in req for t in seq)   # ids the draft cannot propose
+    spec = {"model": draft, "num_speculative_tokens": 4, "disable_by_batch_size": None, "draft_vocab_size": 48}
+    llm = make_llm(spec, model=target, tokenizer=gguf_path)
+    runner, proposed = llm.llm_engine.runner, []
+    propose = runner.propose_drafts
+
+    def recording(reqs, max_drafts):
+        drafts = propose(reqs, max_drafts)
+        proposed.extend(t for d in drafts for t in d)
+        return drafts
+    runner.propose_drafts = recording
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert proposed and max(proposed) < 48
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    with pytest.raises(InvalidRequestError, match="exceeds the vocabulary"):
+        make_llm({**spec, "draft_vocab_size": 97}, model=target, tokenizer=gguf_path)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_restricted_head_gives_the_first_columns_of_the_logits(tmp_path, qtype, tied):
+    from kvserve.config import EngineConfig
+    from kvserve.model import load_model
+    from model_utils import write_tiny_gguf
+    hf = save_tiny_model("llama", tmp_path / "hf", tie_word_embeddings=tied)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype=qtype)
+    model = load_model(EngineConfig(model=str(path), device="cpu"))[0]
+    hidden = torch.randn(5, hf.config.hidden_size, dtype=model.model.norm.weight.dtype)
+    full = model.compute_logits(hidden)
+    model.restrict_vocab(40)
+    model.prepack()
+    part = model.compute_logits(hidden)
+    assert part.shape == (5, 40)
+    if qtype == "Q8_0":   # the kept blocks: each column by the same kernel row
+        assert model.lm_head.quantized is not None
+        assert torch.equal(part, full[:, :40])
+    else:
+        torch.testing.assert_close(part, full[:, :40], rtol=1e-5, atol=1e-5)
 
 
 def test_draft_model_must_share_the_vocabulary_and_be_smaller(tiny_pair, gguf_path, tmp_path):

@@ -209,6 +209,11 @@ class LLMEngine:
             raise InvalidRequestError(f"speculative_config: the draft model ({num_draft:,} parameters) is not smaller "
                                       f"than the target ({num_target:,}): it would only slow decoding down",
                                       "speculative_config")
+        if spec.draft_vocab_size is not None:
+            if spec.draft_vocab_size > self.vocab_size:
+                raise InvalidRequestError(f"speculative_config: draft_vocab_size {spec.draft_vocab_size} exceeds the "
+                                          f"vocabulary ({self.vocab_size} tokens)", "speculative_config")
+            draft.restrict_vocab(spec.draft_vocab_size)
         return draft
 
     # ----- requests -----

@@ -12,6 +12,7 @@ from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding
                                   rotate_heads_inplace)
 from kvserve.model.fused import FusedLayers, binding_key, build_fused_layers, is_same_binding
 from kvserve.model.model_config import ModelConfig
+from kvserve.model.quantization import INT8, INT8_GROUP, QuantizedTensor, QuantizedWeight
 from kvserve.module import InferenceModule
 
 # HF checkpoint projection name -> (our fused module, shard id)
@@ -178,6 +179,26 @@ class LlamaForCausalLM(InferenceModule):
         if extra:
             self.packed_lm_head = extra[0]
         return num
+
+    def restrict_vocab(self, n: int) -> None:
+        """Logits for the first n token ids only (a speculative draft model's proposals): the output matrix keeps
+        its first n rows, in its own format (a GGUF head stays quantized; an int8 head's rows come in groups of 16,
+        so n rounds up to the group). Call after loading, before prepack()."""
+        src = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        quant = src.quantized
+        if quant is not None and len(quant.segments) == 1 and quant.segments[0].ggml_type == INT8:
+            n = min(-(-n // INT8_GROUP) * INT8_GROUP, quant.out_features)
+        head = Linear(self.config.hidden_size, n)
+        if quant is None:
+            head.weight = nn.Parameter(src.weight[:n].clone(), requires_grad=False)
+        else:
+            part = quant.segments[0]   # an output matrix or embedding table is one segment
+            head.packed = PackedWeight(n, quant=QuantizedWeight([QuantizedTensor(part.ggml_type, part.data[:n],
+                                                                                 part.cols, part.source)]))
+            head.weight = nn.Parameter(torch.empty(n, self.config.hidden_size, dtype=src.weight.dtype, device="meta"),
+                                       requires_grad=False)
+        self.lm_head = head
+        self.packed_lm_head = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; unknown or missing names raise ModelLoadError."""

@@ -17,6 +17,9 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     model: str | None = None             # draft_model: the draft checkpoint (HF directory or .gguf)
+    # draft_model: the draft proposes among the first N token ids only (a BPE vocabulary puts its frequent tokens
+    # first), computing logits for those rows of its output matrix; verification keeps the output exact
+    draft_vocab_size: int | None = None
     prompt_lookup_min: int = 2           # ngram: shortest suffix n-gram looked up in the sequence
     prompt_lookup_max: int = 5           # ngram: longest
     suffix_max_tree_depth: int = 24      # suffix: longest context matched, and the trees' depth
@@ -65,6 +68,9 @@ class SpeculativeConfig:
             bad("method draft_model needs a model (the draft checkpoint)")
         if self.method != "draft_model" and self.model:
             bad(f"method {self.method} takes no model")
+        if self.draft_vocab_size is not None and (self.method != "draft_model" or not _is_int(self.draft_vocab_size)
+                                                  or self.draft_vocab_size < 1):
+            bad(f"draft_vocab_size must be an integer >= 1 with method draft_model, got {self.draft_vocab_size!r}")
         if not (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
             bad("prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "

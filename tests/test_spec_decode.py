@@ -149,8 +149,8 @@ def test_batch_size_switch_turns_drafts_off():
     ({"method": "ngram", "num_speculative_tokens": 3, "k": 1}, "unknown speculative_config key"),
     ("{not json", "not valid JSON"),
     ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "draft_vocab_size": 100}, "draft_vocab_size"),
-    ({"model": "x", "num_speculative_tokens": 3, "draft_vocab_size": 0}, "draft_vocab_size"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_vocab_size": 100}, "draft_model only"),
+    ({"model": "x", "num_speculative_tokens": 3, "draft_vocab_size": 0}, "integer >= 1"),
 ])
 def test_bad_configs_are_refused_at_start(spec, match):
     with pytest.raises(InvalidRequestError, match=match) as e:
@@ -233,26 +233,36 @@ def test_draft_vocabulary_of_its_first_ids_keeps_the_output(tiny_pair, gguf_path
         make_llm({**spec, "draft_vocab_size": 97}, model=target, tokenizer=gguf_path)
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "Q8_0", "int8"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_restricted_head_gives_the_first_columns_of_the_logits(tmp_path, qtype, tied):
+def test_restricted_head_gives_the_first_columns_of_the_logits(tmp_path, weights, tied):
     from kvserve.config import EngineConfig
     from kvserve.model import load_model
+    from kvserve.model.layers import release_unpacked_weights
     from model_utils import write_tiny_gguf
     hf = save_tiny_model("llama", tmp_path / "hf", tie_word_embeddings=tied)
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype=qtype)
-    model = load_model(EngineConfig(model=str(path), device="cpu"))[0]
-    hidden = torch.randn(5, hf.config.hidden_size, dtype=model.model.norm.weight.dtype)
-    full = model.compute_logits(hidden)
-    model.restrict_vocab(40)
-    model.prepack()
-    part = model.compute_logits(hidden)
-    assert part.shape == (5, 40)
-    if qtype == "Q8_0":   # the kept blocks: each column by the same kernel row
-        assert model.lm_head.quantized is not None
-        assert torch.equal(part, full[:, :40])
+    if weights == "Q8_0":
+        config = EngineConfig(model=str(write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype="Q8_0")), device="cpu")
     else:
-        torch.testing.assert_close(part, full[:, :40], rtol=1e-5, atol=1e-5)
+        config = EngineConfig(model=str(tmp_path / "hf"), device="cpu", tokenizer=str(tmp_path / "hf"),
+                              dtype="float32" if weights == "int8" else weights,
+                              quantization="int8" if weights == "int8" else "none")
+    full_model, model = load_model(config)[0], load_model(config)[0]
+    hidden = torch.randn(5, hf.config.hidden_size, dtype=model.model.norm.weight.dtype)
+    model.restrict_vocab(40)
+    for m in (full_model, model):   # as the engine serves them: packed, plain copies released
+        m.prepack()
+        release_unpacked_weights(m)
+    full, part = full_model.compute_logits(hidden), model.compute_logits(hidden)
+    cols = 48 if weights == "int8" else 40   # int8 rows come in groups of 16
+    assert part.shape == (5, cols)
+    if weights in ("Q8_0", "int8"):   # kept quantized: each column by the same kernel row
+        assert model.lm_head.quantized.formats() == ["Q8_0" if weights == "Q8_0" else "INT8"]
+        assert torch.equal(part, full[:, :cols])
+    else:
+        torch.testing.assert_close(part, full[:, :cols], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="restrict_vocab"):
+        model.restrict_vocab(257)
 
 
 def test_draft_model_must_share_the_vocabulary_and_be_smaller(tiny_pair, gguf_path, tmp_path):

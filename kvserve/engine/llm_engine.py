@@ -190,6 +190,9 @@ class LLMEngine:
         """The draft model of speculative decoding, loaded as the target is; refused unless it shares the target's
         vocabulary and is smaller."""
         spec = self.spec_config
+        if spec.draft_vocab_size is not None and spec.draft_vocab_size > self.vocab_size:
+            raise InvalidRequestError(f"speculative_config: draft_vocab_size {spec.draft_vocab_size} exceeds the "
+                                      f"vocabulary ({self.vocab_size} tokens)", "speculative_config")
         try:
             # "gguf" is the target file's: an HF draft beside a GGUF target loads dequantized
             quantization = "auto" if self.config.quantization == "gguf" else self.config.quantization
@@ -210,9 +213,6 @@ class LLMEngine:
                                       f"than the target ({num_target:,}): it would only slow decoding down",
                                       "speculative_config")
         if spec.draft_vocab_size is not None:
-            if spec.draft_vocab_size > self.vocab_size:
-                raise InvalidRequestError(f"speculative_config: draft_vocab_size {spec.draft_vocab_size} exceeds the "
-                                          f"vocabulary ({self.vocab_size} tokens)", "speculative_config")
             draft.restrict_vocab(spec.draft_vocab_size)
         return draft
 

@@ -186,6 +186,10 @@ class LlamaForCausalLM(InferenceModule):
         so n rounds up to the group). Call after loading, before prepack()."""
         src = self.lm_head if self.lm_head is not None else self.model.embed_tokens
         quant = src.quantized
+        rows = quant.out_features if quant is not None else src.weight.shape[0]
+        if not 1 <= n <= rows or self.tp is not None:
+            raise ValueError(f"restrict_vocab({n}) of a {rows}-row output matrix" +
+                             (" on a tensor-parallel shard" if self.tp is not None else ""))
         if quant is not None and len(quant.segments) == 1 and quant.segments[0].ggml_type == INT8:
             n = min(-(-n // INT8_GROUP) * INT8_GROUP, quant.out_features)
         head = Linear(self.config.hidden_size, n)

@@ -68,9 +68,11 @@ class SpeculativeConfig:
             bad("method draft_model needs a model (the draft checkpoint)")
         if self.method != "draft_model" and self.model:
             bad(f"method {self.method} takes no model")
-        if self.draft_vocab_size is not None and (self.method != "draft_model" or not _is_int(self.draft_vocab_size)
-                                                  or self.draft_vocab_size < 1):
-            bad(f"draft_vocab_size must be an integer >= 1 with method draft_model, got {self.draft_vocab_size!r}")
+        if self.draft_vocab_size is not None:
+            if self.method != "draft_model":
+                bad(f"draft_vocab_size applies to method draft_model only, not {self.method}")
+            if not _is_int(self.draft_vocab_size) or self.draft_vocab_size < 1:
+                bad(f"draft_vocab_size must be an integer >= 1, got {self.draft_vocab_size!r}")
         if not (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
             bad("prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "

@@ -44,6 +44,9 @@ struct QB {
   int8_t q[32];
 };
 
+// whether QX number o of a row of nb blocks is its partial last one, which holds its blocks in order
+inline bool qx_in_order(int64_t o, int64_t nb) { return (o + 1) * QXB > nb; }
+
 // value i of block b of a QX, chunk-major or (a partial last one) in order
 inline int8_t qx_value(const QX& o, int b, int i, bool in_order) {
   return in_order ? o.q[b][i] : o.q[i / 4][4 * b + i % 4];
@@ -188,8 +191,6 @@ void row_dot_scalar(const uint8_t* w, const A* const* x, int64_t nsub, float* ou
   Sub sub;
   for (int64_t j = 0; j < nsub; ++j) {
     unpack_scalar<T>(w + j * F::BYTES, 0, sub);
-    const int b = int(j % QXB);
-    const bool in_order = j / QXB == nsub / QXB;   // the partial last QX
     for (int r = 0; r < R; ++r) {
       int32_t dot = 0;
       if constexpr (std::is_same_v<A, QB>) {
@@ -198,6 +199,8 @@ void row_dot_scalar(const uint8_t* w, const A* const* x, int64_t nsub, float* ou
         acc[r] += float(dot) * (sub.s * xb.d);
       } else {
         const QX& xo = x[r][j / QXB];
+        const int b = int(j % QXB);
+        const bool in_order = qx_in_order(j / QXB, nsub);
         for (int i = 0; i < 32; ++i) dot += int32_t(sub.q[i]) * qx_value(xo, b, i, in_order);
         acc[r] += float(dot) * (sub.s * xo.d[b]);
         if (F::MIN) acc[r] += sub.m * xo.sum[b];

@@ -240,7 +240,7 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t o = 0; o < no; ++o) {
       QX& ox = out[m * no + o];
-      const bool in_order = (o + 1) * QXB > nb;   // a partial last QX holds its blocks in order
+      const bool in_order = qx_in_order(o, nb);
       for (int b = 0; b < QXB; ++b) {
         const int64_t j = o * QXB + b;
         int sum = 0;

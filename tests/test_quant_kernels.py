@@ -1,14 +1,16 @@
 """The quantized matmul kernels (kvserve/csrc/quant*.cpp): the GGUF formats against gguf-py's dequantization then
 a matmul, on random blocks of every format, odd shapes and 1..300 rows; INT8 (--quantization int8) bit for bit
 against its definition in integers; on the native and the portable build."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from kvserve import kernels
-from kvserve.model.quantization import (INT8_GROUP, KERNEL_FORMATS, FORMAT_IDS, QuantizedTensor, QuantizedWeight,
-                                        embedding_rows, int8_act_group, int8_row_bytes, quantize_for_int8,
-                                        quantize_int8, quantized_matmul)
+from kvserve.model.quantization import (INT8_GROUP, KERNEL_FORMATS, FORMAT_IDS, OCTETS, QuantizedTensor,
+                                        QuantizedWeight, embedding_rows, int8_act_group, int8_row_bytes,
+                                        quantize_for_int8, quantize_int8, quantized_matmul)
 
 # byte offsets of each format's fp16 fields (scales and mins): random bytes there would be NaN or huge
 _FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
@@ -125,6 +127,29 @@ def test_embedding_rows_equal_gguf_dequantization(fmt):
     assert embedding_rows(table, ids, torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(IndexError):
         embedding_rows(table, torch.tensor([50]), torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_octet_layout_is_the_files_blocks_regrouped(fmt):
+    # QuantizedWeight keeps the 4- and 5-bit formats in the kernels' octet order: each row's bytes regrouped (11
+    # blocks: a group of 8 and a partial one of 3), dequantized and embedded as the file's blocks; a slice of such
+    # a segment (restrict_vocab's head) is not regrouped twice; the kernels refuse the file's order
+    raw = random_quantized(fmt, 20, 352, seed=6)
+    w = QuantizedWeight([raw])
+    seg = w.segments[0]
+    assert seg.octets and seg.kernel_type == raw.ggml_type | OCTETS and not raw.octets
+    assert not torch.equal(seg.data, raw.data)
+    assert torch.equal(seg.data.sort(dim=1).values, raw.data.sort(dim=1).values)
+    assert torch.equal(seg.dequantize(), raw.dequantize())
+    ids = torch.tensor([19, 0, 5, 5])
+    torch.testing.assert_close(embedding_rows(seg, ids, torch.float32), raw.dequantize()[ids], rtol=1e-6, atol=1e-7)
+    head = QuantizedWeight([dataclasses.replace(seg, data=seg.data[:7])])
+    assert torch.equal(head.segments[0].data, seg.data[:7])
+    x = torch.randn(3, 352)
+    assert torch.equal(quantized_matmul(x, head), quantized_matmul(x, w)[:, :7])
+    w.desc[1] = raw.ggml_type   # the same bytes declared in the file's order
+    with pytest.raises(RuntimeError, match="does not know"):
+        quantized_matmul(x, w)
 
 
 def test_float16_input_wrong_width_and_auto_on_the_scalar_build():

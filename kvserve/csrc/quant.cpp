@@ -28,8 +28,8 @@ enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K =
 
 // eight 32-value blocks of a quantized activation row, block b: x_i ~= d[b] q_i, sum[b] = d[b] * sum_i q_i. The
 // quants are chunk-major: q[c][4 b + i] is value 4 c + i of block b, so that one 32-byte load holds 4 values of
-// each of the 8 blocks and the kernels' int32 lanes are the blocks (one float step serves 8 blocks). A row's
-// last QX, when K / 32 is not a multiple of 8, holds its blocks in order instead (q[b][i]), the rest zero.
+// each of the 8 blocks and the kernels' int32 lanes are the blocks (one float step serves 8 blocks). A row's last
+// QX, when K / 32 is not a multiple of 8, has zeros (q, d and sum) for the blocks past the row's end.
 struct alignas(32) QX {
   int8_t q[8][32];
   float d[8];
@@ -44,13 +44,8 @@ struct QB {
   int8_t q[32];
 };
 
-// whether QX number o of a row of nb blocks is its partial last one, which holds its blocks in order
-inline bool qx_in_order(int64_t o, int64_t nb) { return (o + 1) * QXB > nb; }
-
-// value i of block b of a QX, chunk-major or (a partial last one) in order
-inline int8_t qx_value(const QX& o, int b, int i, bool in_order) {
-  return in_order ? o.q[b][i] : o.q[i / 4][4 * b + i % 4];
-}
+// value i of block b of a QX
+inline int8_t qx_value(const QX& o, int b, int i) { return o.q[i / 4][4 * b + i % 4]; }
 
 inline float fp16_to_f32(const uint8_t* p) {
   uint16_t h;
@@ -180,9 +175,66 @@ template <> struct Format<Q4_K> { static constexpr int SUBS = 8, BYTES = 144; st
 template <> struct Format<Q5_K> { static constexpr int SUBS = 8, BYTES = 176; static constexpr bool MIN = true; };
 template <> struct Format<Q6_K> { static constexpr int SUBS = 8, BYTES = 210; static constexpr bool MIN = false; };
 
+// The 4- and 5-bit formats' quants as unsigned bytes with a min or offset (w = s q + m; Q4_0: m = -8 s, Q5_0:
+// m = -16 s), and where their parts sit in a block
+template <int T> struct Layout;
+template <> struct Layout<Q4_0> { static constexpr int QS = 2, QH = -1, M = -1, OFFSET = 8; };
+template <> struct Layout<Q4_1> { static constexpr int QS = 4, QH = -1, M = 2, OFFSET = 0; };
+template <> struct Layout<Q5_0> { static constexpr int QS = 6, QH = 2, M = -1, OFFSET = 16; };
+template <> struct Layout<Q5_1> { static constexpr int QS = 8, QH = 4, M = 2, OFFSET = 0; };
+
+// The 4- and 5-bit formats as the kernels keep them (kvserve_quant_repack; type id OCTETS | the ggml type): the
+// same bytes as the file's blocks, reordered within each row. A row's blocks go in groups of 8 (the last group
+// holds the rest), and a group of g holds its blocks' fields one after another: the g scales (fp16), the g mins
+// (Q4_1, Q5_1), the g 32-bit high-bit words (Q5_0, Q5_1), then for c = 0..3 the g blocks' quant bytes 4 c .. 4 c + 3
+// (nibbles of values 4 c + i and 16 + 4 c + i). One 32-byte load of a full group then gives a chunk of each of the
+// 8 blocks in the int32 lanes QX's chunk-major activations want, with no shuffling at run time.
+constexpr int64_t OCTETS = 256;
+
+// where byte k of block b of a group of g blocks sits in the group, in the kernels' order
+template <int T> inline int octet_pos(int g, int b, int k) {
+  using L = Layout<T>;
+  if (k < 2) return 2 * b + k;   // the scale
+  int base = 2 * g;
+  if constexpr (L::M >= 0) {
+    if (k < L::M + 2) return base + 2 * b + k - L::M;
+    base += 2 * g;
+  }
+  if constexpr (L::QH >= 0) {
+    if (k < L::QH + 4) return base + 4 * b + k - L::QH;
+    base += 4 * g;
+  }
+  const int n = k - L::QS;   // quant byte n = 4 c + i
+  return base + 4 * ((n / 4) * g + b) + n % 4;
+}
+
+// a row of nb blocks from the file's order to the kernels' (or back, to_raw), src to dst
+template <int T> void repack_row(const uint8_t* src, uint8_t* dst, int64_t nb, bool to_raw) {
+  constexpr int B = Format<T>::BYTES;
+  for (int64_t o = 0; o < nb; o += 8) {
+    const int g = int(std::min<int64_t>(8, nb - o));
+    for (int b = 0; b < g; ++b)
+      for (int k = 0; k < B; ++k) {
+        const int64_t raw = (o + b) * B + k, packed = o * B + octet_pos<T>(g, b, k);
+        dst[to_raw ? raw : packed] = src[to_raw ? packed : raw];
+      }
+  }
+}
+
+// block j of a packed row of nb blocks, in the file's order, to out
+template <int T> void octet_block(const uint8_t* packed, int64_t nb, int64_t j, uint8_t* out) {
+  constexpr int B = Format<T>::BYTES;
+  const int64_t o = j - j % 8;
+  const int g = int(std::min<int64_t>(8, nb - o)), b = int(j % 8);
+  for (int k = 0; k < B; ++k) out[k] = packed[o * B + octet_pos<T>(g, b, k)];
+}
+
+template <int T> constexpr bool in_octets() { return T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1; }
+
 constexpr int QMR = 8;   // rows of x per pass over a weight row (a verification step of k = 7 drafts in one)
 
-// out[r] = dot(W row w, x row r) for R rows, scalar; the 32-value formats (the K-quants: quant_matmul.cpp)
+// out[r] = dot(W row w, x row r) for R rows, scalar; the 32-value formats (the K-quants: quant_matmul.cpp), the
+// 4- and 5-bit ones packed in octets
 template <int T, int R, typename A>
 void row_dot_scalar(const uint8_t* w, const A* const* x, int64_t nsub, float* out) {
   using F = Format<T>;
@@ -190,7 +242,13 @@ void row_dot_scalar(const uint8_t* w, const A* const* x, int64_t nsub, float* ou
   float acc[R] = {};
   Sub sub;
   for (int64_t j = 0; j < nsub; ++j) {
-    unpack_scalar<T>(w + j * F::BYTES, 0, sub);
+    if constexpr (in_octets<T>()) {
+      uint8_t raw[F::BYTES];
+      octet_block<T>(w, nsub, j, raw);
+      unpack_scalar<T>(raw, 0, sub);
+    } else {
+      unpack_scalar<T>(w + j * F::BYTES, 0, sub);
+    }
     for (int r = 0; r < R; ++r) {
       int32_t dot = 0;
       if constexpr (std::is_same_v<A, QB>) {
@@ -200,8 +258,7 @@ void row_dot_scalar(const uint8_t* w, const A* const* x, int64_t nsub, float* ou
       } else {
         const QX& xo = x[r][j / QXB];
         const int b = int(j % QXB);
-        const bool in_order = qx_in_order(j / QXB, nsub);
-        for (int i = 0; i < 32; ++i) dot += int32_t(sub.q[i]) * qx_value(xo, b, i, in_order);
+        for (int i = 0; i < 32; ++i) dot += int32_t(sub.q[i]) * qx_value(xo, b, i);
         acc[r] += float(dot) * (sub.s * xo.d[b]);
         if (F::MIN) acc[r] += sub.m * xo.sum[b];
       }
@@ -304,55 +361,38 @@ template <> __m256i quants<Q6_K>(const uint8_t* b, int j) {
   return _mm256_sub_epi8(q6_unsigned(b, j), _mm256_set1_epi8(32));
 }
 
-// The 4- and 5-bit formats' quants as unsigned bytes with a min or offset (w = s q + m; Q4_0: m = -8 s, Q5_0:
-// m = -16 s), and where their parts sit in a block
-template <int T> struct Layout;
-template <> struct Layout<Q4_0> { static constexpr int QS = 2, QH = -1, M = -1, OFFSET = 8; };
-template <> struct Layout<Q4_1> { static constexpr int QS = 4, QH = -1, M = 2, OFFSET = 0; };
-template <> struct Layout<Q5_0> { static constexpr int QS = 6, QH = 2, M = -1, OFFSET = 16; };
-template <> struct Layout<Q5_1> { static constexpr int QS = 8, QH = 4, M = 2, OFFSET = 0; };
-
-// a 32-value block's quants in order, unsigned as Layout says
-template <int T> inline __m256i uquants(const uint8_t* b) {
-  if constexpr (T == Q4_0) return nibbles(b + 2);
-  else if constexpr (T == Q5_0) return _mm256_or_si256(nibbles(b + 6), bits_to_0x10(b + 2));
-  else return quants<T>(b, 0);
-}
-
-// the low (or high) 16 bits of 8 int32 lanes as 8 fp16 -> float
-inline __m256 half_lanes(__m256i v, bool high) {
-  v = high ? _mm256_srli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
-  return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
-}
-
-// the 8 consecutive weight blocks at w, chunk-major as QX's quants: q[c] holds values 4 c .. 4 c + 3 of each
-// block as its int32 lane b (unsigned); s and m the blocks' scales and mins (m = -offset * s where the format has
-// an offset)
-template <int T>
-inline void octet(const uint8_t* w, __m256i* q, __m256& s, __m256& m) {
+// a group of g packed weight blocks at w (OCTETS; FULL: g = 8), chunk-major as QX's quants: q[c] holds values
+// 4 c .. 4 c + 3 of each block as its int32 lane b (unsigned); s and m the blocks' scales and mins (m = -offset * s
+// where the format has an offset). A partial group's loads are masked to its bytes, which leaves zeros in the
+// lanes past g (the scales and mins are masked again there: an odd g's last dword of fp16 reaches into the next
+// field).
+template <int T, bool FULL>
+inline void octet(const uint8_t* w, int g, __m256i* q, __m256& s, __m256& m) {
   using L = Layout<T>;
-  constexpr int B = Format<T>::BYTES;
-  const __m256i at = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
-  const __m256i head = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w), at, 1);   // d, then m or more
-  s = half_lanes(head, false);
-  m = L::M >= 0 ? half_lanes(head, true) : _mm256_mul_ps(s, _mm256_set1_ps(-float(L::OFFSET)));
-  // nibbles: byte i of a block's 16 holds value i (low) and i + 16 (high); lanes b and b + 4 share a vector
-  __m256i y[4];
-  for (int b = 0; b < 4; ++b)
-    y[b] = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * B + L::QS))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (b + 4) * B + L::QS)), 1);
-  const __m256i t0 = _mm256_unpacklo_epi32(y[0], y[1]), t1 = _mm256_unpackhi_epi32(y[0], y[1]);
-  const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
-  const __m256i v[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                        _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};   // dword c, lane b
+  if constexpr (FULL) g = 8;
+  const int at_m = 2 * g, at_qh = at_m + (L::M >= 0 ? 2 * g : 0), at_q = at_qh + (L::QH >= 0 ? 4 * g : 0);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i in_g = _mm256_cmpgt_epi32(_mm256_set1_epi32(g), lane);   // lanes < g
+  const __m256i in_h = _mm256_cmpgt_epi32(_mm256_set1_epi32((g + 1) / 2), lane);   // the dwords of g fp16
+  const auto load = [&](int at, __m256i mask) {
+    return FULL ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + at))
+                : _mm256_maskload_epi32(reinterpret_cast<const int*>(w + at), mask);
+  };
+  const auto halves = [&](int at) {   // g fp16 at w + at -> float lanes, zero past g
+    const __m256 f = _mm256_cvtph_ps(FULL ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at))
+                                          : _mm256_castsi256_si128(load(at, in_h)));
+    return FULL ? f : _mm256_and_ps(f, _mm256_castsi256_ps(in_g));
+  };
+  s = halves(0);
+  m = L::M >= 0 ? halves(at_m) : _mm256_mul_ps(s, _mm256_set1_ps(-float(L::OFFSET)));
   const __m256i lo4 = _mm256_set1_epi8(0xF);
-  for (int c = 0; c < 4; ++c) {
-    q[c] = _mm256_and_si256(v[c], lo4);
-    q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), lo4);
+  for (int c = 0; c < 4; ++c) {   // byte i of lane b: value 4 c + i (low nibble) and 16 + 4 c + i (high)
+    const __m256i v = load(at_q + 4 * g * c, in_g);
+    q[c] = _mm256_and_si256(v, lo4);
+    q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
   }
   if constexpr (L::QH >= 0) {   // bit i of a block's 32-bit qh: value i's 0x10
-    const __m256i h = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + L::QH), at, 1);
+    const __m256i h = load(at_qh, in_g);
     const __m256i bits_lo = _mm256_set1_epi32(0x08040201), bits_hi = _mm256_set1_epi32(int32_t(0x80402010u));
     for (int c = 0; c < 8; ++c) {   // values 4 c .. 4 c + 3: byte c / 2 of qh, its low or high half
       const char k = char(c / 2);
@@ -366,10 +406,10 @@ inline void octet(const uint8_t* w, __m256i* q, __m256& s, __m256& m) {
   }
 }
 
-// R rows at once over the 4- and 5-bit formats. Whole octets of 8 blocks: each block's integer dot product lands
-// in its own int32 lane (4-bit quants: the int16 pair sums of 8 chunks, at most 8 * 2 * 15 * 127, added before
-// widening; 5-bit: of 4), then one float step per octet and row: acc += float(dot) * s * dx + m * sum of x. The
-// blocks of a partial last octet (K / 32 not a multiple of 8), in order there, one at a time.
+// R rows at once over the 4- and 5-bit formats, packed in octets. Each group of 8 blocks: each block's integer dot
+// product lands in its own int32 lane (int16 pair sums added before widening; 4-bit: of all 8 chunks, 5-bit: of
+// 4), then one float step per group and row: acc += float(dot) * s * dx + m * sum of x. A partial last group runs
+// as a full one whose missing blocks have zero scales, mins and activations.
 template <int T, int R>
 void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
   using F = Format<T>;
@@ -379,11 +419,13 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t full = nsub / QXB;
-  for (int64_t o = 0; o < full; ++o) {
+  for (int64_t o = 0; o * QXB < nsub; ++o) {
+    const uint8_t* group = w + o * QXB * F::BYTES;
+    const int g = int(std::min<int64_t>(QXB, nsub - o * QXB));
     __m256i q[8];
     __m256 s, m;
-    octet<T>(w + o * QXB * F::BYTES, q, s, m);
+    if (g == QXB) octet<T, true>(group, g, q, s, m);
+    else octet<T, false>(group, g, q, s, m);
     for (int r = 0; r < R; ++r) {
       const QX& xo = x[r][o];
       __m256i isum = _mm256_setzero_si256();
@@ -397,18 +439,6 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
       }
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(s, _mm256_load_ps(xo.d)), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_load_ps(xo.sum), acc[r]);
-    }
-  }
-  for (int b = 0; b < int(nsub - full * QXB); ++b) {
-    const uint8_t* blk = w + (full * QXB + b) * F::BYTES;
-    const __m256i q = uquants<T>(blk);
-    const float s = fp16_to_f32(blk), m = L::M >= 0 ? fp16_to_f32(blk + L::M) : -float(L::OFFSET) * s;
-    const __m256 mv = _mm256_setr_ps(m, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);   // the min in one lane
-    for (int r = 0; r < R; ++r) {
-      const QX& xo = x[r][full];
-      const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.q[b]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, xq)), _mm256_set1_ps(s * xo.d[b]), acc[r]);
-      acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xo.sum[b]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
@@ -489,9 +519,21 @@ void dequant_row(const uint8_t* w, int64_t nsub, Y* out) {
 #endif
 }
 
+// a packed row (OCTETS) dequantized: back in the file's order first
+template <int T, typename Y>
+void dequant_octets(const uint8_t* w, int64_t nsub, Y* out) {
+  std::vector<uint8_t> raw(nsub * Format<T>::BYTES);
+  repack_row<T>(w, raw.data(), nsub, true);
+  dequant_row<T>(raw.data(), nsub, out);
+}
+
 template <typename Y>
 bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
   switch (type) {
+    case OCTETS | Q4_0: dequant_octets<Q4_0>(w, nsub, out); return true;
+    case OCTETS | Q4_1: dequant_octets<Q4_1>(w, nsub, out); return true;
+    case OCTETS | Q5_0: dequant_octets<Q5_0>(w, nsub, out); return true;
+    case OCTETS | Q5_1: dequant_octets<Q5_1>(w, nsub, out); return true;
     case Q4_0: dequant_row<Q4_0>(w, nsub, out); return true;
     case Q4_1: dequant_row<Q4_1>(w, nsub, out); return true;
     case Q5_0: dequant_row<Q5_0>(w, nsub, out); return true;
@@ -509,6 +551,25 @@ bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
 #pragma GCC pop_options
 
 extern "C" {
+// rows of a 4- or 5-bit matrix from the file's block order to the kernels' (OCTETS), or back (to_raw), in place;
+// -1 for another type
+int kvserve_quant_repack(int64_t type, uint8_t* w, int64_t rows, int64_t row_bytes, int64_t to_raw) {
+  bool ok = true;
+  #pragma omp parallel for if (rows * row_bytes >= (1 << 20)) reduction(&& : ok)
+  for (int64_t n = 0; n < rows; ++n) {
+    std::vector<uint8_t> row(w + n * row_bytes, w + (n + 1) * row_bytes);
+    uint8_t* dst = w + n * row_bytes;
+    switch (type) {
+      case Q4_0: repack_row<Q4_0>(row.data(), dst, row_bytes / Format<Q4_0>::BYTES, to_raw); break;
+      case Q4_1: repack_row<Q4_1>(row.data(), dst, row_bytes / Format<Q4_1>::BYTES, to_raw); break;
+      case Q5_0: repack_row<Q5_0>(row.data(), dst, row_bytes / Format<Q5_0>::BYTES, to_raw); break;
+      case Q5_1: repack_row<Q5_1>(row.data(), dst, row_bytes / Format<Q5_1>::BYTES, to_raw); break;
+      default: ok = false;
+    }
+  }
+  return ok ? 0 : -1;
+}
+
 // 1 when the quantized matmuls are vectorized (AVX2; AVX-512 VNNI's vpdpbusd where present)
 int kvserve_quant_simd() {
 #ifdef KV_HAVE_QAVX2

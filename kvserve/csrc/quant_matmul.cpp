@@ -232,7 +232,8 @@ inline float quantize32(const X* p, int8_t* q, int* sum) {
   return amax / 127.f;
 }
 
-// x rows [M, K] -> octets of 32-value blocks [M, ceil(K / 256)], one scale per 32 values (QX: chunk-major)
+// x rows [M, K] -> octets of 32-value blocks [M, ceil(K / 256)], one scale per 32 values (QX: chunk-major, zero
+// past the row's end)
 template <typename X>
 void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
   const int64_t nb = K / 32, no = (nb + QXB - 1) / QXB;
@@ -240,20 +241,12 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t o = 0; o < no; ++o) {
       QX& ox = out[m * no + o];
-      const bool in_order = qx_in_order(o, nb);
       for (int b = 0; b < QXB; ++b) {
         const int64_t j = o * QXB + b;
+        int8_t q[32] = {};
         int sum = 0;
-        float d = 0.f;
-        if (j >= nb) {
-          std::memset(ox.q[b], 0, 32);   // in order: block b's row
-        } else if (in_order) {
-          d = quantize32(x + m * xs + 32 * j, ox.q[b], &sum);
-        } else {   // chunk-major: value i at q[i / 4][4 b + i % 4], four at a time
-          int8_t q[32];
-          d = quantize32(x + m * xs + 32 * j, q, &sum);
-          for (int c = 0; c < 8; ++c) std::memcpy(&ox.q[c][4 * b], q + 4 * c, 4);
-        }
+        const float d = j < nb ? quantize32(x + m * xs + 32 * j, q, &sum) : 0.f;
+        for (int c = 0; c < 8; ++c) std::memcpy(&ox.q[c][4 * b], q + 4 * c, 4);   // value i at q[i / 4][4 b + i % 4]
         ox.d[b] = d;
         ox.sum[b] = d * float(sum);
       }
@@ -337,10 +330,10 @@ template <typename Y>
 bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, const QX* qx, const QB* qb,
                   const QK* qk, int64_t M, int64_t K, Y* y, int64_t ys) {
   switch (type) {
-    case Q4_0: matmul_rows<Q4_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
-    case Q4_1: matmul_rows<Q4_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
-    case Q5_0: matmul_rows<Q5_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
-    case Q5_1: matmul_rows<Q5_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case OCTETS | Q4_0: matmul_rows<Q4_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case OCTETS | Q4_1: matmul_rows<Q4_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case OCTETS | Q5_0: matmul_rows<Q5_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case OCTETS | Q5_1: matmul_rows<Q5_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case Q8_0: matmul_rows<Q8_0>(w, N, row_bytes, qb, M, K, y, ys); return true;
     case Q4_K: matmul_rows<Q4_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case Q5_K: matmul_rows<Q5_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
@@ -412,7 +405,8 @@ int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, 
 #pragma GCC pop_options
 
 extern "C" {
-// A quantized linear: desc = [num_segments, then per segment: ggml type, data pointer, rows, bytes per row]; the
+// A quantized linear: desc = [num_segments, then per segment: type, data pointer, rows, bytes per row] (the type:
+// the ggml type, OCTETS | it for the 4- and 5-bit formats, whose rows kvserve_quant_repack put in octets); the
 // segments' rows stack into the N output columns (a fused q|k|v may mix formats). y[M, N] = x[M, K] @ W^T with
 // x and y float32 (x_bf16 = 0) or bf16 (1), rows strided by xs / ys elements; K a multiple of 256 for K-quant
 // segments, of 32 otherwise; INT8 segments (quant_int8.cpp) have rows in groups of 16. Returns 0, or -1 for a

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvserve.errors import InvalidRequestError
 from kvserve.model.model_config import ModelConfig
@@ -147,16 +147,16 @@ def shard_tensor(name: str, t, plan: ShardPlan):
 
 def _rows(t, start: int, count: int):
     if isinstance(t, QuantizedTensor):
-        return QuantizedTensor(t.ggml_type, t.data[start:start + count].contiguous(), t.cols, t.source)
+        return replace(t, data=t.data[start:start + count].contiguous())
     return t.narrow(0, start, count).contiguous()
 
 
 def _cols(t, start: int, count: int):
     if isinstance(t, QuantizedTensor):
         _, values, nbytes = KERNEL_FORMATS[t.ggml_type]
-        if start % values == 0 and count % values == 0:
+        if start % values == 0 and count % values == 0 and not t.octets:   # whole blocks of the file's order
             lo, hi = start // values * nbytes, (start + count) // values * nbytes
-            return QuantizedTensor(t.ggml_type, t.data[:, lo:hi].contiguous(), count, t.source)
+            return replace(t, data=t.data[:, lo:hi].contiguous(), cols=count)
         return t.dequantize()[:, start:start + count].contiguous()
     return t.narrow(1, start, count).contiguous()
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -12,7 +13,7 @@ from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding
                                   rotate_heads_inplace)
 from kvserve.model.fused import FusedLayers, binding_key, build_fused_layers, is_same_binding
 from kvserve.model.model_config import ModelConfig
-from kvserve.model.quantization import INT8, INT8_GROUP, QuantizedTensor, QuantizedWeight
+from kvserve.model.quantization import INT8, INT8_GROUP, QuantizedWeight
 from kvserve.module import InferenceModule
 
 # HF checkpoint projection name -> (our fused module, shard id)
@@ -197,8 +198,7 @@ class LlamaForCausalLM(InferenceModule):
             head.weight = nn.Parameter(src.weight[:n].clone(), requires_grad=False)
         else:
             part = quant.segments[0]   # an output matrix or embedding table is one segment
-            head.packed = PackedWeight(n, quant=QuantizedWeight([QuantizedTensor(part.ggml_type, part.data[:n],
-                                                                                 part.cols, part.source)]))
+            head.packed = PackedWeight(n, quant=QuantizedWeight([replace(part, data=part.data[:n])]))
             head.weight = nn.Parameter(torch.empty(n, self.config.hidden_size, dtype=src.weight.dtype, device="meta"),
                                        requires_grad=False)
         self.lm_head = head

@@ -3,8 +3,9 @@
 gguf: a GGUF file's weights kept in their block formats. int8 (W8A8): any checkpoint's linears, token embedding and
 output head quantized at load to int8 per output channel (INT8: one float scale per row, rows packed in groups of
 16 for kvserve/csrc/quant_int8.cpp's dot products; a matrix whose rows do not come in 16s takes ggml's Q8_0
-blocks of 32 values instead). Either way a quantized linear holds a QuantizedWeight (rows of ggml blocks or INT8
-groups, one segment per format: a fused q|k|v may mix Q4_K and Q6_K) inside its PackedWeight; the matmul is
+blocks of 32 values instead). Either way a quantized linear holds a QuantizedWeight (rows of ggml blocks, those of
+the 4- and 5-bit formats regrouped by 8 for the kernels, or INT8 groups; one segment per format: a fused q|k|v may
+mix Q4_K and Q6_K) inside its PackedWeight; the matmul is
 kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as they arrive: per token and 128 values for INT8,
 per 32 values for the 32-value formats, per 128 for the K-quants; int32 dot products), for the modules path and
 the fused layer stack alike. GGUF formats without a kernel here are dequantized at load.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -26,6 +27,10 @@ from kvserve.errors import ModelLoadError
 KERNEL_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
                   8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 FORMAT_IDS = {name: tid for tid, (name, _, _) in KERNEL_FORMATS.items()}
+# the 4- and 5-bit formats' rows as the kernels keep them (quant.cpp's octet layout: the same bytes, each row's blocks
+# regrouped by 8); their kernel type id is OCTETS | the ggml type
+OCTET_FORMATS = {2, 3, 6, 7}
+OCTETS = 256
 INT8 = 200   # kvserve's own type (no ggml type): int8 per output channel, packed in groups of INT8_GROUP rows
 INT8_GROUP = 16
 
@@ -55,12 +60,19 @@ def resolve_quantization(name: str | None, is_gguf_file: bool, device: torch.dev
 
 @dataclass
 class QuantizedTensor:
-    """A [rows, cols] matrix as rows of ggml blocks: data uint8 [rows, bytes per row]."""
+    """A [rows, cols] matrix as rows of ggml blocks: data uint8 [rows, bytes per row]. octets: the rows of a 4- or
+    5-bit format are in the kernels' order (QuantizedWeight packs them so), not the file's."""
 
     ggml_type: int
     data: torch.Tensor
     cols: int
     source: str = "gguf"   # "gguf": a file's blocks; "int8": quantized at load (quantize_int8, quantize_q8_0)
+    octets: bool = False
+
+    @property
+    def kernel_type(self) -> int:
+        """The type id the C++ kernels take."""
+        return self.ggml_type | OCTETS if self.octets else self.ggml_type
 
     @property
     def rows(self) -> int:
@@ -78,12 +90,11 @@ class QuantizedTensor:
         """The rows in `order` (a row permutation such as the llama q/k unpermute)."""
         if self.ggml_type == INT8:   # rows interleave within their group; only GGUF blocks are permuted
             raise ModelLoadError("INT8 weights are quantized after the checkpoint's rows are in place")
-        return QuantizedTensor(self.ggml_type, self.data[torch.from_numpy(order)].contiguous(), self.cols,
-                               self.source)
+        return replace(self, data=self.data[torch.from_numpy(order)].contiguous())
 
     def lib_rows(self, ids_ptr: int, n: int, out_ptr: int, out_bf16: int) -> int:
         """kvserve_quant_rows on this matrix: rows ids[:n] dequantized to out."""
-        return kernels.load().kvserve_quant_rows(self.ggml_type, self.data.data_ptr(), self.data.shape[1], ids_ptr,
+        return kernels.load().kvserve_quant_rows(self.kernel_type, self.data.data_ptr(), self.data.shape[1], ids_ptr,
                                                  n, self.cols, out_ptr, out_bf16)
 
     def dequantize(self) -> torch.Tensor:
@@ -96,8 +107,21 @@ class QuantizedTensor:
             scale = groups[:, INT8_GROUP * k:INT8_GROUP * (k + 4)].contiguous().view(torch.float32)
             return q.permute(0, 2, 1, 3).reshape(-1, INT8_GROUP, k).float().mul(scale[:, :, None]).reshape(-1, k)
         from gguf import GGMLQuantizationType, dequantize
-        out = dequantize(self.data.numpy(), GGMLQuantizationType(self.ggml_type))
+        data = self.data
+        if self.octets:   # back in the file's order
+            data = data.clone()
+            _repack(self.ggml_type, data, to_raw=True)
+        out = dequantize(data.numpy(), GGMLQuantizationType(self.ggml_type))
         return torch.from_numpy(np.ascontiguousarray(out.reshape(self.rows, self.cols)))
+
+
+def _repack(ggml_type: int, data: torch.Tensor, to_raw: bool) -> None:
+    """Rows of a 4- or 5-bit format, in place, from the file's block order to the kernels' octets (or back)."""
+    lib = kernels.load()
+    if lib is None:
+        raise ModelLoadError("quantized weights need the C++ kernels, which did not build")
+    if lib.kvserve_quant_repack(ggml_type, data.data_ptr(), data.shape[0], data.shape[1], int(to_raw)) != 0:
+        raise ModelLoadError(f"no octet layout for ggml type {ggml_type}")
 
 
 def is_kernel_format(ggml_type: int, cols: int) -> bool:
@@ -117,7 +141,7 @@ class QuantizedWeight:
         self.in_features = cols.pop()
         groups: list[list[QuantizedTensor]] = []
         for s in segments:   # neighbours of one format share a segment (q|k of a Q4_K_M file)
-            if groups and groups[-1][0].ggml_type == s.ggml_type:
+            if groups and (groups[-1][0].ggml_type, groups[-1][0].octets) == (s.ggml_type, s.octets):
                 groups[-1].append(s)
             else:
                 groups.append([s])
@@ -127,12 +151,15 @@ class QuantizedWeight:
         for g, part in zip(groups, self.buffer.split(nbytes)):
             for s, piece in zip(g, part.split([s.data.numel() for s in g])):
                 piece.copy_(s.data.reshape(-1))
-            self.segments.append(QuantizedTensor(g[0].ggml_type, part.view(-1, g[0].data.shape[1]), g[0].cols,
-                                                 g[0].source))
+            seg = replace(g[0], data=part.view(-1, g[0].data.shape[1]))
+            if seg.ggml_type in OCTET_FORMATS and not seg.octets:
+                _repack(seg.ggml_type, seg.data, to_raw=False)
+                seg.octets = True
+            self.segments.append(seg)
         self.out_features = sum(s.rows for s in self.segments)
         desc = [len(self.segments)]
         for s in self.segments:
-            desc += [s.ggml_type, s.data.data_ptr(), s.rows, s.data.shape[1]]
+            desc += [s.kernel_type, s.data.data_ptr(), s.rows, s.data.shape[1]]
         self.desc = torch.tensor(desc, dtype=torch.int64)
         self.desc_ptr = self.desc.data_ptr()
         self.lib = kernels.load()

@@ -159,7 +159,8 @@ def test_max_tokens_none_runs_to_what_the_kv_pool_holds():
 
 
 def test_small_steps_leave_a_core_to_the_frontend(llm):
-    """The server's engine thread runs steps of <= 4 tokens on one thread fewer and bigger ones on all; the
+    """The server's engine thread runs decode steps of <= 4 sequences on one thread fewer, and bigger ones and
+    steps with several tokens of a sequence (drafts to verify, prefill chunks: bound by arithmetic) on all; the
     tokens are the same either way."""
     runner = llm.llm_engine.runner
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -168,10 +169,11 @@ def test_small_steps_leave_a_core_to_the_frontend(llm):
     try:
         torch.set_num_threads(2)
         runner.reserve_frontend_core()
-        runner._set_threads(runner.SMALL_STEP_TOKENS)
-        assert torch.get_num_threads() == 1
-        runner._set_threads(runner.SMALL_STEP_TOKENS + 1)
-        assert torch.get_num_threads() == 2
+        small = runner.SMALL_STEP_TOKENS
+        for num_tokens, num_seqs, threads in [(small, small, 1), (1, 1, 1), (small + 1, small + 1, 2),
+                                              (small, 1, 2), (2, 1, 2), (small, small - 1, 2), (1, 1, 1)]:
+            runner._set_threads(num_tokens, num_seqs)
+            assert torch.get_num_threads() == threads, (num_tokens, num_seqs)
         reserved = gen(llm, [PROMPT, "Hello there"], params)
     finally:
         runner.small_step_threads = None

@@ -129,19 +129,23 @@ class ModelRunner:
     SMALL_STEP_TOKENS = 4
 
     def reserve_frontend_core(self) -> None:
-        """Run steps of at most SMALL_STEP_TOKENS tokens on one CPU thread fewer (call from the thread that steps).
+        """Run decode steps of at most SMALL_STEP_TOKENS sequences, one token each, on one CPU thread fewer (call
+        from the thread that steps).
 
         Such steps are bound by memory bandwidth, which one core fewer nearly saturates; the core it frees
         serves the HTTP frontend, which otherwise preempts a compute thread while the others wait for it
-        (docs/benchmarks.md measures single-stream TPOT through the server both ways)."""
+        (docs/benchmarks.md measures single-stream TPOT through the server both ways). A step that multiplies
+        several rows of one sequence (drafts to verify, a prefill chunk) is bound by arithmetic and takes every
+        thread."""
         self._all_threads = torch.get_num_threads()
         if self.device.type == "cpu" and self._all_threads > 1:
             self.small_step_threads = self._all_threads - 1
 
-    def _set_threads(self, num_tokens: int) -> None:
+    def _set_threads(self, num_tokens: int, num_seqs: int) -> None:
         if self.small_step_threads is None:
             return
-        want = self.small_step_threads if num_tokens <= self.SMALL_STEP_TOKENS else self._all_threads
+        small = num_tokens == num_seqs <= self.SMALL_STEP_TOKENS   # one token per sequence
+        want = self.small_step_threads if small else self._all_threads
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
 
@@ -193,7 +197,7 @@ class ModelRunner:
         """The step's forward from its message, as every tensor-parallel rank runs it: (hidden, ids, positions)."""
         if len(msg.block_copies):
             self._copy_blocks(msg.block_copies.tolist())
-        self._set_threads(msg.num_tokens)
+        self._set_threads(msg.num_tokens, len(msg.query_lens))
         meta = build_attention_metadata(msg.query_lens.tolist(), msg.seq_lens.tolist(), msg.tables(),
                                         self.kv.block_size, self.device)
         ids, positions = self._long(msg.input_ids), self._long(msg.positions)

@@ -175,6 +175,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvserve_lora_add.restype = ctypes.c_int
     lib.kvserve_quant_rows.argtypes = [i64, p, i64, p, i64, i64, p, i64]
     lib.kvserve_quant_rows.restype = ctypes.c_int
+    lib.kvserve_omp_release.restype = ctypes.c_int
     lib.kvserve_quant_repack.argtypes = [i64, p, i64, i64, i64]
     lib.kvserve_quant_repack.restype = ctypes.c_int
     lib.kvserve_quant_simd.restype = ctypes.c_int

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 
 import httpx
 import pytest
+import torch
 
+from kvserve import kernels
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.model.quantization import FORMAT_IDS, QuantizedTensor, QuantizedWeight, quantized_matmul
 from model_utils import FailingForward
 
 
@@ -234,3 +238,38 @@ def test_a_request_id_taken_while_a_grammar_compiles_is_refused(real_engine):
         assert r1.status_code == 200 and r1.json()["choices"][0]["text"]
         assert r2.status_code == 400 and r2.json()["error"]["param"] == "request_id"
     run_in_process(real_engine, scenario)
+
+
+class _Recording:
+    """The kernels library, recording which of its functions are called."""
+
+    def __init__(self, lib):
+        self._lib, self.called = lib, []
+
+    def __getattr__(self, name):
+        self.called.append(name)
+        return getattr(self._lib, name)
+
+
+def test_the_main_threads_openmp_workers_end_when_the_engine_thread_starts(real_engine, monkeypatch):
+    """libgomp shortens its spin waits once it keeps more workers than there are CPUs, and every parallel region of
+    the engine thread then puts its workers to sleep and wakes them through the kernel: the workers the main thread
+    started (loading the model) end when the engine thread starts."""
+    lib = kernels.load()
+    if lib is None or torch.get_num_threads() < 2:
+        pytest.skip("no C++ kernels, or one thread")
+    threads = lambda: len(os.listdir(f"/proc/{os.getpid()}/task"))
+    weight = QuantizedWeight([QuantizedTensor(FORMAT_IDS["Q8_0"], torch.zeros(256, 8 * 34, dtype=torch.uint8), 256)])
+    quantized_matmul(torch.randn(4, 256), weight)   # a parallel region on this thread: its workers start
+    with_workers = threads()
+    assert lib.kvserve_omp_release() == 0 and threads() == with_workers - (torch.get_num_threads() - 1)
+    quantized_matmul(torch.randn(4, 256), weight)
+    assert threads() == with_workers
+    recording = _Recording(lib)
+    monkeypatch.setattr(kernels, "load", lambda: recording)
+
+    async def scenario(http, faulty, engine):
+        assert (await http.get("/health")).status_code == 200
+
+    run_in_process(real_engine, scenario)
+    assert "kvserve_omp_release" in recording.called

@@ -156,26 +156,3 @@ def test_max_tokens_none_runs_to_what_the_kv_pool_holds():
     out = small.generate({"prompt_token_ids": [1] * 20}, SamplingParams(max_tokens=None, ignore_eos=True,
                                                                          temperature=0), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4 * 16 - 20 and out.outputs[0].finish_reason == "length"
-
-
-def test_small_steps_leave_a_core_to_the_frontend(llm):
-    """The server's engine thread runs decode steps of <= 4 sequences on one thread fewer, and bigger ones and
-    steps with several tokens of a sequence (drafts to verify, prefill chunks: bound by arithmetic) on all; the
-    tokens are the same either way."""
-    runner = llm.llm_engine.runner
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    before = torch.get_num_threads()
-    plain = gen(llm, [PROMPT, "Hello there"], params)
-    try:
-        torch.set_num_threads(2)
-        runner.reserve_frontend_core()
-        small = runner.SMALL_STEP_TOKENS
-        for num_tokens, num_seqs, threads in [(small, small, 1), (1, 1, 1), (small + 1, small + 1, 2),
-                                              (small, 1, 2), (2, 1, 2), (small, small - 1, 2), (1, 1, 1)]:
-            runner._set_threads(num_tokens, num_seqs)
-            assert torch.get_num_threads() == threads, (num_tokens, num_seqs)
-        reserved = gen(llm, [PROMPT, "Hello there"], params)
-    finally:
-        runner.small_step_threads = None
-        torch.set_num_threads(before)
-    assert [o.outputs[0].token_ids for o in reserved] == [o.outputs[0].token_ids for o in plain]

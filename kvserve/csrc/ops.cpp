@@ -197,6 +197,12 @@ void kvserve_argmax_f32(const float* x, int64_t xs, int64_t rows, int64_t V, int
 }
 
 extern "C" {
+// Ends the calling thread's OpenMP worker threads (omp_pause_resource_all; they start again at its next parallel
+// region). libgomp counts every worker it keeps; once they outnumber the CPUs it shortens its spin waits, and each
+// parallel region of another thread then wakes its workers through the kernel (the server's engine thread ran
+// the quantized matmuls 3x slower while the main thread's workers, from loading the model, lived on).
+int kvserve_omp_release() { return omp_pause_resource_all(omp_pause_soft); }
+
 // Structured outputs: x[rows[i], t] = -inf wherever bit t of bitmask[rows[i]] is clear, for t < V (row strides xs
 // floats and ws 32-bit words). A word with every bit set, the common case outside a grammar's narrow spots, is
 // skipped whole; one with none set is filled whole.

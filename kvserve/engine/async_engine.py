@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvserve import kernels
 from kvserve.core.scheduler import SchedulerStats
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import EngineDeadError, InvalidRequestError, KVServeError, RequestFailedError
@@ -112,6 +113,10 @@ class AsyncLLMEngine:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will serve requests."""
         self._loop = asyncio.get_running_loop()
+        if self.engine.device.type == "cpu" and kernels.load() is not None:
+            # this thread's OpenMP workers (from loading the model) would slow every parallel region of the engine
+            # thread (ops.cpp's kvserve_omp_release says how)
+            kernels.load().kvserve_omp_release()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
@@ -272,7 +277,6 @@ class AsyncLLMEngine:
         try:
             if self.engine.num_threads is not None:   # thread counts are per OS thread in OpenMP
                 torch.set_num_threads(self.engine.num_threads)
-            self.engine.runner.reserve_frontend_core()
             while not self._stop:
                 self._run_commands()
                 if not self.engine.has_unfinished_requests():

@@ -70,7 +70,6 @@ class ModelRunner:
                 self.released_weight_bytes += release_unpacked_weights(m)
         if device.type == "cpu":
             _return_freed_memory()
-        self.small_step_threads: int | None = None   # set by reserve_frontend_core(), with _all_threads
         self.lora = None   # the engine's LoRAManager when LoRA is enabled (kvserve/lora)
         self.executor = None   # tensor parallelism: the driver's TPExecutor, which sends every step to the workers
         self._calls_left = 0   # the step's compute_logits calls not made yet (-1: its forward is not done)
@@ -126,29 +125,6 @@ class ModelRunner:
         return int(total * config.gpu_memory_utilization - (total - free) - peak_activations)
 
     # ----- steps -----
-    SMALL_STEP_TOKENS = 4
-
-    def reserve_frontend_core(self) -> None:
-        """Run decode steps of at most SMALL_STEP_TOKENS sequences, one token each, on one CPU thread fewer (call
-        from the thread that steps).
-
-        Such steps are bound by memory bandwidth, which one core fewer nearly saturates; the core it frees
-        serves the HTTP frontend, which otherwise preempts a compute thread while the others wait for it
-        (docs/benchmarks.md measures single-stream TPOT through the server both ways). A step that multiplies
-        several rows of one sequence (drafts to verify, a prefill chunk) is bound by arithmetic and takes every
-        thread."""
-        self._all_threads = torch.get_num_threads()
-        if self.device.type == "cpu" and self._all_threads > 1:
-            self.small_step_threads = self._all_threads - 1
-
-    def _set_threads(self, num_tokens: int, num_seqs: int) -> None:
-        if self.small_step_threads is None:
-            return
-        small = num_tokens == num_seqs <= self.SMALL_STEP_TOKENS   # one token per sequence
-        want = self.small_step_threads if small else self._all_threads
-        if want != torch.get_num_threads():
-            torch.set_num_threads(want)
-
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         query_lens, seq_lens, tables, ids, pos = [], [], [], [], []
         sample_reqs, sample_rows, prompt_lp = [], [], []
@@ -197,7 +173,6 @@ class ModelRunner:
         """The step's forward from its message, as every tensor-parallel rank runs it: (hidden, ids, positions)."""
         if len(msg.block_copies):
             self._copy_blocks(msg.block_copies.tolist())
-        self._set_threads(msg.num_tokens, len(msg.query_lens))
         meta = build_attention_metadata(msg.query_lens.tolist(), msg.seq_lens.tolist(), msg.tables(),
                                         self.kv.block_size, self.device)
         ids, positions = self._long(msg.input_ids), self._long(msg.positions)

@@ -188,6 +188,16 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def release_openmp_workers() -> None:
+    """End the calling thread's OpenMP worker threads where the kernels are loaded (csrc/ops.cpp's
+    kvserve_omp_release): while libgomp keeps more workers than there are CPUs, every thread's parallel regions put
+    their workers to sleep and wake them through the kernel. Call it from a thread done with parallel work (the one
+    that loaded the model, one that read a LoRA adapter) while another thread computes."""
+    lib = _libs.get(_variant)
+    if lib is not None and lib.kvserve_omp_release() != 0:
+        logger.debug("kvserve: OpenMP workers not released (called inside a parallel region)")
+
+
 def load() -> ctypes.CDLL | None:
     """The kernel library of the current variant, built on first use; None when it cannot be built."""
     if _variant not in _libs:

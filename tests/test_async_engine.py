@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 
 import httpx
 import pytest
@@ -240,36 +241,39 @@ def test_a_request_id_taken_while_a_grammar_compiles_is_refused(real_engine):
     run_in_process(real_engine, scenario)
 
 
-class _Recording:
-    """The kernels library, recording which of its functions are called."""
+def _tids() -> set[str]:
+    return set(os.listdir(f"/proc/{os.getpid()}/task"))
 
-    def __init__(self, lib):
-        self._lib, self.called = lib, []
 
-    def __getattr__(self, name):
-        self.called.append(name)
-        return getattr(self._lib, name)
+def _wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_the_main_threads_openmp_workers_end_when_the_engine_thread_starts(real_engine, monkeypatch):
     """libgomp shortens its spin waits once it keeps more workers than there are CPUs, and every parallel region of
     the engine thread then puts its workers to sleep and wakes them through the kernel: the workers the main thread
     started (loading the model) end when the engine thread starts."""
-    lib = kernels.load()
-    if lib is None or torch.get_num_threads() < 2:
+    if kernels.load() is None or torch.get_num_threads() < 2:
         pytest.skip("no C++ kernels, or one thread")
-    threads = lambda: len(os.listdir(f"/proc/{os.getpid()}/task"))
     weight = QuantizedWeight([QuantizedTensor(FORMAT_IDS["Q8_0"], torch.zeros(256, 8 * 34, dtype=torch.uint8), 256)])
+    kernels.release_openmp_workers()
+    before = _tids()
     quantized_matmul(torch.randn(4, 256), weight)   # a parallel region on this thread: its workers start
-    with_workers = threads()
-    assert lib.kvserve_omp_release() == 0 and threads() == with_workers - (torch.get_num_threads() - 1)
-    quantized_matmul(torch.randn(4, 256), weight)
-    assert threads() == with_workers
-    recording = _Recording(lib)
-    monkeypatch.setattr(kernels, "load", lambda: recording)
+    workers = _tids() - before
+    assert len(workers) == torch.get_num_threads() - 1, workers
+    kernels.release_openmp_workers()
+    assert _wait_until(lambda: not workers & _tids()), "the workers did not end"
+    released = []
+    monkeypatch.setattr(kernels, "release_openmp_workers",
+                        lambda: released.append(threading.current_thread() is threading.main_thread()))
 
     async def scenario(http, faulty, engine):
         assert (await http.get("/health")).status_code == 200
 
     run_in_process(real_engine, scenario)
-    assert "kvserve_omp_release" in recording.called
+    assert released == [True]

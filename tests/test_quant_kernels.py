@@ -152,6 +152,23 @@ def test_octet_layout_is_the_files_blocks_regrouped(fmt):
         quantized_matmul(x, w)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("variant", ["native", "portable"])
+def test_every_size_of_a_rows_last_group(fmt, variant):
+    # a row's last group of g < 8 blocks runs as a whole one with its loads masked to its g blocks (odd g: the
+    # scales' last dword reaches into the next field): rows of g blocks alone, and of a whole group and g
+    with kernels.variant(variant) as lib:
+        if lib is None:
+            pytest.skip("no C++ kernels")
+        for blocks in [1, 3, 7, *range(9, 16)]:
+            k = 32 * blocks
+            raw = random_quantized(fmt, 9, k, seed=blocks)
+            w = QuantizedWeight([raw])
+            assert torch.equal(w.dequantize(), raw.dequantize())
+            x = torch.randn(3, k, generator=torch.Generator().manual_seed(blocks))
+            check_close(quantized_matmul(x, w), reference(x, w), x, w.dequantize())
+
+
 def test_float16_input_wrong_width_and_auto_on_the_scalar_build():
     from kvserve.model.quantization import resolve_quantization
     w = QuantizedWeight([random_quantized("Q4_0", 8, 64)])

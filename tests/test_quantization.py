@@ -1,6 +1,8 @@
 """GGUF models served with their quantized weights kept (quantization="gguf"): what is kept, accuracy against the
 dequantized model (logits, greedy tokens, perplexity), the engine's equivalences on the quantized path, and bad
 inputs."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -146,7 +148,7 @@ def test_real_blocks_of_every_format_in_the_qwen_files(qwen_05b_path):
             continue
         seen.add(fmt)
         part = _quantized(t, None)   # its first 96 rows: gguf-py's dequantization of the whole is slow
-        w = QuantizedWeight([type(part)(part.ggml_type, part.data[:96], part.cols)])
+        w = QuantizedWeight([dataclasses.replace(part, data=part.data[:96])])
         x = torch.randn(3, w.in_features, generator=torch.Generator().manual_seed(0))
         ref = x.double() @ w.dequantize().double().T
         rel = (quantized_matmul(x, w).double() - ref).norm() / ref.norm()

@@ -113,10 +113,7 @@ class AsyncLLMEngine:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will serve requests."""
         self._loop = asyncio.get_running_loop()
-        if self.engine.device.type == "cpu" and kernels.load() is not None:
-            # this thread's OpenMP workers (from loading the model) would slow every parallel region of the engine
-            # thread (ops.cpp's kvserve_omp_release says how)
-            kernels.load().kvserve_omp_release()
+        kernels.release_openmp_workers()   # this thread's, from loading the model: they would slow the engine's
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 

@@ -119,6 +119,9 @@ class LLMEngine:
                            "that fits has %d tokens (prompt + output); larger ones are refused. Raise "
                            "kv_cache_memory (--kv-cache-memory) or lower max_model_len (--max-model-len)",
                            self.num_kv_pool_tokens, self.max_model_len, self.num_kv_pool_tokens)
+        # the loading thread's OpenMP workers: the server steps on another thread (a Ray replica's too), whose
+        # parallel regions they would slow; offline, the next step starts them again
+        kernels.release_openmp_workers()
 
     def kv_cache_description(self) -> str:
         """' in fp8_e4m3 (scales 1.0)' for an FP8 KV cache, else ''."""

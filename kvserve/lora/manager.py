@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kvserve import kernels
 from kvserve.errors import LoRAError
 from kvserve.lora.adapter import LoRAAdapter, load_adapter
 from kvserve.lora.layers import install_lora, projection_shapes
@@ -75,6 +76,8 @@ class LoRAManager:
             raise
         except Exception as e:   # anything else a malformed adapter can raise is still the adapter's fault
             raise LoRAError(f"cannot load the LoRA adapter at {request.lora_path}: {type(e).__name__}: {e}") from e
+        finally:   # a loader thread's workers (its tensor ops) would slow the engine thread's parallel regions
+            kernels.release_openmp_workers()
         if self.shard is not None:
             adapter.weights = {key: self.shard.shard_lora(key[1], key[2], a, b)
                                for key, (a, b) in adapter.weights.items()}

@@ -72,15 +72,15 @@ class LoRAManager:
                 return adapter
         try:
             adapter = load_adapter(request, self.shapes, self.num_layers, self.max_lora_rank)
+            if self.shard is not None:
+                adapter.weights = {key: self.shard.shard_lora(key[1], key[2], a, b)
+                                   for key, (a, b) in adapter.weights.items()}
         except LoRAError:
             raise
         except Exception as e:   # anything else a malformed adapter can raise is still the adapter's fault
             raise LoRAError(f"cannot load the LoRA adapter at {request.lora_path}: {type(e).__name__}: {e}") from e
         finally:   # a loader thread's workers (its tensor ops) would slow the engine thread's parallel regions
             kernels.release_openmp_workers()
-        if self.shard is not None:
-            adapter.weights = {key: self.shard.shard_lora(key[1], key[2], a, b)
-                               for key, (a, b) in adapter.weights.items()}
         with self._lock:
             self._by_id.setdefault(request.lora_int_id, request)
             self._cpu[request.lora_int_id] = adapter

@@ -426,6 +426,27 @@ def test_few_decodes_split_by_kv_head(dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verification_alone_gets_its_rows_as_in_a_bigger_step(dtype):
+    """One sequence with a few query tokens (a verification of 5 drafts) has fewer work items than the threads want
+    when split by kv head alone: its tokens go in shorter tiles. Each row's result is the same bit for bit as in a
+    step with more sequences (enough items without the split), and close to the reference."""
+    g = torch.Generator().manual_seed(11)
+    k_cache = torch.randn(40, 16, 3, 64, generator=g).to(dtype)
+    v_cache = torch.randn(40, 16, 3, 64, generator=g).to(dtype)
+    tables, seq_lens, query_lens = [[4, 9, 1, 17, 3], [12, 0, 5], [20, 21, 22, 23], [30, 31]], [70, 33, 60, 20], \
+        [6, 1, 1, 1]
+    q, k, v = (torch.randn(9, n * 64, generator=g).to(dtype) for n in (9, 3, 3))
+    alone = (q[:6], k[:6], v[:6], k_cache, v_cache, build_attention_metadata([6], [70], tables[:1], 16))
+    step = (q, k, v, k_cache, v_cache, build_attention_metadata(query_lens, seq_lens, tables, 16))
+    got, _, _ = run(CpuPagedAttention(), alone, 9)
+    assert torch.equal(got, run(CpuPagedAttention(), step, 9)[0][:6])
+    exact, _, _ = run(TorchPagedAttention(), alone, 9, upcast=True)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_fused_bf16_layer_ops_equal_the_torch_ops(rows, monkeypatch):
     """RMSNorm (+ residual add), RoPE and SiLU-and-mul kernels round like the chain of torch ops they replace."""

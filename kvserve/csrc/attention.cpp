@@ -494,11 +494,30 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
   const bool many = B >= 4 * omp_get_max_threads();
   const int64_t ng_all = simd && (many || total_q > 4 * B) ? Hkv : 1;
   std::vector<int64_t> first(B + 1, 0), ngs(B), tiles(B);   // first item, kv heads per item, tokens per item
+  const auto count_items = [&] {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t q_len = query_start[b + 1] - query_start[b];
+      first[b + 1] = first[b] + ((q_len + tiles[b] - 1) / tiles[b]) * (Hkv / ngs[b]);
+    }
+  };
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = query_start[b + 1] - query_start[b];
     ngs[b] = tiled ? (many && q_len * H <= MAX_ROWS ? Hkv : 1) : ng_all;
     tiles[b] = std::max<int64_t>(1, MAX_ROWS / (ngs[b] * G));
-    first[b + 1] = first[b] + ((q_len + tiles[b] - 1) / tiles[b]) * (Hkv / ngs[b]);
+  }
+  count_items();
+  const int64_t threads = omp_get_max_threads();
+  if (!tiled && first[B] < 2 * threads) {
+    // few items (one sequence verifying drafts, a short chunk): shorter query tiles, so that the threads get
+    // about as many each (3 kv heads on 2 threads would leave one thread a third of the work). A row's result
+    // does not depend on its tile: its keys go in the same chunks.
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t q_len = query_start[b + 1] - query_start[b];
+      const int64_t per_seq = (2 * threads + B - 1) / B, groups = Hkv / ngs[b];
+      const int64_t want = (per_seq + groups - 1) / groups;   // query tiles of this sequence
+      tiles[b] = std::min(tiles[b], std::max<int64_t>(1, (q_len + want - 1) / want));
+    }
+    count_items();
   }
   #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < first[B]; ++item) {

@@ -370,7 +370,8 @@ template <int T, bool FULL>
 inline void octet(const uint8_t* w, int g, __m256i* q, __m256& s, __m256& m) {
   using L = Layout<T>;
   if constexpr (FULL) g = 8;
-  const int at_m = 2 * g, at_qh = at_m + (L::M >= 0 ? 2 * g : 0), at_q = at_qh + (L::QH >= 0 ? 4 * g : 0);
+  // the fields' offsets in the group, where octet_pos puts the first block's bytes
+  const int at_m = octet_pos<T>(g, 0, L::M >= 0 ? L::M : 0), at_qh = octet_pos<T>(g, 0, L::QH >= 0 ? L::QH : 0);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i in_g = _mm256_cmpgt_epi32(_mm256_set1_epi32(g), lane);   // lanes < g
   const __m256i in_h = _mm256_cmpgt_epi32(_mm256_set1_epi32((g + 1) / 2), lane);   // the dwords of g fp16
@@ -387,7 +388,7 @@ inline void octet(const uint8_t* w, int g, __m256i* q, __m256& s, __m256& m) {
   m = L::M >= 0 ? halves(at_m) : _mm256_mul_ps(s, _mm256_set1_ps(-float(L::OFFSET)));
   const __m256i lo4 = _mm256_set1_epi8(0xF);
   for (int c = 0; c < 4; ++c) {   // byte i of lane b: value 4 c + i (low nibble) and 16 + 4 c + i (high)
-    const __m256i v = load(at_q + 4 * g * c, in_g);
+    const __m256i v = load(octet_pos<T>(g, 0, L::QS + 4 * c), in_g);
     q[c] = _mm256_and_si256(v, lo4);
     q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
   }

@@ -57,13 +57,13 @@ def test_every_format_against_dequantized_matmul(fmt, variant):
         dense = w.dequantize()
         for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 64, 300):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-            x[:, 128:256] *= 8   # the K-quants' two activation scales of a block differ
+            x[:, 128:256] *= 8   # Q5_K's two activation scales of a block differ
             y = quantized_matmul(x, w)
             assert y.dtype == torch.float32 and y.shape == (rows, 37)
-            check_close(y, reference(x, w), x, dense, 128 if fmt.endswith("K") else 32)
+            check_close(y, reference(x, w), x, dense, 128 if fmt == "Q5_K" else 32)   # the others: per 32
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_rows_of_a_step_are_independent(fmt):
     # a row's result does not depend on which other rows share its step (row tiles of 8, remainders; for the
     # 32-value formats 11 blocks: an octet and a partial one)
@@ -129,23 +129,52 @@ def test_embedding_rows_equal_gguf_dequantization(fmt):
         embedding_rows(table, torch.tensor([50]), torch.float32)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def _k_quant_values(fmt: str, blocks: np.ndarray, packed: bool) -> np.ndarray:
+    """The unsigned quants of K-quant super-blocks [n, bytes] as [n, sub-block, value], read at the places quant.cpp
+    documents for the file's order and for the kernels' (k4_repack, k6_repack)."""
+    out = np.zeros((blocks.shape[0], 8, 32), np.int64)
+    for b in range(8):
+        for v in range(32):
+            if fmt == "Q4_K":
+                at, shift = (16 + 32 * (v % 16 // 4) + 4 * b + v % 4, 4 * (v // 16)) if packed else \
+                    (16 + 32 * (b // 2) + v, 4 * (b % 2))
+                out[:, b, v] = (blocks[:, at] >> shift) & 0xF
+            else:   # Q6_K: 4 low bits and 2 high ones
+                h, k = divmod(b, 4)
+                lo, lo_shift = (32 * (v % 16 // 4) + 4 * b + v % 4, 4 * (v // 16)) if packed else \
+                    (64 * h + 32 * (k % 2) + v, 4 * (k // 2))
+                hi, hi_shift = (128 + 32 * (v // 16) + 4 * b + v % 4, 2 * (v % 16 // 4)) if packed else \
+                    (128 + 32 * h + v, 2 * k)
+                out[:, b, v] = ((blocks[:, lo] >> lo_shift) & 0xF) | (((blocks[:, hi] >> hi_shift) & 3) << 4)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
 def test_octet_layout_is_the_files_blocks_regrouped(fmt):
-    # QuantizedWeight keeps the 4- and 5-bit formats in the kernels' octet order: each row's bytes regrouped (11
-    # blocks: a group of 8 and a partial one of 3), dequantized and embedded as the file's blocks; a slice of such
-    # a segment (restrict_vocab's head) is not regrouped twice; the kernels refuse the file's order
-    raw = random_quantized(fmt, 20, 352, seed=6)
+    # QuantizedWeight keeps the 4- and 5-bit formats, Q4_K and Q6_K in the kernels' octet order: each row's bytes
+    # regrouped (11 blocks: a group of 8 and a partial one of 3), each K-quant super-block's quants chunk-major
+    # (its scales in place), dequantized and embedded as the file's blocks; a slice of such a segment
+    # (restrict_vocab's head) is not regrouped twice; the kernels refuse the file's order
+    k = 512 if fmt.endswith("K") else 352
+    raw = random_quantized(fmt, 20, k, seed=6)
     w = QuantizedWeight([raw])
     seg = w.segments[0]
     assert seg.octets and seg.kernel_type == raw.ggml_type | OCTETS and not raw.octets
     assert not torch.equal(seg.data, raw.data)
-    assert torch.equal(seg.data.sort(dim=1).values, raw.data.sort(dim=1).values)
+    if fmt.endswith("K"):
+        nbytes = KERNEL_FORMATS[raw.ggml_type][2]
+        file_blocks, packed = raw.data.numpy().reshape(-1, nbytes), seg.data.numpy().reshape(-1, nbytes)
+        scales = slice(0, 16) if fmt == "Q4_K" else slice(192, 210)
+        assert np.array_equal(packed[:, scales], file_blocks[:, scales])
+        assert np.array_equal(_k_quant_values(fmt, packed, True), _k_quant_values(fmt, file_blocks, False))
+    else:
+        assert torch.equal(seg.data.sort(dim=1).values, raw.data.sort(dim=1).values)
     assert torch.equal(seg.dequantize(), raw.dequantize())
     ids = torch.tensor([19, 0, 5, 5])
     torch.testing.assert_close(embedding_rows(seg, ids, torch.float32), raw.dequantize()[ids], rtol=1e-6, atol=1e-7)
     head = QuantizedWeight([dataclasses.replace(seg, data=seg.data[:7])])
     assert torch.equal(head.segments[0].data, seg.data[:7])
-    x = torch.randn(3, 352)
+    x = torch.randn(3, k)
     assert torch.equal(quantized_matmul(x, head), quantized_matmul(x, w)[:, :7])
     w.desc[1] = raw.ggml_type   # the same bytes declared in the file's order
     with pytest.raises(RuntimeError, match="does not know"):

@@ -1,10 +1,11 @@
 // GGUF-quantized weights kept in their block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q4_K, Q5_K,
-// Q6_K: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of the 32-value formats, and rows
-// dequantized for embedding lookups. The matmul over them is quant_matmul.cpp's. For the 32-value formats, as
-// llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below; QB for
-// Q8_0); each block of W is unpacked in registers to 32 small integers q with a float scale s (and a min m for the
-// formats that have one: w = s q + m), and the 32 products come from integer dot products:
-//   sum_i w_i x_i ~= s dx sum_i q_i qx_i + m dx sum_i qx_i.
+// Q6_K: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of the 32-value formats, Q4_K and
+// Q6_K, and rows dequantized for embedding lookups. The matmul over them is quant_matmul.cpp's. For those formats,
+// as llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below; QB for
+// Q8_0); each block (sub-block) of W is unpacked in registers to 32 small integers q with a float scale s (and a
+// min m for the formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32
+// products come from integer dot products:
+//   sum_i w_i x_i ~= s dx k sum_i q_i qx_i + m dx sum_i qx_i.
 // The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; vpdpbusd with AVX-512 VNNI where a block
 // goes alone) and the scalar one agree but for the order of the float additions. A step reads each quantized row
 // once for up to QMR rows of x.
@@ -29,11 +30,13 @@ enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K =
 // eight 32-value blocks of a quantized activation row, block b: x_i ~= d[b] q_i, sum[b] = d[b] * sum_i q_i. The
 // quants are chunk-major: q[c][4 b + i] is value 4 c + i of block b, so that one 32-byte load holds 4 values of
 // each of the 8 blocks and the kernels' int32 lanes are the blocks (one float step serves 8 blocks). A row's last
-// QX, when K / 32 is not a multiple of 8, has zeros (q, d and sum) for the blocks past the row's end.
+// QX, when K / 32 is not a multiple of 8, has zeros (q, d, sum and half) for the blocks past the row's end.
+// halves[2 b + h] = the sum of q over values 16 h .. 16 h + 15 of block b (Q6_K has a scale per 16 values).
 struct alignas(32) QX {
   int8_t q[8][32];
   float d[8];
   float sum[8];
+  int16_t halves[16];
 };
 constexpr int QXB = 8;   // blocks per QX
 
@@ -208,42 +211,125 @@ template <int T> inline int octet_pos(int g, int b, int k) {
   return base + 4 * ((n / 4) * g + b) + n % 4;
 }
 
+// Q4_K super-blocks as the kernels keep them (OCTETS | Q4_K): d, dmin and the 12 bytes of scales and mins as in
+// the file, then the 256 quants chunk-major as an octet of a 32-value format, sub-block b in lane b: byte
+// 16 + 32 c + 4 b + i holds value 4 c + i of sub-block b in its low nibble and value 16 + 4 c + i in its high one
+// (the file: value v of sub-block b in nibble b % 2 of byte 16 + 32 (b / 2) + v). One super-block, src to dst.
+inline int bits(const uint8_t* p, int at, int shift, int mask) { return (p[at] >> shift) & mask; }
+inline void k4_repack(const uint8_t* src, uint8_t* dst, bool to_raw) {
+  std::memcpy(dst, src, 16);
+  const uint8_t* s = src + 16;
+  uint8_t* d = dst + 16;
+  if (!to_raw) {   // packed byte 32 c + 4 b + i: values 4 c + i and 16 + 4 c + i of sub-block b
+    for (int c = 0; c < 4; ++c)
+      for (int b = 0; b < 8; ++b)
+        for (int i = 0; i < 4; ++i) {
+          const int at = 32 * (b / 2) + 4 * c + i, shift = 4 * (b % 2);
+          d[32 * c + 4 * b + i] = uint8_t(bits(s, at, shift, 0xF) | bits(s, at + 16, shift, 0xF) << 4);
+        }
+  } else {   // file byte 32 p + v: value v of sub-blocks 2 p and 2 p + 1
+    for (int p = 0; p < 4; ++p)
+      for (int v = 0; v < 32; ++v) {
+        const int at = 32 * (v % 16 / 4) + 8 * p + v % 4, shift = 4 * (v / 16);
+        d[32 * p + v] = uint8_t(bits(s, at, shift, 0xF) | bits(s, at + 4, shift, 0xF) << 4);
+      }
+  }
+}
+
+// Q6_K super-blocks as the kernels keep them (OCTETS | Q6_K): each 6-bit value's low 4 bits where Q4_K's packed
+// super-block has its value (bytes 0..127), its high 2 bits chunk-major too: bits 2 (v % 16 / 4) and up of byte
+// 128 + 32 (v / 16) + 4 b + v % 4 hold those of value v of sub-block b; the 16 scales and d as in the file (bytes
+// 192..209). The file: value v of sub-block b = 4 h + k has its low bits in byte 64 h + 32 (k % 2) + v at shift
+// 4 (k / 2), its high bits in byte 128 + 32 h + v at shift 2 k.
+inline void k6_repack(const uint8_t* src, uint8_t* dst, bool to_raw) {
+  std::memcpy(dst + 192, src + 192, 18);
+  if (!to_raw) {
+    for (int c = 0; c < 4; ++c)   // low bits: byte 32 c + 4 b + i, values 4 c + i and 16 + 4 c + i of sub-block b
+      for (int b = 0; b < 8; ++b)
+        for (int i = 0; i < 4; ++i) {
+          const int h = b / 4, k = b % 4, at = 64 * h + 32 * (k % 2) + 4 * c + i, shift = 4 * (k / 2);
+          dst[32 * c + 4 * b + i] = uint8_t(bits(src, at, shift, 0xF) | bits(src, at + 16, shift, 0xF) << 4);
+        }
+    for (int half = 0; half < 2; ++half)   // high bits: byte 128 + 32 half + 4 b + i, values 16 half + 4 c + i
+      for (int b = 0; b < 8; ++b)
+        for (int i = 0; i < 4; ++i) {
+          int v = 0;
+          for (int c = 0; c < 4; ++c)
+            v |= bits(src, 128 + 32 * (b / 4) + 16 * half + 4 * c + i, 2 * (b % 4), 3) << 2 * c;
+          dst[128 + 32 * half + 4 * b + i] = uint8_t(v);
+        }
+  } else {
+    for (int h = 0; h < 2; ++h)   // low bits: byte 64 h + 32 m + v, value v of sub-blocks 4 h + m and 4 h + m + 2
+      for (int m = 0; m < 2; ++m)
+        for (int v = 0; v < 32; ++v) {
+          const int at = 32 * (v % 16 / 4) + 4 * (4 * h + m) + v % 4, shift = 4 * (v / 16);
+          dst[64 * h + 32 * m + v] = uint8_t(bits(src, at, shift, 0xF) | bits(src, at + 8, shift, 0xF) << 4);
+        }
+    for (int h = 0; h < 2; ++h)   // high bits: byte 128 + 32 h + v, value v of sub-blocks 4 h + k at bits 2 k
+      for (int v = 0; v < 32; ++v) {
+        int bitsv = 0;
+        for (int k = 0; k < 4; ++k)
+          bitsv |= bits(src, 128 + 32 * (v / 16) + 4 * (4 * h + k) + v % 4, 2 * (v % 16 / 4), 3) << 2 * k;
+        dst[128 + 32 * h + v] = uint8_t(bitsv);
+      }
+  }
+}
+
 // a row of nb blocks from the file's order to the kernels' (or back, to_raw), src to dst
 template <int T> void repack_row(const uint8_t* src, uint8_t* dst, int64_t nb, bool to_raw) {
   constexpr int B = Format<T>::BYTES;
-  for (int64_t o = 0; o < nb; o += 8) {
-    const int g = int(std::min<int64_t>(8, nb - o));
-    for (int b = 0; b < g; ++b)
-      for (int k = 0; k < B; ++k) {
-        const int64_t raw = (o + b) * B + k, packed = o * B + octet_pos<T>(g, b, k);
-        dst[to_raw ? raw : packed] = src[to_raw ? packed : raw];
-      }
+  if constexpr (T == Q4_K) {
+    for (int64_t j = 0; j < nb; ++j) k4_repack(src + j * B, dst + j * B, to_raw);
+  } else if constexpr (T == Q6_K) {
+    for (int64_t j = 0; j < nb; ++j) k6_repack(src + j * B, dst + j * B, to_raw);
+  } else {
+    for (int64_t o = 0; o < nb; o += 8) {
+      const int g = int(std::min<int64_t>(8, nb - o));
+      for (int b = 0; b < g; ++b)
+        for (int k = 0; k < B; ++k) {
+          const int64_t raw = (o + b) * B + k, packed = o * B + octet_pos<T>(g, b, k);
+          dst[to_raw ? raw : packed] = src[to_raw ? packed : raw];
+        }
+    }
   }
 }
 
 // block j of a packed row of nb blocks, in the file's order, to out
 template <int T> void octet_block(const uint8_t* packed, int64_t nb, int64_t j, uint8_t* out) {
   constexpr int B = Format<T>::BYTES;
-  const int64_t o = j - j % 8;
-  const int g = int(std::min<int64_t>(8, nb - o)), b = int(j % 8);
-  for (int k = 0; k < B; ++k) out[k] = packed[o * B + octet_pos<T>(g, b, k)];
+  if constexpr (Format<T>::SUBS == 8) {
+    repack_row<T>(packed + j * B, out, 1, true);
+  } else {
+    const int64_t o = j - j % 8;
+    const int g = int(std::min<int64_t>(8, nb - o)), b = int(j % 8);
+    for (int k = 0; k < B; ++k) out[k] = packed[o * B + octet_pos<T>(g, b, k)];
+  }
 }
 
-template <int T> constexpr bool in_octets() { return T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1; }
+template <int T> constexpr bool in_octets() {
+  return T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1 || T == Q4_K || T == Q6_K;
+}
+// the bytes of one group of 8 blocks of 32 values (Q4_K: one super-block)
+template <int T> constexpr int64_t octet_bytes() {
+  return Format<T>::SUBS == 8 ? Format<T>::BYTES : QXB * Format<T>::BYTES;
+}
 
 constexpr int QMR = 8;   // rows of x per pass over a weight row (a verification step of k = 7 drafts in one)
 
-// out[r] = dot(W row w, x row r) for R rows, scalar; the 32-value formats (the K-quants: quant_matmul.cpp), the
-// 4- and 5-bit ones packed in octets
+// out[r] = dot(W row w, x row r) over its nsub blocks of 32 values for R rows, scalar; the 32-value formats, Q4_K
+// and Q6_K (Q5_K: quant_matmul.cpp), those in_octets packed so
 template <int T, int R, typename A>
 void row_dot_scalar(const uint8_t* w, const A* const* x, int64_t nsub, float* out) {
   using F = Format<T>;
-  static_assert(F::SUBS == 1);
+  static_assert(F::SUBS == 1 || in_octets<T>());
   float acc[R] = {};
   Sub sub;
+  uint8_t raw[F::BYTES];
   for (int64_t j = 0; j < nsub; ++j) {
-    if constexpr (in_octets<T>()) {
-      uint8_t raw[F::BYTES];
+    if constexpr (F::SUBS == 8) {   // a sub-block of the super-block, back in the file's order once per super-block
+      if (j % 8 == 0) octet_block<T>(w, nsub / 8, j / 8, raw);
+      unpack_scalar<T>(raw, int(j % 8), sub);
+    } else if constexpr (in_octets<T>()) {
       octet_block<T>(w, nsub, j, raw);
       unpack_scalar<T>(raw, 0, sub);
     } else {
@@ -258,7 +344,11 @@ void row_dot_scalar(const uint8_t* w, const A* const* x, int64_t nsub, float* ou
       } else {
         const QX& xo = x[r][j / QXB];
         const int b = int(j % QXB);
-        for (int i = 0; i < 32; ++i) dot += int32_t(sub.q[i]) * qx_value(xo, b, i);
+        for (int h = 0; h < 2; ++h) {   // Q6_K: each half weighted by its integer scale (1 elsewhere)
+          int32_t part = 0;
+          for (int i = 16 * h; i < 16 * h + 16; ++i) part += int32_t(sub.q[i]) * qx_value(xo, b, i);
+          dot += part * sub.isc[h];
+        }
         acc[r] += float(dot) * (sub.s * xo.d[b]);
         if (F::MIN) acc[r] += sub.m * xo.sum[b];
       }
@@ -361,14 +451,26 @@ template <> __m256i quants<Q6_K>(const uint8_t* b, int j) {
   return _mm256_sub_epi8(q6_unsigned(b, j), _mm256_set1_epi8(32));
 }
 
+// An octet's factors, lane b for block b: w = s (k q) + m, with k16 the integer weights of a block's int16 pair sums
+// (k16[0] for its values 0..15, k16[1] for 16..31; 1 for the 32-value formats, Q4_K: the sub-block's scale, Q6_K:
+// those of its two halves) and m its min (times the activations' block sum); Q6_K's offset of 32 stays integer:
+// kh holds lane b's two scales, for the activations' halves.
+struct OctetScales {
+  __m256 s, m;
+  __m256i k16[2], kh;
+};
+
 // a group of g packed weight blocks at w (OCTETS; FULL: g = 8), chunk-major as QX's quants: q[c] holds values
-// 4 c .. 4 c + 3 of each block as its int32 lane b (unsigned); s and m the blocks' scales and mins (m = -offset * s
-// where the format has an offset). A partial group's loads are masked to its bytes, which leaves zeros in the
+// 4 c .. 4 c + 3 of each block as its int32 lane b (unsigned); o.s and o.m the blocks' scales and mins (m = -offset
+// * s where the format has an offset). A partial group's loads are masked to its bytes, which leaves zeros in the
 // lanes past g (the scales and mins are masked again there: an odd g's last dword of fp16 reaches into the next
 // field).
 template <int T, bool FULL>
-inline void octet(const uint8_t* w, int g, __m256i* q, __m256& s, __m256& m) {
+inline void octet(const uint8_t* w, int g, __m256i* q, OctetScales& o) {
   using L = Layout<T>;
+  __m256& s = o.s;
+  __m256& m = o.m;
+  o.k16[0] = o.k16[1] = _mm256_set1_epi16(1);
   if constexpr (FULL) g = 8;
   // the fields' offsets in the group, where octet_pos puts the first block's bytes
   const int at_m = octet_pos<T>(g, 0, L::M >= 0 ? L::M : 0), at_qh = octet_pos<T>(g, 0, L::QH >= 0 ? L::QH : 0);
@@ -407,26 +509,79 @@ inline void octet(const uint8_t* w, int g, __m256i* q, __m256& s, __m256& m) {
   }
 }
 
-// R rows at once over the 4- and 5-bit formats, packed in octets. Each group of 8 blocks: each block's integer dot
+// 128 bytes of nibbles at p, chunk-major (Q4_K, Q6_K packed): q[c] the low nibbles of bytes 32 c .. 32 c + 31,
+// q[c + 4] their high ones
+inline void nibble_chunks(const uint8_t* p, __m256i* q) {
+  const __m256i lo4 = _mm256_set1_epi8(0xF);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
+    q[c] = _mm256_and_si256(v, lo4);
+    q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+  }
+}
+
+// a Q4_K super-block (OCTETS) as an octet of its 8 sub-blocks: q and m as above, s = d in every lane, and k16 the
+// sub-blocks' integer scales (lane b: sub-block b's in every int16 of the lane), by which vpmaddwd weights their sums
+template <>
+inline void octet<Q4_K, true>(const uint8_t* w, int, __m256i* q, OctetScales& o) {
+  uint8_t u[16];   // 8 scales, then 8 mins
+  k4_ints(w, u);
+  const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  o.k16[0] = o.k16[1] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sm, sm));
+  o.s = _mm256_set1_ps(fp16_to_f32(w));
+  o.m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
+                      _mm256_set1_ps(-fp16_to_f32(w + 2)));
+  nibble_chunks(w + 16, q);
+}
+// a Q6_K super-block (OCTETS): q unsigned (0..63: the value + 32), each half of a sub-block weighted by its int8
+// scale; the offset of 32 is taken off the integer sums: 32 (sc_lo x_lo + sc_hi x_hi) over the halves' sums
+template <>
+inline void octet<Q6_K, true>(const uint8_t* w, int, __m256i* q, OctetScales& o) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));   // sub-block b: 2 b, 2 b + 1
+  const __m128i lo = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14));
+  const __m128i hi = _mm_shuffle_epi8(sc, _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15));
+  o.k16[0] = _mm256_cvtepi8_epi16(lo);
+  o.k16[1] = _mm256_cvtepi8_epi16(hi);
+  o.kh = _mm256_cvtepi8_epi16(sc);
+  o.s = _mm256_set1_ps(fp16_to_f32(w + 208));
+  o.m = _mm256_setzero_ps();
+  nibble_chunks(w, q);
+  const __m256i h[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128)),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160))};
+  const __m256i top2 = _mm256_set1_epi8(0x30);
+  for (int c = 0; c < 8; ++c) {   // values 4 c .. 4 c + 3: bits 2 (c % 4) of h[c / 4], moved to bits 4 and 5
+    const __m256i v = h[c / 4];
+    const int k = c % 4;
+    const __m256i at4 = k == 0 ? _mm256_slli_epi16(v, 4) : k == 1 ? _mm256_slli_epi16(v, 2)
+                      : k == 2 ? v : _mm256_srli_epi16(v, 2);
+    q[c] = _mm256_or_si256(q[c], _mm256_and_si256(at4, top2));
+  }
+}
+
+template <int T> constexpr int pair_run() {   // chunks whose int16 pair sums add unwidened: |q| <= 15, 31, 63
+  if constexpr (T == Q6_K) return 2;
+  else if constexpr (T == Q4_K) return 8;
+  else return Layout<T>::QH >= 0 ? 4 : 8;
+}
+
+// R rows at once over the 4- and 5-bit formats, packed in octets (Q4_K: a super-block per octet, each sub-block's
+// sum weighted by its integer scale). Each group of 8 blocks: each block's integer dot
 // product lands in its own int32 lane (int16 pair sums added before widening; 4-bit: of all 8 chunks, 5-bit: of
 // 4), then one float step per group and row: acc += float(dot) * s * dx + m * sum of x. A partial last group runs
 // as a full one whose missing blocks have zero scales, mins and activations.
 template <int T, int R>
 void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
-  using F = Format<T>;
-  using L = Layout<T>;
-  static_assert(F::SUBS == 1);   // the 32-value formats (the K-quants: quant_matmul.cpp)
-  constexpr int RUN = L::QH >= 0 ? 4 : 8;   // chunks whose int16 pair sums are added unwidened
+  static_assert(in_octets<T>());
+  constexpr int RUN = pair_run<T>();
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t o = 0; o * QXB < nsub; ++o) {
-    const uint8_t* group = w + o * QXB * F::BYTES;
+    const uint8_t* group = w + o * octet_bytes<T>();
     const int g = int(std::min<int64_t>(QXB, nsub - o * QXB));
     __m256i q[8];
-    __m256 s, m;
-    if (g == QXB) octet<T, true>(group, g, q, s, m);
-    else octet<T, false>(group, g, q, s, m);
+    OctetScales sc;
+    if (g == QXB) octet<T, true>(group, g, q, sc);
+    else if constexpr (Format<T>::SUBS == 1) octet<T, false>(group, g, q, sc);
     for (int r = 0; r < R; ++r) {
       const QX& xo = x[r][o];
       __m256i isum = _mm256_setzero_si256();
@@ -436,10 +591,15 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
           const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.q[c]));
           s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[c], xq));
         }
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, ones));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, sc.k16[c0 / 4]));
       }
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(s, _mm256_load_ps(xo.d)), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_load_ps(xo.sum), acc[r]);
+      if constexpr (T == Q6_K) {
+        const __m256i halves = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.halves));
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(halves, sc.kh), 5));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc.s, _mm256_load_ps(xo.d)), acc[r]);
+      if constexpr (Format<T>::MIN || Format<T>::SUBS == 1)
+        acc[r] = _mm256_fmadd_ps(sc.m, _mm256_load_ps(xo.sum), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
@@ -523,8 +683,9 @@ void dequant_row(const uint8_t* w, int64_t nsub, Y* out) {
 // a packed row (OCTETS) dequantized: back in the file's order first
 template <int T, typename Y>
 void dequant_octets(const uint8_t* w, int64_t nsub, Y* out) {
-  std::vector<uint8_t> raw(nsub * Format<T>::BYTES);
-  repack_row<T>(w, raw.data(), nsub, true);
+  const int64_t nb = nsub / Format<T>::SUBS;
+  std::vector<uint8_t> raw(nb * Format<T>::BYTES);
+  repack_row<T>(w, raw.data(), nb, true);
   dequant_row<T>(raw.data(), nsub, out);
 }
 
@@ -535,6 +696,8 @@ bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
     case OCTETS | Q4_1: dequant_octets<Q4_1>(w, nsub, out); return true;
     case OCTETS | Q5_0: dequant_octets<Q5_0>(w, nsub, out); return true;
     case OCTETS | Q5_1: dequant_octets<Q5_1>(w, nsub, out); return true;
+    case OCTETS | Q4_K: dequant_octets<Q4_K>(w, nsub, out); return true;
+    case OCTETS | Q6_K: dequant_octets<Q6_K>(w, nsub, out); return true;
     case Q4_0: dequant_row<Q4_0>(w, nsub, out); return true;
     case Q4_1: dequant_row<Q4_1>(w, nsub, out); return true;
     case Q5_0: dequant_row<Q5_0>(w, nsub, out); return true;
@@ -565,6 +728,8 @@ int kvserve_quant_repack(int64_t type, uint8_t* w, int64_t rows, int64_t row_byt
       case Q4_1: repack_row<Q4_1>(row.data(), dst, row_bytes / Format<Q4_1>::BYTES, to_raw); break;
       case Q5_0: repack_row<Q5_0>(row.data(), dst, row_bytes / Format<Q5_0>::BYTES, to_raw); break;
       case Q5_1: repack_row<Q5_1>(row.data(), dst, row_bytes / Format<Q5_1>::BYTES, to_raw); break;
+      case Q4_K: repack_row<Q4_K>(row.data(), dst, row_bytes / Format<Q4_K>::BYTES, to_raw); break;
+      case Q6_K: repack_row<Q6_K>(row.data(), dst, row_bytes / Format<Q6_K>::BYTES, to_raw); break;
       default: ok = false;
     }
   }

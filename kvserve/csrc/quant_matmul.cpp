@@ -1,10 +1,10 @@
 // The quantized matmul itself (kvserve_quant_matmul), over the formats and unpacking of quant.cpp. The activations
-// are quantized first, per row, to int8 with one float scale per 32 values for the 32-value formats (QX, QB), per 128
-// for the K-quants (QK: blocks of 256 like llama.cpp's block_q8_K, with two scales where it has one: a scale per
-// 256 put Qwen2.5-Coder-1.5B's perplexity 1-1.5% above the dequantized model's, per 128 within 0.5%). A K-quant
-// super-block's products then stay integer over each activation scale's 4 sub-blocks: each sub-block's int8 dot
-// products (vpmaddubsw) are weighted by its integer scale (vpmaddwd, or AVX-512 VNNI's vpdpwssd) and summed, and
-// its mins (or Q6_K's offset of 32) are the integer scales times the activations' integer sums per 16 values:
+// are quantized first, per row, to int8 with one float scale per 32 values for the 32-value formats, Q4_K and Q6_K
+// (QX, QB: quant.cpp's octets), per 128 for Q5_K (QK: blocks of 256 like llama.cpp's block_q8_K, with two scales
+// where it has one: a scale per 256 put Qwen2.5-Coder-1.5B's perplexity 1-1.5% above the dequantized model's, per
+// 128 within 0.5%). A Q5_K super-block's products then stay integer over each activation scale's 4 sub-blocks: each
+// sub-block's int8 dot products (vpmaddubsw) are weighted by its integer scale (vpmaddwd, or AVX-512 VNNI's
+// vpdpwssd) and summed, and its mins are the integer scales times the activations' integer sums per 16 values:
 //   sum_i w_i x_i ~= sum_h dx_h (d sum_(g in h) sc_g sum_(i in g) q_i qx_i - dmin sum_(g in h) mn_g sum_(i in g) qx_i).
 // Those integer sums are exact; the scalar and AVX2 paths agree up to float rounding (their float steps differ).
 #include "common.h"
@@ -17,9 +17,9 @@
 
 namespace {
 
-constexpr int QKJ = 4;   // sub-blocks (of 32 values) per activation scale of the K-quants: 128 values
+constexpr int QKJ = 4;   // sub-blocks (of 32 values) per activation scale of Q5_K: 128 values
 
-// one 256-value block of a quantized activation row for the K-quants: x_i ~= dl[i / 32] q_i, one scale per QKJ
+// one 256-value block of a quantized activation row for Q5_K: x_i ~= dl[i / 32] q_i, one scale per QKJ
 // sub-blocks, repeated for each; sum16[g] = sum of q over values 16 g .. 16 g + 15 (aligned: the kernels' 32-byte
 // loads of q then never straddle a cache line)
 struct alignas(64) QK {
@@ -28,24 +28,19 @@ struct alignas(64) QK {
   float dl[8];
 };
 
-constexpr int QKR = 8;   // rows of x per pass over a K-quant weight row (a pass holds one int32 sum per row)
+constexpr int QKR = 8;   // rows of x per pass over a Q5_K weight row (a pass holds one int32 sum per row)
 
-// a K-quant super-block's integer scales per 16 values (sc) and mins per 16 values (mn; a sub-block's twice) with
-// its float factors: w = d sc q - dmin mn (Q4_K, Q5_K: q unsigned), or w = d sc (q - 32) (Q6_K, q in 0..63)
-template <int T> void k_ints(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {   // Q4_K, Q5_K
+// a Q5_K super-block's integer scales per 16 values (sc) and mins per 16 values (mn; a sub-block's twice) with its
+// float factors: w = d sc q - dmin mn, q unsigned
+inline void k_ints(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
   uint8_t u[16];
   k4_ints(b, u);
   for (int g = 0; g < 16; ++g) { sc[g] = u[g / 2]; mn[g] = u[8 + g / 2]; }
   d = fp16_to_f32(b);
   dmin = fp16_to_f32(b + 2);
 }
-template <> void k_ints<Q6_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
-  for (int g = 0; g < 16; ++g) { sc[g] = reinterpret_cast<const int8_t*>(b + 192)[g]; mn[g] = 0; }
-  d = fp16_to_f32(b + 208);
-  dmin = 0.f;
-}
 
-// a row's super-block: isum = sum_g sc_g (q . qx over g) (Q6_K: with q - 32), msum = sum_g mn_g sum16_g
+// a row's super-block: isum = sum_g sc_g (q . qx over g), msum = sum_g mn_g sum16_g
 inline float k_term(float dx, float d, int32_t isum, float dmin, int32_t msum) {
   return dx * (d * float(isum) - dmin * float(msum));
 }
@@ -59,11 +54,11 @@ void row_dot_k_scalar(const uint8_t* w, const QK* const* x, int64_t nblocks, flo
   Sub sub;
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const uint8_t* b = w + blk * F::BYTES;
-    k_ints<T>(b, sc, mn, d, dmin);
+    k_ints(b, sc, mn, d, dmin);
     for (int j0 = 0; j0 < 8; j0 += QKJ) {   // the sub-blocks of one activation scale
       int32_t isum[R] = {}, msum[R] = {};
       for (int j = j0; j < j0 + QKJ; ++j) {
-        unpack_scalar<T>(b, j, sub);   // Q6_K: q - 32, whose sums equal the SIMD path's q sums less 32 sum16
+        unpack_scalar<T>(b, j, sub);
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = x[r][blk].q + 32 * j;
           for (int h = 0; h < 2; ++h) {
@@ -92,13 +87,10 @@ inline __m256i madd_add(__m256i acc, __m256i p, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
 #endif
 }
-template <int T> inline __m256i k_quants_unsigned(const uint8_t* b, int j) { return quants<T>(b, j); }
-template <> inline __m256i k_quants_unsigned<Q6_K>(const uint8_t* b, int j) { return q6_unsigned(b, j); }
 
-// the SIMD header of a K-quant super-block: its integer scales, mins per 16 values as int16 lanes (mn; Q6_K: its
-// scales, sc16), and d and dmin as in k_ints; scale(j) is sub-block j's scale in every int16 lane of the first 16
-// values' half and the second's (Q4_K, Q5_K: one scale for both)
-template <int T> struct KHeader {   // Q4_K, Q5_K
+// the SIMD header of a Q5_K super-block: its integer scales, mins per 16 values as int16 lanes (mn), and d and dmin
+// as in k_ints; scale(j) is sub-block j's scale in every int16 lane
+struct KHeader {
   __m256i sc, mn;   // sc: the 8 scales as int16, in both 128-bit halves
   float d, dmin;
   explicit KHeader(const uint8_t* b) {
@@ -115,20 +107,6 @@ template <int T> struct KHeader {   // Q4_K, Q5_K
     return _mm256_shuffle_epi8(sc, _mm256_set1_epi16(int16_t(0x0100 * (2 * j + 1) + 2 * j)));
   }
 };
-template <> struct KHeader<Q6_K> {
-  __m256i sc16;   // the 16 scales as int16
-  float d, dmin = 0.f;
-  explicit KHeader(const uint8_t* b) {
-    sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-    d = fp16_to_f32(b + 208);
-  }
-  __m256i scale(int j) const {   // int32 element j holds scales 2j, 2j + 1: spread to the halves
-    const __m256i pair = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j));
-    return _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                      2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
-  }
-};
-
 template <int T, int R>
 void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float* out) {
   using F = Format<T>;
@@ -136,13 +114,13 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
   for (int r = 0; r < R; ++r) vacc[r] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const uint8_t* b = w + blk * F::BYTES;
-    const KHeader<T> h(b);
+    const KHeader h(b);
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
     #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       // unsigned q (< 64) times signed qx (|qx| <= 127): each pair's sum fits int16 (vpmaddubsw saturates)
-      const __m256i q = k_quants_unsigned<T>(b, j), s = h.scale(j);
+      const __m256i q = quants<T>(b, j), s = h.scale(j);
       for (int r = 0; r < R; ++r) {
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][blk].q + 32 * j));
         isum[r] = madd_add(isum[r], _mm256_maddubs_epi16(q, xq), s);
@@ -153,15 +131,12 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
           isum[r] = _mm256_setzero_si256();
         }
     }
-    // the mins (Q6_K: its offset of 32): int32 lane l holds those of sub-block l, scaled by its activation scale
-    const __m256 dm = _mm256_set1_ps(T == Q6_K ? -32.f * h.d : -h.dmin);
+    // the mins: int32 lane l holds those of sub-block l, scaled by its activation scale
+    const __m256 dm = _mm256_set1_ps(-h.dmin);
     for (int r = 0; r < R; ++r) {
       const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][blk].sum16));
       const __m256 dl = _mm256_mul_ps(dm, _mm256_loadu_ps(x[r][blk].dl));
-      if constexpr (T == Q6_K)
-        vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h.sc16, s16)), dl, vacc[r]);
-      if constexpr (F::MIN)
-        vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h.mn, s16)), dl, vacc[r]);
+      vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h.mn, s16)), dl, vacc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum8(vacc[r]);
@@ -169,7 +144,7 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
 #endif
 
 // out[r] = dot(weight row w, x row r) over the row's nblocks weight blocks, for R rows; A: the activations (QK
-// for the K-quants, QB for Q8_0, QX otherwise: octets of 8 blocks)
+// for Q5_K, QB for Q8_0, QX otherwise: octets of 8 blocks)
 template <int T, int R, typename A>
 inline void dot_rows(const uint8_t* w, const A* const* x, int64_t nblocks, float* out) {
   if constexpr (std::is_same_v<A, QK>) {
@@ -244,11 +219,14 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
       for (int b = 0; b < QXB; ++b) {
         const int64_t j = o * QXB + b;
         int8_t q[32] = {};
-        int sum = 0;
+        int sum = 0, half = 0;
         const float d = j < nb ? quantize32(x + m * xs + 32 * j, q, &sum) : 0.f;
         for (int c = 0; c < 8; ++c) std::memcpy(&ox.q[c][4 * b], q + 4 * c, 4);   // value i at q[i / 4][4 b + i % 4]
+        for (int i = 0; i < 16; ++i) half += q[i];
         ox.d[b] = d;
         ox.sum[b] = d * float(sum);
+        ox.halves[2 * b] = int16_t(half);
+        ox.halves[2 * b + 1] = int16_t(sum - half);
       }
     }
 }
@@ -275,7 +253,7 @@ template <typename A> inline int64_t units_per_row(int64_t K) {
 }
 
 // the activation units a format's kernel reads
-template <int T> using Acts = std::conditional_t<Format<T>::SUBS == 8, QK, std::conditional_t<T == Q8_0, QB, QX>>;
+template <int T> using Acts = std::conditional_t<in_octets<T>(), QX, std::conditional_t<T == Q8_0, QB, QK>>;
 
 constexpr int64_t QNB = 16;   // weight rows per work unit: they stay in L1/L2 while every row tile of x passes
 
@@ -325,7 +303,7 @@ void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const void* xv,
   }
 }
 
-// the activations quantized for a segment of this type (Acts: QK for the K-quants, QB for Q8_0, QX otherwise)
+// the activations quantized for a segment of this type (Acts: QK for Q5_K, QB for Q8_0, QX otherwise)
 template <typename Y>
 bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, const QX* qx, const QB* qb,
                   const QK* qk, int64_t M, int64_t K, Y* y, int64_t ys) {
@@ -334,15 +312,15 @@ bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, 
     case OCTETS | Q4_1: matmul_rows<Q4_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case OCTETS | Q5_0: matmul_rows<Q5_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case OCTETS | Q5_1: matmul_rows<Q5_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case OCTETS | Q4_K: matmul_rows<Q4_K>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case Q8_0: matmul_rows<Q8_0>(w, N, row_bytes, qb, M, K, y, ys); return true;
-    case Q4_K: matmul_rows<Q4_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case Q5_K: matmul_rows<Q5_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
-    case Q6_K: matmul_rows<Q6_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
+    case OCTETS | Q6_K: matmul_rows<Q6_K>(w, N, row_bytes, qx, M, K, y, ys); return true;
     default: return false;
   }
 }
 
-inline bool is_k_quant(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+inline bool is_k_quant(int64_t type) { return type == Q5_K; }   // the one format on QK activations
 
 // the quantized activations of one call, reused across calls (one engine thread calls at a time per library)
 thread_local std::vector<QX> qx_buffer;

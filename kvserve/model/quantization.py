@@ -7,7 +7,7 @@ blocks of 32 values instead). Either way a quantized linear holds a QuantizedWei
 the 4- and 5-bit formats regrouped by 8 for the kernels, or INT8 groups; one segment per format: a fused q|k|v may
 mix Q4_K and Q6_K) inside its PackedWeight; the matmul is
 kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as they arrive: per token and 128 values for INT8,
-per 32 values for the 32-value formats, per 128 for the K-quants; int32 dot products), for the modules path and
+per 32 values for the 32-value formats, Q4_K and Q6_K, per 128 for Q5_K; int32 dot products), for the modules path and
 the fused layer stack alike. GGUF formats without a kernel here are dequantized at load.
 """
 from __future__ import annotations
@@ -27,9 +27,10 @@ from kvserve.errors import ModelLoadError
 KERNEL_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
                   8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 FORMAT_IDS = {name: tid for tid, (name, _, _) in KERNEL_FORMATS.items()}
-# the 4- and 5-bit formats' rows as the kernels keep them (quant.cpp's octet layout: the same bytes, each row's blocks
-# regrouped by 8); their kernel type id is OCTETS | the ggml type
-OCTET_FORMATS = {2, 3, 6, 7}
+# the formats whose rows the kernels keep in octets (quant.cpp: the same bytes, the 4- and 5-bit formats' blocks
+# regrouped by 8 in each row, the quants of each Q4_K and Q6_K super-block chunk-major); their kernel type id is
+# OCTETS | the ggml type
+OCTET_FORMATS = {2, 3, 6, 7, 12, 14}
 OCTETS = 256
 INT8 = 200   # kvserve's own type (no ggml type): int8 per output channel, packed in groups of INT8_GROUP rows
 INT8_GROUP = 16
@@ -60,8 +61,8 @@ def resolve_quantization(name: str | None, is_gguf_file: bool, device: torch.dev
 
 @dataclass
 class QuantizedTensor:
-    """A [rows, cols] matrix as rows of ggml blocks: data uint8 [rows, bytes per row]. octets: the rows of a 4- or
-    5-bit format are in the kernels' order (QuantizedWeight packs them so), not the file's."""
+    """A [rows, cols] matrix as rows of ggml blocks: data uint8 [rows, bytes per row]. octets: the rows of an
+    OCTET_FORMATS format are in the kernels' order (QuantizedWeight packs them so), not the file's."""
 
     ggml_type: int
     data: torch.Tensor
@@ -116,7 +117,7 @@ class QuantizedTensor:
 
 
 def _repack(ggml_type: int, data: torch.Tensor, to_raw: bool) -> None:
-    """Rows of a 4- or 5-bit format, in place, from the file's block order to the kernels' octets (or back)."""
+    """Rows of an OCTET_FORMATS format, in place, from the file's order to the kernels' octets (or back)."""
     lib = kernels.load()
     if lib is None:
         raise ModelLoadError("quantized weights need the C++ kernels, which did not build")

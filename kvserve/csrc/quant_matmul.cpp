@@ -189,9 +189,32 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QK* out) {
     }
 }
 
-// 32 values at p -> int8 q (to nearest even) with one scale, returned; *sum = the sum of the q
+// 32 values at p -> int8 q (to nearest even) with one scale, returned; *sum = the sum of the q. The AVX2 path gives
+// the same bytes (vcvtps2dq rounds to nearest even, as rintf in the default rounding mode).
 template <typename X>
 inline float quantize32(const X* p, int8_t* q, int* sum) {
+#ifdef KV_HAVE_AVX2
+  __m256 v[4], amax8 = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(p + 8 * i);
+    amax8 = _mm256_max_ps(_mm256_and_ps(v[i], abs_mask), amax8);   // a NaN value is passed over, as below
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+  const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  *sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return amax / 127.f;
+#else
   float v[32], amax = 0.f;
   for (int i = 0; i < 32; ++i) {
     v[i] = load(p, i);
@@ -205,6 +228,7 @@ inline float quantize32(const X* p, int8_t* q, int* sum) {
     *sum += qi;
   }
   return amax / 127.f;
+#endif
 }
 
 // x rows [M, K] -> octets of 32-value blocks [M, ceil(K / 256)], one scale per 32 values (QX: chunk-major, zero

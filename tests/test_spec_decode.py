@@ -139,6 +139,44 @@ def test_batch_size_switch_turns_drafts_off():
     assert stats.num_drafts > 0
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_adaptive_draft_length_follows_the_accepted_runs(adaptive, reference):
+    # adaptive: after a verification that rejected a draft, the next proposal may make as many drafts as were
+    # accepted plus one; after one that accepted all, one more than before, up to k. Off: k every time. The output
+    # is the same either way
+    llm = make_llm({**NGRAM, "adaptive_draft_length": adaptive})
+    engine = llm.llm_engine
+    proposals, verifications = [], []   # (draft_len, limit, drafts made); (drafts, accepted)
+    propose, record = engine.proposer.propose_batch, engine.scheduler.spec_stats.record
+
+    def spy_propose(reqs, max_drafts):
+        drafts = propose(reqs, max_drafts)
+        proposals.append((reqs[0].draft_len, max_drafts[0], len(drafts[0])))
+        return drafts
+
+    def spy_record(num_drafts, accepted):
+        verifications.append((num_drafts, accepted))
+        record(num_drafts, accepted)
+
+    engine.proposer.propose_batch, engine.scheduler.spec_stats.record = spy_propose, spy_record
+    out = llm.generate(PROMPTS[0], GREEDY.clone(max_tokens=64), use_tqdm=False)
+    assert out[0].outputs[0].token_ids[:32] == reference[0][0]
+    k = NGRAM["num_speculative_tokens"]
+    assert any(a < d for d, a in verifications)   # the prompt has rejections to adapt to
+    if not adaptive:
+        assert all(length is None for length, _, _ in proposals) and max(m for _, m, _ in proposals) == k
+        return
+    # the proposals that drafted are followed, in order, by the verifications
+    assert len(verifications) == sum(made > 0 for _, _, made in proposals)
+    expect, verified = k, iter(verifications)
+    for length, limit, made in proposals:
+        assert length == expect and limit <= length <= k and made <= limit
+        if made:
+            num_drafts, accepted = next(verified)
+            expect = min(k, accepted + 1 if accepted < num_drafts else length + 1)
+    assert min(length for length, _, _ in proposals) < k   # it did shorten
+
+
 @pytest.mark.parametrize("spec, match", [
     ({"method": "eagle", "num_speculative_tokens": 3}, "unknown method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -151,6 +189,7 @@ def test_batch_size_switch_turns_drafts_off():
     ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_vocab_size": 100}, "draft_model only"),
     ({"model": "x", "num_speculative_tokens": 3, "draft_vocab_size": 0}, "integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "adaptive_draft_length": "yes"}, "adaptive_draft_length"),
 ])
 def test_bad_configs_are_refused_at_start(spec, match):
     with pytest.raises(InvalidRequestError, match=match) as e:

@@ -70,6 +70,8 @@ class Request:
         # draft model: its KV is written for the positions below min(draft_kv_end, num_computed_tokens), those of
         # prefix-cache hits included (no limit until its first forward; model_runner._write_draft_kv)
         self.draft_kv_end = sys.maxsize
+        # adaptive draft length: the most drafts the next proposal may make (None: the configured k)
+        self.draft_len: int | None = None
         self.structured_output = None        # StructuredOutputRequest when the output is constrained
         self.num_cached_tokens = -1          # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0

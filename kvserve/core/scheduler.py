@@ -394,7 +394,12 @@ class Scheduler:
                 self.kv.cache_computed_blocks(req)
                 continue
             if num_drafts:
-                self.spec_stats.record(num_drafts, len(tokens) - 1)
+                accepted = len(tokens) - 1
+                self.spec_stats.record(num_drafts, accepted)
+                # adaptive draft length: after a rejection the run just accepted and one more, after a whole
+                # acceptance one more than before (the engine caps it at k)
+                if req.draft_len is not None:
+                    req.draft_len = accepted + 1 if accepted < num_drafts else req.draft_len + 1
                 # the KV of the first rejected draft and of every draft after it is stale
                 req.num_computed_tokens -= num_drafts - (len(tokens) - 1)
             new_tokens = self._append_tokens(req, tokens)

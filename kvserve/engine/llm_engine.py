@@ -389,12 +389,15 @@ class LLMEngine:
         if not self.spec_config.is_enabled_for(len(running)):
             return
         k = self.spec_config.num_speculative_tokens
+        adaptive = self.spec_config.adaptive_draft_length
         reqs, max_drafts = [], []
         for req in running:
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue   # still in its prompt
+            if adaptive:   # the scheduler shortens it after a rejection and lengthens it after a whole acceptance
+                req.draft_len = k if req.draft_len is None else min(req.draft_len, k)
             reqs.append(req)
-            max_drafts.append(min(k, req.max_tokens - req.num_output_tokens - 1,
+            max_drafts.append(min(req.draft_len if adaptive else k, req.max_tokens - req.num_output_tokens - 1,
                                   self.max_model_len - req.num_tokens - 1))
         for req, drafts in zip(reqs, self.proposer.propose_batch(reqs, max_drafts)):
             req.spec_token_ids = list(drafts)

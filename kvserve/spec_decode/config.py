@@ -28,6 +28,10 @@ class SpeculativeConfig:
     # no drafts in a step with more running requests than this: a big batch is compute-bound, and verifying
     # k + 1 tokens per request then costs about k + 1 decodes (docs/benchmarks.md measures the threshold)
     disable_by_batch_size: int | None = 8
+    # per request, at most as many drafts as the last verification accepted plus one after a rejection, one more
+    # after each verification that accepted all (up to num_speculative_tokens): a run of rejections costs few
+    # verified rows where each row costs compute (docs/speculative_decoding.md)
+    adaptive_draft_length: bool = True
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -83,6 +87,8 @@ class SpeculativeConfig:
             bad(f"suffix_max_cached_requests must be an integer >= 0, got {self.suffix_max_cached_requests!r}")
         if not isinstance(self.suffix_min_token_prob, (int, float)) or not 0 <= self.suffix_min_token_prob <= 1:
             bad(f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob!r}")
+        if not isinstance(self.adaptive_draft_length, bool):
+            bad(f"adaptive_draft_length must be true or false, got {self.adaptive_draft_length!r}")
         if self.disable_by_batch_size is not None and (not _is_int(self.disable_by_batch_size)
                                                        or self.disable_by_batch_size < 1):
             bad(f"disable_by_batch_size must be an integer >= 1 or null, got {self.disable_by_batch_size!r}")

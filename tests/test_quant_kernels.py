@@ -35,7 +35,7 @@ def reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 
 def check_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group: int = 32):
-    # quantizing x to int8 per `group` values (32; 128 for the K-quants) moves each value by
+    # quantizing x to int8 per `group` values (32; 128 for Q5_K) moves each value by
     # at most half a step (its block's max |x| / 254)
     amax = x.abs().double().reshape(x.shape[0], -1, group).amax(-1, keepdim=True)
     step = (amax / 254).expand(-1, -1, group).reshape(x.shape)
@@ -95,6 +95,26 @@ def test_native_and_portable_agree_on_the_integer_sums(fmt):
     assert (diff > 0).any()   # the paths do differ in their float steps: the bound is what is tested
 
 
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("variant", ["native", "portable"])
+def test_activations_round_half_to_even(fmt, variant):
+    # x is quantized per 32 values with the scale amax / 127: a block whose largest value is 127 keeps its values'
+    # scale at 1, so values at .5 show the rounding (0.5 -> 0, 2.5 -> 2, 4.5 -> 4; away from zero would give 1, 3,
+    # 5, truncation 1 and 2 for 1.7 and 2.7). Weights all 1: Q8_0 d 1, q 1; Q4_1 d 1, min 1, q 0 (through the
+    # activations' sum). Every product and sum is exact on both builds
+    with kernels.variant(variant) as lib:
+        if lib is None:
+            pytest.skip("no C++ kernels")
+        one = np.array([1.0], np.float16).view(np.uint8)
+        block = np.concatenate([one, np.ones(32, np.uint8)]) if fmt == "Q8_0" else \
+            np.concatenate([one, one, np.zeros(16, np.uint8)])
+        w = QuantizedWeight([QuantizedTensor(FORMAT_IDS[fmt], torch.from_numpy(block[None].copy()), 32)])
+        x = torch.zeros(1, 32)
+        x[0, :6] = torch.tensor([127, 0.5, 2.5, 4.5, 1.7, 2.7])
+        assert quantized_matmul(x, w).item() == 127 + 0 + 2 + 4 + 2 + 3
+        assert quantized_matmul(x.bfloat16(), w).item() == 127 + 0 + 2 + 4 + 2 + 3   # 1.7, 2.7 as bf16 round alike
+
+
 def test_mixed_segments_stack_their_outputs():
     # a fused q|k|v of a Q4_K_M file: Q4_K, Q4_K, Q6_K; the neighbours of one format share one segment
     parts = [random_quantized("Q4_K", 16, 256, 1), random_quantized("Q4_K", 8, 256, 2),
@@ -152,9 +172,9 @@ def _k_quant_values(fmt: str, blocks: np.ndarray, packed: bool) -> np.ndarray:
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
 def test_octet_layout_is_the_files_blocks_regrouped(fmt):
     # QuantizedWeight keeps the 4- and 5-bit formats, Q4_K and Q6_K in the kernels' octet order: each row's bytes
-    # regrouped (11 blocks: a group of 8 and a partial one of 3), each K-quant super-block's quants chunk-major
-    # (its scales in place), dequantized and embedded as the file's blocks; a slice of such a segment
-    # (restrict_vocab's head) is not regrouped twice; the kernels refuse the file's order
+    # regrouped (32-value formats: 11 blocks, a group of 8 and a partial one of 3), each K-quant super-block's quants
+    # chunk-major (its scales in place; 2 super-blocks), dequantized and embedded as the file's blocks; a slice of
+    # such a segment (restrict_vocab's head) is not regrouped twice; the kernels refuse the file's order
     k = 512 if fmt.endswith("K") else 352
     raw = random_quantized(fmt, 20, k, seed=6)
     w = QuantizedWeight([raw])

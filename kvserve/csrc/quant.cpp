@@ -7,8 +7,8 @@
 // products come from integer dot products:
 //   sum_i w_i x_i ~= s dx k sum_i q_i qx_i + m dx sum_i qx_i.
 // The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; vpdpbusd with AVX-512 VNNI where a block
-// goes alone) and the scalar one agree but for the order of the float additions. A step reads each quantized row
-// once for up to QMR rows of x.
+// goes alone) and the scalar one agree up to float rounding (their float steps differ). A step reads each
+// quantized row once for up to QMR rows of x.
 #include "common.h"
 #if (defined(__AVX2__) || defined(__F16C__)) && !defined(KVSERVE_PORTABLE)
 #include <immintrin.h>
@@ -30,7 +30,7 @@ enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K =
 // eight 32-value blocks of a quantized activation row, block b: x_i ~= d[b] q_i, sum[b] = d[b] * sum_i q_i. The
 // quants are chunk-major: q[c][4 b + i] is value 4 c + i of block b, so that one 32-byte load holds 4 values of
 // each of the 8 blocks and the kernels' int32 lanes are the blocks (one float step serves 8 blocks). A row's last
-// QX, when K / 32 is not a multiple of 8, has zeros (q, d, sum and half) for the blocks past the row's end.
+// QX, when K / 32 is not a multiple of 8, has zeros (q, d, sum and halves) for the blocks past the row's end.
 // halves[2 b + h] = the sum of q over values 16 h .. 16 h + 15 of block b (Q6_K has a scale per 16 values).
 struct alignas(32) QX {
   int8_t q[8][32];
@@ -564,11 +564,13 @@ template <int T> constexpr int pair_run() {   // chunks whose int16 pair sums ad
   else return Layout<T>::QH >= 0 ? 4 : 8;
 }
 
-// R rows at once over the 4- and 5-bit formats, packed in octets (Q4_K: a super-block per octet, each sub-block's
-// sum weighted by its integer scale). Each group of 8 blocks: each block's integer dot
-// product lands in its own int32 lane (int16 pair sums added before widening; 4-bit: of all 8 chunks, 5-bit: of
-// 4), then one float step per group and row: acc += float(dot) * s * dx + m * sum of x. A partial last group runs
-// as a full one whose missing blocks have zero scales, mins and activations.
+// R rows at once over the formats packed in octets (Q4_K, Q6_K: a super-block per octet, each sub-block's sum
+// weighted by its integer scale, Q6_K's per 16-value half). Each group of 8 blocks: each block's integer dot
+// product lands in its own int32 lane (int16 pair sums added before widening: 4-bit values over all 8 chunks,
+// 5-bit over 4, Q6_K's 6-bit over 2; Q6_K's offset of 32 then taken off with the activations' integer sums per
+// half), then one float step per group and row: acc += float(dot) * s * dx + m * sum of x. A partial last group
+// (the 32-value formats; a K-quant row is whole super-blocks) runs as a full one whose missing blocks have zero
+// scales, mins and activations.
 template <int T, int R>
 void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
   static_assert(in_octets<T>());
@@ -715,8 +717,8 @@ bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
 #pragma GCC pop_options
 
 extern "C" {
-// rows of a 4- or 5-bit matrix from the file's block order to the kernels' (OCTETS), or back (to_raw), in place;
-// -1 for another type
+// rows of a Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K matrix from the file's order to the kernels' (OCTETS), or back
+// (to_raw), in place; -1 for another type
 int kvserve_quant_repack(int64_t type, uint8_t* w, int64_t rows, int64_t row_bytes, int64_t to_raw) {
   bool ok = true;
   #pragma omp parallel for if (rows * row_bytes >= (1 << 20)) reduction(&& : ok)

@@ -119,7 +119,7 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
     #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      // unsigned q (< 64) times signed qx (|qx| <= 127): each pair's sum fits int16 (vpmaddubsw saturates)
+      // unsigned q (< 32) times signed qx (|qx| <= 127): each pair's sum fits int16 (vpmaddubsw saturates)
       const __m256i q = quants<T>(b, j), s = h.scale(j);
       for (int r = 0; r < R; ++r) {
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][blk].q + 32 * j));
@@ -189,8 +189,8 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QK* out) {
     }
 }
 
-// 32 values at p -> int8 q (to nearest even) with one scale, returned; *sum = the sum of the q. The AVX2 path gives
-// the same bytes (vcvtps2dq rounds to nearest even, as rintf in the default rounding mode).
+// 32 values at p -> int8 q (to nearest even) with one scale, returned; *sum = the sum of the q. For finite values
+// the AVX2 path gives the same bytes (vcvtps2dq rounds to nearest even, as rintf in the default rounding mode).
 template <typename X>
 inline float quantize32(const X* p, int8_t* q, int* sum) {
 #ifdef KV_HAVE_AVX2
@@ -408,7 +408,8 @@ int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, 
 
 extern "C" {
 // A quantized linear: desc = [num_segments, then per segment: type, data pointer, rows, bytes per row] (the type:
-// the ggml type, OCTETS | it for the 4- and 5-bit formats, whose rows kvserve_quant_repack put in octets); the
+// the ggml type, OCTETS | it for the formats whose rows kvserve_quant_repack put in octets: Q4_0, Q4_1, Q5_0,
+// Q5_1, Q4_K, Q6_K, which are refused in the file's order); the
 // segments' rows stack into the N output columns (a fused q|k|v may mix formats). y[M, N] = x[M, K] @ W^T with
 // x and y float32 (x_bf16 = 0) or bf16 (1), rows strided by xs / ys elements; K a multiple of 256 for K-quant
 // segments, of 32 otherwise; INT8 segments (quant_int8.cpp) have rows in groups of 16. Returns 0, or -1 for a

@@ -18,6 +18,7 @@ Sections (greedy throughout, prefix caching off so that every repeat does the sa
   batch   throughput of 64 concurrent requests (32 copy-heavy, 32 ordinary; max_tokens 64) on the bundled model:
           off, ngram k=5 with the default disable_by_batch_size (8) and ngram k=5 always on (None); then copy-heavy
           batches of 1-32 requests, off against ngram always on: the ratio per batch size places the threshold.
+          Each repeat runs the configurations in turn, starting one further on each time (median of the repeats).
 
 TPOT is decode time per output token: (time of generate with max_tokens=N - time with max_tokens=1, the prefill and
 first token) / (output tokens - 1), the median over the repeats. Acceptance from the scheduler's spec_stats over the
@@ -344,6 +345,13 @@ def throughput(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[flo
     return sum(map(len, outs)) / elapsed, outs
 
 
+def rotated(llms: dict, rep: int) -> list:
+    """The configurations in turn, each repeat starting one further on: a machine drifting in speed over the run
+    then favours none of them in the medians."""
+    items = list(llms.items())
+    return items[rep % len(items):] + items[:rep % len(items)]
+
+
 def bench_batch(args) -> tuple[dict, list[str]]:
     configs = {"off": None, "ngram k=5": NGRAM5, "ngram k=5, always on": {**NGRAM5, "disable_by_batch_size": None}}
     llms = {name: make_llm(None, spec, args) for name, spec in configs.items()}
@@ -354,7 +362,7 @@ def bench_batch(args) -> tuple[dict, list[str]]:
     counts = {name: {} for name in configs}
     outs = {}
     for rep in range(args.batch_repeats):
-        for name, llm in llms.items():
+        for name, llm in rotated(llms, rep):
             before = spec_counts(llm)
             tok_s, outs[name] = throughput(llm, mixed, args.batch_tokens)
             add_counts(counts[name], before, spec_counts(llm))
@@ -380,7 +388,7 @@ def bench_batch(args) -> tuple[dict, list[str]]:
         for bs in args.batch_sizes:
             got = {}
             before = spec_counts(always_on)
-            for name, llm in sweep_llms.items():
+            for name, llm in rotated(sweep_llms, rep):
                 tok_s, got[name] = throughput(llm, copy_ids[:bs], args.batch_tokens)
                 sweep[bs][name].append(tok_s)
             add_counts(sweep_counts[bs], before, spec_counts(always_on))

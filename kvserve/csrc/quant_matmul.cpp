@@ -344,7 +344,7 @@ bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, 
   }
 }
 
-inline bool is_k_quant(int64_t type) { return type == Q5_K; }   // the one format on QK activations
+inline bool takes_qk(int64_t type) { return type == Q5_K; }   // the one format on QK activations
 
 // the quantized activations of one call, reused across calls (one engine thread calls at a time per library)
 thread_local std::vector<QX> qx_buffer;
@@ -383,7 +383,7 @@ int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, 
   for (int64_t s = 0; s < nseg; ++s) {   // each kind of activation blocks the segments need, once
     const int64_t type = desc[1 + 4 * s];
     if (type == INT8) { if (!qi) qi = quantized_i8(x, xs, M, K); }
-    else if (is_k_quant(type)) { if (!qk) qk = quantized(qk_buffer, x, xs, M, K); }
+    else if (takes_qk(type)) { if (!qk) qk = quantized(qk_buffer, x, xs, M, K); }
     else if (type == Q8_0) { if (!qb) qb = quantized(qb_buffer, x, xs, M, K); }
     else if (!qx) { qx = quantized(qx_buffer, x, xs, M, K); }
   }

@@ -75,6 +75,26 @@ def test_rows_of_a_step_are_independent(fmt):
         assert torch.equal(quantized_matmul(x[i:i + 1], w), whole[i:i + 1])
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("blocks", [17, 18, 20])
+def test_rows_sharing_their_last_group_keep_their_own_results(fmt, blocks):
+    # a row whose last group has 1, 2 or 4 blocks runs that group in one octet with those of the next 7, 3 or 1
+    # rows: each row's result is the same whichever rows share it (alone, or among 21 rows at the start, middle and
+    # end, the last in a group of its own), each x row's the same in a step of 1 or of 11 rows, and all close to
+    # the dequantized matmul
+    k = 32 * blocks
+    raw = random_quantized(fmt, 21, k, seed=blocks)
+    w = QuantizedWeight([raw])
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(blocks))
+    whole = quantized_matmul(x, w)
+    check_close(whole, reference(x, w), x, w.dequantize())
+    for i in (0, 5, 20):
+        alone = QuantizedWeight([dataclasses.replace(raw, data=raw.data[i:i + 1])])
+        assert torch.equal(quantized_matmul(x, alone)[:, 0], whole[:, i])
+    for r in range(11):
+        assert torch.equal(quantized_matmul(x[r:r + 1], w), whole[r:r + 1])
+
+
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_native_and_portable_agree_on_the_integer_sums(fmt):
     # same quantized activations and exact integer dot products: only float rounding differs, on the scale of the
@@ -169,9 +189,9 @@ def _k_quant_values(fmt: str, blocks: np.ndarray, packed: bool) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_octet_layout_is_the_files_blocks_regrouped(fmt):
-    # QuantizedWeight keeps the 4- and 5-bit formats, Q4_K and Q6_K in the kernels' octet order: each row's bytes
+    # QuantizedWeight keeps the 32-value formats, Q4_K and Q6_K in the kernels' octet order: each row's bytes
     # regrouped (32-value formats: 11 blocks, a group of 8 and a partial one of 3), each K-quant super-block's quants
     # chunk-major (its scales in place; 2 super-blocks), dequantized and embedded as the file's blocks; a slice of
     # such a segment (restrict_vocab's head) is not regrouped twice; the kernels refuse the file's order
@@ -201,7 +221,7 @@ def test_octet_layout_is_the_files_blocks_regrouped(fmt):
         quantized_matmul(x, w)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("variant", ["native", "portable"])
 def test_every_size_of_a_rows_last_group(fmt, variant):
     # a row's last group of g < 8 blocks runs as a whole one with its loads masked to its g blocks (odd g: the

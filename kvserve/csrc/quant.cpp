@@ -1,14 +1,14 @@
 // GGUF-quantized weights kept in their block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q4_K, Q5_K,
 // Q6_K: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of the 32-value formats, Q4_K and
 // Q6_K, and rows dequantized for embedding lookups. The matmul over them is quant_matmul.cpp's. For those formats,
-// as llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below; QB for
-// Q8_0); each block (sub-block) of W is unpacked in registers to 32 small integers q with a float scale s (and a
-// min m for the formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32
-// products come from integer dot products:
+// as llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below); each
+// block (sub-block) of W is unpacked in registers to 32 small integers q with a float scale s (and a min m for the
+// formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32 products come
+// from integer dot products:
 //   sum_i w_i x_i ~= s dx k sum_i q_i qx_i + m dx sum_i qx_i.
-// The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; vpdpbusd with AVX-512 VNNI where a block
-// goes alone) and the scalar one agree up to float rounding (their float steps differ). A step reads each
-// quantized row once for up to QMR rows of x.
+// The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; Q8_0: vpdpbusd with AVX-512 VNNI) and
+// the scalar one agree up to float rounding (their float steps differ). A step reads each quantized row once for
+// up to QMR rows of x.
 #include "common.h"
 #if (defined(__AVX2__) || defined(__F16C__)) && !defined(KVSERVE_PORTABLE)
 #include <immintrin.h>
@@ -39,13 +39,6 @@ struct alignas(32) QX {
   int16_t halves[16];
 };
 constexpr int QXB = 8;   // blocks per QX
-
-// one 32-value block of a quantized activation row in order, for Q8_0, whose int8 weights keep the per-block
-// dot products (their int16 pair sums do not add up unwidened, so QX's chunks would gain nothing)
-struct QB {
-  float d, sum;
-  int8_t q[32];
-};
 
 // value i of block b of a QX
 inline int8_t qx_value(const QX& o, int b, int i) { return o.q[i / 4][4 * b + i % 4]; }
@@ -185,13 +178,15 @@ template <> struct Layout<Q4_0> { static constexpr int QS = 2, QH = -1, M = -1, 
 template <> struct Layout<Q4_1> { static constexpr int QS = 4, QH = -1, M = 2, OFFSET = 0; };
 template <> struct Layout<Q5_0> { static constexpr int QS = 6, QH = 2, M = -1, OFFSET = 16; };
 template <> struct Layout<Q5_1> { static constexpr int QS = 8, QH = 4, M = 2, OFFSET = 0; };
+template <> struct Layout<Q8_0> { static constexpr int QS = 2, QH = -1, M = -1, OFFSET = 0; };   // signed bytes
 
-// The 4- and 5-bit formats as the kernels keep them (kvserve_quant_repack; type id OCTETS | the ggml type): the
-// same bytes as the file's blocks, reordered within each row. A row's blocks go in groups of 8 (the last group
-// holds the rest), and a group of g holds its blocks' fields one after another: the g scales (fp16), the g mins
-// (Q4_1, Q5_1), the g 32-bit high-bit words (Q5_0, Q5_1), then for c = 0..3 the g blocks' quant bytes 4 c .. 4 c + 3
-// (nibbles of values 4 c + i and 16 + 4 c + i). One 32-byte load of a full group then gives a chunk of each of the
-// 8 blocks in the int32 lanes QX's chunk-major activations want, with no shuffling at run time.
+// The 32-value formats as the kernels keep them (kvserve_quant_repack; type id OCTETS | the ggml type): the same
+// bytes as the file's blocks, reordered within each row. A row's blocks go in groups of 8 (the last group holds
+// the rest), and a group of g holds its blocks' fields one after another: the g scales (fp16), the g mins (Q4_1,
+// Q5_1), the g 32-bit high-bit words (Q5_0, Q5_1), then for c = 0, 1, ... the g blocks' quant bytes 4 c .. 4 c + 3
+// (4-/5-bit: c < 4, nibbles of values 4 c + i and 16 + 4 c + i; Q8_0: c < 8, values 4 c + i). One 32-byte load of
+// a full group then gives a chunk of each of the 8 blocks in the int32 lanes QX's chunk-major activations want,
+// with no shuffling at run time.
 constexpr int64_t OCTETS = 256;
 
 // where byte k of block b of a group of g blocks sits in the group, in the kernels' order
@@ -307,7 +302,7 @@ template <int T> void octet_block(const uint8_t* packed, int64_t nb, int64_t j, 
 }
 
 template <int T> constexpr bool in_octets() {
-  return T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1 || T == Q4_K || T == Q6_K;
+  return T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1 || T == Q8_0 || T == Q4_K || T == Q6_K;
 }
 // the bytes of one group of 8 blocks of 32 values (Q4_K: one super-block)
 template <int T> constexpr int64_t octet_bytes() {
@@ -316,12 +311,12 @@ template <int T> constexpr int64_t octet_bytes() {
 
 constexpr int QMR = 8;   // rows of x per pass over a weight row (a verification step of k = 7 drafts in one)
 
-// out[r] = dot(W row w, x row r) over its nsub blocks of 32 values for R rows, scalar; the 32-value formats, Q4_K
-// and Q6_K (Q5_K: quant_matmul.cpp), those in_octets packed so
-template <int T, int R, typename A>
-void row_dot_scalar(const uint8_t* w, const A* const* x, int64_t nsub, float* out) {
+// out[r] = dot(W row w, x row r) over its nsub blocks of 32 values for R rows, scalar; the formats in_octets
+// (Q5_K: quant_matmul.cpp), packed so
+template <int T, int R>
+void row_dot_scalar(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
   using F = Format<T>;
-  static_assert(F::SUBS == 1 || in_octets<T>());
+  static_assert(in_octets<T>());
   float acc[R] = {};
   Sub sub;
   uint8_t raw[F::BYTES];
@@ -329,45 +324,36 @@ void row_dot_scalar(const uint8_t* w, const A* const* x, int64_t nsub, float* ou
     if constexpr (F::SUBS == 8) {   // a sub-block of the super-block, back in the file's order once per super-block
       if (j % 8 == 0) octet_block<T>(w, nsub / 8, j / 8, raw);
       unpack_scalar<T>(raw, int(j % 8), sub);
-    } else if constexpr (in_octets<T>()) {
+    } else {
       octet_block<T>(w, nsub, j, raw);
       unpack_scalar<T>(raw, 0, sub);
-    } else {
-      unpack_scalar<T>(w + j * F::BYTES, 0, sub);
     }
     for (int r = 0; r < R; ++r) {
       int32_t dot = 0;
-      if constexpr (std::is_same_v<A, QB>) {
-        const QB& xb = x[r][j];
-        for (int i = 0; i < 32; ++i) dot += int32_t(sub.q[i]) * xb.q[i];
-        acc[r] += float(dot) * (sub.s * xb.d);
-      } else {
-        const QX& xo = x[r][j / QXB];
-        const int b = int(j % QXB);
-        for (int h = 0; h < 2; ++h) {   // Q6_K: each half weighted by its integer scale (1 elsewhere)
-          int32_t part = 0;
-          for (int i = 16 * h; i < 16 * h + 16; ++i) part += int32_t(sub.q[i]) * qx_value(xo, b, i);
-          dot += part * sub.isc[h];
-        }
-        acc[r] += float(dot) * (sub.s * xo.d[b]);
-        if (F::MIN) acc[r] += sub.m * xo.sum[b];
+      const QX& xo = x[r][j / QXB];
+      const int b = int(j % QXB);
+      for (int h = 0; h < 2; ++h) {   // Q6_K: each half weighted by its integer scale (1 elsewhere)
+        int32_t part = 0;
+        for (int i = 16 * h; i < 16 * h + 16; ++i) part += int32_t(sub.q[i]) * qx_value(xo, b, i);
+        dot += part * sub.isc[h];
       }
+      acc[r] += float(dot) * (sub.s * xo.d[b]);
+      if (F::MIN) acc[r] += sub.m * xo.sum[b];
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
 #ifdef KV_HAVE_QAVX2
-// 8 int32 sums of 4 products each of unsigned u and signed s bytes (no saturation: |u s| sums stay in int16)
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
+// acc + 8 int32 sums of 4 products each of unsigned u and signed s bytes (no saturation: |u s| <= 128 * 127, so
+// a pair's sum stays in int16)
+inline __m256i dot_u8s8_add(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  return _mm256_dpbusd_epi32(acc, u, s);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-// signed w: |w| times x with w's sign
-inline __m256i dot_s8s8(__m256i w, __m256i x) { return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
 
 // 16 bytes of nibbles -> 32 bytes: low nibbles then high nibbles (ggml's order within a 32-value block)
 inline __m256i nibbles(const uint8_t* p) {
@@ -460,42 +446,29 @@ struct OctetScales {
   __m256i k16[2], kh;
 };
 
-// a group of g packed weight blocks at w (OCTETS; FULL: g = 8), chunk-major as QX's quants: q[c] holds values
-// 4 c .. 4 c + 3 of each block as its int32 lane b (unsigned); o.s and o.m the blocks' scales and mins (m = -offset
-// * s where the format has an offset). A partial group's loads are masked to its bytes, which leaves zeros in the
-// lanes past g (the scales and mins are masked again there: an odd g's last dword of fp16 reaches into the next
-// field).
-template <int T, bool FULL>
-inline void octet(const uint8_t* w, int g, __m256i* q, OctetScales& o) {
+// An octet of 8 weight blocks of the 32-value formats, chunk-major as QX's quants: q[c] holds values 4 c .. 4 c + 3
+// of block b as its int32 lane b (unsigned; Q8_0 signed); o.s and o.m the blocks' scales and mins (m = -offset * s
+// where the format has an offset). The fields are read through load32(at), the 32 bytes of a field (a chunk of
+// quant bytes, the high-bit words) at offset `at` of a group of g blocks (octet_pos), and load16(at), the 8 fp16
+// scales or mins there; lane b from block b, zero where there is none.
+template <int T, typename Load32, typename Load16>
+KV_ALWAYS_INLINE void octet_fields(int g, Load32 load32, Load16 load16, __m256i* q, OctetScales& o) {
   using L = Layout<T>;
-  __m256& s = o.s;
-  __m256& m = o.m;
   o.k16[0] = o.k16[1] = _mm256_set1_epi16(1);
-  if constexpr (FULL) g = 8;
-  // the fields' offsets in the group, where octet_pos puts the first block's bytes
-  const int at_m = octet_pos<T>(g, 0, L::M >= 0 ? L::M : 0), at_qh = octet_pos<T>(g, 0, L::QH >= 0 ? L::QH : 0);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i in_g = _mm256_cmpgt_epi32(_mm256_set1_epi32(g), lane);   // lanes < g
-  const __m256i in_h = _mm256_cmpgt_epi32(_mm256_set1_epi32((g + 1) / 2), lane);   // the dwords of g fp16
-  const auto load = [&](int at, __m256i mask) {
-    return FULL ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + at))
-                : _mm256_maskload_epi32(reinterpret_cast<const int*>(w + at), mask);
-  };
-  const auto halves = [&](int at) {   // g fp16 at w + at -> float lanes, zero past g
-    const __m256 f = _mm256_cvtph_ps(FULL ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at))
-                                          : _mm256_castsi256_si128(load(at, in_h)));
-    return FULL ? f : _mm256_and_ps(f, _mm256_castsi256_ps(in_g));
-  };
-  s = halves(0);
-  m = L::M >= 0 ? halves(at_m) : _mm256_mul_ps(s, _mm256_set1_ps(-float(L::OFFSET)));
+  o.s = _mm256_cvtph_ps(load16(0));
+  o.m = L::M >= 0 ? _mm256_cvtph_ps(load16(octet_pos<T>(g, 0, L::M))) : _mm256_mul_ps(o.s, _mm256_set1_ps(-float(L::OFFSET)));
+  if constexpr (T == Q8_0) {   // a byte per value
+    for (int c = 0; c < 8; ++c) q[c] = load32(octet_pos<T>(g, 0, L::QS + 4 * c));
+    return;
+  }
   const __m256i lo4 = _mm256_set1_epi8(0xF);
   for (int c = 0; c < 4; ++c) {   // byte i of lane b: value 4 c + i (low nibble) and 16 + 4 c + i (high)
-    const __m256i v = load(octet_pos<T>(g, 0, L::QS + 4 * c), in_g);
+    const __m256i v = load32(octet_pos<T>(g, 0, L::QS + 4 * c));
     q[c] = _mm256_and_si256(v, lo4);
     q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
   }
   if constexpr (L::QH >= 0) {   // bit i of a block's 32-bit qh: value i's 0x10
-    const __m256i h = load(at_qh, in_g);
+    const __m256i h = load32(octet_pos<T>(g, 0, L::QH));
     const __m256i bits_lo = _mm256_set1_epi32(0x08040201), bits_hi = _mm256_set1_epi32(int32_t(0x80402010u));
     for (int c = 0; c < 8; ++c) {   // values 4 c .. 4 c + 3: byte c / 2 of qh, its low or high half
       const char k = char(c / 2);
@@ -507,6 +480,63 @@ inline void octet(const uint8_t* w, int g, __m256i* q, OctetScales& o) {
       q[c] = _mm256_or_si256(q[c], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
     }
   }
+}
+
+// a group of g packed weight blocks at w (OCTETS; FULL: g = 8) as an octet. A partial group's loads are masked to
+// its bytes (an odd g's last dword of fp16 reaches into the next field: those halves are masked again).
+template <int T, bool FULL>
+inline void octet(const uint8_t* w, int g, __m256i* q, OctetScales& o) {
+  if constexpr (FULL) {
+    octet_fields<T>(8, [&](int at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + at)); },
+                    [&](int at) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at)); }, q, o);
+  } else {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i in_g = _mm256_cmpgt_epi32(_mm256_set1_epi32(g), lane);   // lanes < g
+    const __m256i in_h = _mm256_cmpgt_epi32(_mm256_set1_epi32((g + 1) / 2), lane);   // the dwords of g fp16
+    const __m128i in_g16 = _mm_cmpgt_epi16(_mm_set1_epi16(int16_t(g)), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
+    octet_fields<T>(g, [&](int at) { return _mm256_maskload_epi32(reinterpret_cast<const int*>(w + at), in_g); },
+                    [&](int at) {
+                      const __m256i h = _mm256_maskload_epi32(reinterpret_cast<const int*>(w + at), in_h);
+                      return _mm_and_si128(_mm256_castsi256_si128(h), in_g16);
+                    }, q, o);
+  }
+}
+
+// The last groups of t blocks (t = 1, 2 or 4) of `rows` <= 8 / t consecutive weight rows, row_bytes apart from w,
+// as one octet: lane b holds block b % t of row b / t (zero past the rows). A row whose blocks do not come in 8s
+// then costs its own last group an eighth of an octet per t blocks, not a whole one.
+alignas(64) constexpr uint8_t ZERO_GROUP[8 * 34] = {};   // the fields of an absent row: no group is larger
+template <int T, int t>
+KV_ALWAYS_INLINE void tail_octet(const uint8_t* w, int64_t row_bytes, int rows, __m256i* q, OctetScales& o) {
+  static_assert(t == 1 || t == 2 || t == 4);
+  const uint8_t* row[8 / t];
+  for (int i = 0; i < 8 / t; ++i) row[i] = i < rows ? w + i * row_bytes : ZERO_GROUP;
+  const auto part = [&](auto zero, int i, int at) {   // the bytes of row i's field at `at`, as `zero`'s type
+    auto v = zero;
+    std::memcpy(&v, row[i] + at, sizeof v);
+    return v;
+  };
+  const auto load32 = [&](int at) {   // 4 t bytes of each row
+    if constexpr (t == 1)
+      return _mm256_setr_epi32(part(0, 0, at), part(0, 1, at), part(0, 2, at), part(0, 3, at), part(0, 4, at),
+                               part(0, 5, at), part(0, 6, at), part(0, 7, at));
+    else if constexpr (t == 2)
+      return _mm256_setr_epi64x(part(int64_t(0), 0, at), part(int64_t(0), 1, at), part(int64_t(0), 2, at),
+                                part(int64_t(0), 3, at));
+    else
+      return _mm256_setr_m128i(part(_mm_setzero_si128(), 0, at), part(_mm_setzero_si128(), 1, at));
+  };
+  const auto load16 = [&](int at) {   // 2 t bytes (t fp16) of each row
+    if constexpr (t == 1)
+      return _mm_setr_epi16(part(int16_t(0), 0, at), part(int16_t(0), 1, at), part(int16_t(0), 2, at),
+                            part(int16_t(0), 3, at), part(int16_t(0), 4, at), part(int16_t(0), 5, at),
+                            part(int16_t(0), 6, at), part(int16_t(0), 7, at));
+    else if constexpr (t == 2)
+      return _mm_setr_epi32(part(0, 0, at), part(0, 1, at), part(0, 2, at), part(0, 3, at));
+    else
+      return _mm_set_epi64x(part(int64_t(0), 1, at), part(int64_t(0), 0, at));
+  };
+  octet_fields<T>(t, load32, load16, q, o);
 }
 
 // 128 bytes of nibbles at p, chunk-major (Q4_K, Q6_K packed): q[c] the low nibbles of bytes 32 c .. 32 c + 31,
@@ -563,18 +593,59 @@ template <int T> constexpr int pair_run() {   // chunks whose int16 pair sums ad
   else if constexpr (T == Q4_K) return 8;
   else return Layout<T>::QH >= 0 ? 4 : 8;
 }
+template <int T> constexpr bool adds_min() {   // a term m * the activations' block sum (a min, or an offset's)
+  if constexpr (Format<T>::SUBS == 8) return Format<T>::MIN;
+  else return Format<T>::MIN || Layout<T>::OFFSET != 0;
+}
 
 // R rows at once over the formats packed in octets (Q4_K, Q6_K: a super-block per octet, each sub-block's sum
 // weighted by its integer scale, Q6_K's per 16-value half). Each group of 8 blocks: each block's integer dot
 // product lands in its own int32 lane (int16 pair sums added before widening: 4-bit values over all 8 chunks,
-// 5-bit over 4, Q6_K's 6-bit over 2; Q6_K's offset of 32 then taken off with the activations' integer sums per
-// half), then one float step per group and row: acc += float(dot) * s * dx + m * sum of x. A partial last group
-// (the 32-value formats; a K-quant row is whole super-blocks) runs as a full one whose missing blocks have zero
-// scales, mins and activations.
+// 5-bit over 4, Q6_K's 6-bit over 2, Q8_0's none: |w| times x carrying w's sign, widened chunk by chunk; Q6_K's
+// offset of 32 then taken off with the activations' integer sums per half), then one float step per group and
+// row: acc += float(dot) * s * dx + m * sum of x. A partial last group (the 32-value formats; a K-quant row is
+// whole super-blocks) runs as a full one whose missing blocks have zero scales, mins and activations; one of 1, 2
+// or 4 blocks shares an octet with those of the next rows instead (tail_dot, from quant_matmul.cpp's tiles).
+template <int T, int R>
+KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const QX* const* xo, __m256* acc) {
+  constexpr int RUN = pair_run<T>();
+  __m256i isums[T == Q8_0 ? R : 1];   // Q8_0: chunk by chunk over the rows (a chunk's |w| and w held once)
+  if constexpr (T == Q8_0) {
+    for (int r = 0; r < R; ++r) isums[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i qa = _mm256_abs_epi8(q[c]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo[r]->q[c]));
+        isums[r] = dot_u8s8_add(isums[r], qa, _mm256_sign_epi8(xq, q[c]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256i isum = _mm256_setzero_si256();
+    if constexpr (T == Q8_0) {
+      isum = isums[r];
+    } else {
+      for (int c0 = 0; c0 < 8; c0 += RUN) {
+        __m256i s16 = _mm256_setzero_si256();
+        for (int c = c0; c < c0 + RUN; ++c) {
+          const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo[r]->q[c]));
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[c], xq));
+        }
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, sc.k16[c0 / 4]));
+      }
+    }
+    if constexpr (T == Q6_K) {
+      const __m256i halves = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo[r]->halves));
+      isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(halves, sc.kh), 5));
+    }
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc.s, _mm256_load_ps(xo[r]->d)), acc[r]);
+    if constexpr (adds_min<T>()) acc[r] = _mm256_fmadd_ps(sc.m, _mm256_load_ps(xo[r]->sum), acc[r]);
+  }
+}
+
 template <int T, int R>
 void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
   static_assert(in_octets<T>());
-  constexpr int RUN = pair_run<T>();
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t o = 0; o * QXB < nsub; ++o) {
@@ -584,45 +655,44 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
     OctetScales sc;
     if (g == QXB) octet<T, true>(group, g, q, sc);
     else if constexpr (Format<T>::SUBS == 1) octet<T, false>(group, g, q, sc);
-    for (int r = 0; r < R; ++r) {
-      const QX& xo = x[r][o];
-      __m256i isum = _mm256_setzero_si256();
-      for (int c0 = 0; c0 < 8; c0 += RUN) {
-        __m256i s16 = _mm256_setzero_si256();
-        for (int c = c0; c < c0 + RUN; ++c) {
-          const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.q[c]));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[c], xq));
-        }
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, sc.k16[c0 / 4]));
-      }
-      if constexpr (T == Q6_K) {
-        const __m256i halves = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.halves));
-        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(halves, sc.kh), 5));
-      }
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc.s, _mm256_load_ps(xo.d)), acc[r]);
-      if constexpr (Format<T>::MIN || Format<T>::SUBS == 1)
-        acc[r] = _mm256_fmadd_ps(sc.m, _mm256_load_ps(xo.sum), acc[r]);
-    }
+    const QX* xo[R];
+    for (int r = 0; r < R; ++r) xo[r] = x[r] + o;
+    octet_rows<T, R>(q, sc, xo, acc);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 
-// Q8_0, R rows at once, block by block: acc += float(w . qx) * s * dx
-template <int R>
-void row_dot_q8_simd(const uint8_t* w, const QB* const* x, int64_t nsub, float* out) {
+// The rows' last groups of t blocks by tail_octet: out[i][r] += the dot product of the last group of weight row i
+// (rows <= 8 / t of them, row_bytes apart from w) and that of x row r, taken from xt[r] (repeat_tail's). Each lane
+// is the same float step as row_dot_simd's, so a row's result does not depend on the rows beside it.
+template <int T, int R, int t, int OUT>
+void tail_dot(const uint8_t* w, int64_t row_bytes, int rows, const QX* const* xt, float (*out)[OUT]) {
+  __m256i q[8];
+  OctetScales sc;
+  tail_octet<T, t>(w, row_bytes, rows, q, sc);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t blk = 0; blk < nsub; ++blk) {
-    const uint8_t* b = w + blk * Format<Q8_0>::BYTES;
-    const __m256i q = quants<Q8_0>(b, 0);
-    const __m256 sv = _mm256_set1_ps(fp16_to_f32(b));
-    for (int r = 0; r < R; ++r) {
-      const QB& xb = x[r][blk];
-      const __m256i p = dot_s8s8(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q)));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(xb.d)), acc[r]);
+  octet_rows<T, R>(q, sc, xt, acc);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    for (int i = 0; i < rows; ++i) {
+      float sum = 0.f;
+      for (int b = i * t; b < i * t + t; ++b) sum += lanes[b];
+      out[i][r] += sum;
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
+}
+
+// x's last octet of t blocks (t = 1, 2, 4) with block b % t in lane b, as tail_dot takes it
+inline void repeat_tail(const QX& last, int t, QX& out) {
+  const __m256i idx = _mm256_and_si256(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(t - 1));
+  for (int c = 0; c < 8; ++c)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.q[c]),
+                       _mm256_permutevar8x32_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(last.q[c])), idx));
+  _mm256_store_ps(out.d, _mm256_permutevar8x32_ps(_mm256_load_ps(last.d), idx));
+  _mm256_store_ps(out.sum, _mm256_permutevar8x32_ps(_mm256_load_ps(last.sum), idx));
+  std::memset(out.halves, 0, sizeof out.halves);   // the K-quants', which have no partial groups
 }
 #endif
 
@@ -630,14 +700,6 @@ template <int T, int R>
 inline void row_dot(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
 #ifdef KV_HAVE_QAVX2
   row_dot_simd<T, R>(w, x, nsub, out);
-#else
-  row_dot_scalar<T, R>(w, x, nsub, out);
-#endif
-}
-template <int T, int R>
-inline void row_dot(const uint8_t* w, const QB* const* x, int64_t nsub, float* out) {
-#ifdef KV_HAVE_QAVX2
-  row_dot_q8_simd<R>(w, x, nsub, out);
 #else
   row_dot_scalar<T, R>(w, x, nsub, out);
 #endif
@@ -698,6 +760,7 @@ bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
     case OCTETS | Q4_1: dequant_octets<Q4_1>(w, nsub, out); return true;
     case OCTETS | Q5_0: dequant_octets<Q5_0>(w, nsub, out); return true;
     case OCTETS | Q5_1: dequant_octets<Q5_1>(w, nsub, out); return true;
+    case OCTETS | Q8_0: dequant_octets<Q8_0>(w, nsub, out); return true;
     case OCTETS | Q4_K: dequant_octets<Q4_K>(w, nsub, out); return true;
     case OCTETS | Q6_K: dequant_octets<Q6_K>(w, nsub, out); return true;
     case Q4_0: dequant_row<Q4_0>(w, nsub, out); return true;
@@ -717,7 +780,7 @@ bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
 #pragma GCC pop_options
 
 extern "C" {
-// rows of a Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K matrix from the file's order to the kernels' (OCTETS), or back
+// rows of a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K matrix from the file's order to the kernels' (OCTETS), or back
 // (to_raw), in place; -1 for another type
 int kvserve_quant_repack(int64_t type, uint8_t* w, int64_t rows, int64_t row_bytes, int64_t to_raw) {
   bool ok = true;
@@ -730,6 +793,7 @@ int kvserve_quant_repack(int64_t type, uint8_t* w, int64_t rows, int64_t row_byt
       case Q4_1: repack_row<Q4_1>(row.data(), dst, row_bytes / Format<Q4_1>::BYTES, to_raw); break;
       case Q5_0: repack_row<Q5_0>(row.data(), dst, row_bytes / Format<Q5_0>::BYTES, to_raw); break;
       case Q5_1: repack_row<Q5_1>(row.data(), dst, row_bytes / Format<Q5_1>::BYTES, to_raw); break;
+      case Q8_0: repack_row<Q8_0>(row.data(), dst, row_bytes / Format<Q8_0>::BYTES, to_raw); break;
       case Q4_K: repack_row<Q4_K>(row.data(), dst, row_bytes / Format<Q4_K>::BYTES, to_raw); break;
       case Q6_K: repack_row<Q6_K>(row.data(), dst, row_bytes / Format<Q6_K>::BYTES, to_raw); break;
       default: ok = false;

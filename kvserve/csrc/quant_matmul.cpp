@@ -144,7 +144,7 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
 #endif
 
 // out[r] = dot(weight row w, x row r) over the row's nblocks weight blocks, for R rows; A: the activations (QK
-// for Q5_K, QB for Q8_0, QX otherwise: octets of 8 blocks)
+// for Q5_K, QX otherwise: octets of 8 blocks)
 template <int T, int R, typename A>
 inline void dot_rows(const uint8_t* w, const A* const* x, int64_t nblocks, float* out) {
   if constexpr (std::is_same_v<A, QK>) {
@@ -255,37 +255,55 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
     }
 }
 
-// x rows [M, K] -> 32-value blocks in order [M, K / 32], one scale each (QB, for Q8_0)
-template <typename X>
-void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QB* out) {
-  const int64_t nb = K / 32;
-  #pragma omp parallel for if (M * K >= 65536)
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < nb; ++j) {
-      QB& o = out[m * nb + j];
-      int sum;
-      o.d = quantize32(x + m * xs + 32 * j, o.q, &sum);
-      o.sum = o.d * float(sum);
-    }
-}
-
-// activation units per row of x: QK blocks of 256, QX octets of 8 blocks of 32 (the last one partial), QB blocks
+// activation units per row of x: QK blocks of 256, QX octets of 8 blocks of 32 (the last one partial)
 template <typename A> inline int64_t units_per_row(int64_t K) {
   if constexpr (std::is_same_v<A, QK>) return K / 256;
-  else if constexpr (std::is_same_v<A, QX>) return (K / 32 + QXB - 1) / QXB;
-  else return K / 32;
+  else return (K / 32 + QXB - 1) / QXB;
 }
 
 // the activation units a format's kernel reads
-template <int T> using Acts = std::conditional_t<in_octets<T>(), QX, std::conditional_t<T == Q8_0, QB, QK>>;
+template <int T> using Acts = std::conditional_t<in_octets<T>(), QX, QK>;
 
 constexpr int64_t QNB = 16;   // weight rows per work unit: they stay in L1/L2 while every row tile of x passes
 
+// the blocks of a row's last group that tail_dot runs across rows (1, 2 or 4 of a 32-value format's, on AVX2),
+// else 0: a partial group of its own costs a whole octet's work
+template <int T> inline int shared_tail(int64_t nblocks) {
+#ifdef KV_HAVE_QAVX2
+  const int t = int(nblocks % QXB);
+  if constexpr (Format<T>::SUBS == 1) return t == 1 || t == 2 || t == 4 ? t : 0;
+#endif
+  return 0;
+}
+
+// weight rows n0 .. n1 - 1 against R rows of x; tail (shared_tail): each row's whole octets alone, then the last
+// groups of 8 / tail rows at a time against xt (repeat_tail's)
 template <int T, int R, typename A>
 void tile_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t row_bytes, const A* const* xr, int64_t nblocks,
-               float (*out)[QKR]) {
+               float (*out)[QKR], int tail, const QX* const* xt) {
+#ifdef KV_HAVE_QAVX2
+  if constexpr (std::is_same_v<A, QX> && Format<T>::SUBS == 1) {
+    const auto shared = [&](auto t) {
+      constexpr int p = QXB / t;
+      const int64_t whole = nblocks - t, at = whole / QXB * octet_bytes<T>();
+      for (int64_t n = n0; n < n1; n += p) {
+        const int rows = int(std::min<int64_t>(p, n1 - n));
+        for (int i = 0; i < rows; ++i) dot_rows<T, R>(w + (n + i) * row_bytes, xr, whole, out[n + i - n0]);
+        tail_dot<T, R, t>(w + n * row_bytes + at, row_bytes, rows, xt, out + (n - n0));
+      }
+    };
+    switch (tail) {
+      case 1: shared(std::integral_constant<int, 1>()); return;
+      case 2: shared(std::integral_constant<int, 2>()); return;
+      case 4: shared(std::integral_constant<int, 4>()); return;
+      default: break;
+    }
+  }
+#endif
   for (int64_t n = n0; n < n1; ++n) dot_rows<T, R>(w + n * row_bytes, xr, nblocks, out[n - n0]);
 }
+
+thread_local std::vector<QX> xt_buffer;   // repeat_tail's octet of each row of x
 
 template <int T, typename Y>
 void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const void* xv, int64_t M, int64_t K, Y* y,
@@ -298,28 +316,40 @@ void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const void* xv,
   const A* xq = static_cast<const A*>(xv);
   const int64_t nblocks = KQ ? K / 256 : K / 32, stride = units_per_row<A>(K);   // blocks per weight row; x units
   const int64_t units = (N + QNB - 1) / QNB;
+  const int tail = shared_tail<T>(nblocks);
+#ifdef KV_HAVE_QAVX2
+  if constexpr (std::is_same_v<A, QX>) {
+    if (tail && int64_t(xt_buffer.size()) < M) xt_buffer.resize(M);
+    for (int64_t m = 0; tail && m < M; ++m) repeat_tail(xq[(m + 1) * stride - 1], tail, xt_buffer[m]);
+  }
+#endif
+  const QX* xt_all = xt_buffer.data();
   #pragma omp parallel for schedule(static) if (N * K * M >= 65536)
   for (int64_t u = 0; u < units; ++u) {
     const int64_t n0 = u * QNB, n1 = std::min(N, n0 + QNB);
     const A* xr[TILE];
-    static_assert(QMR <= QKR);
+    const QX* xt[TILE] = {};
+    static_assert(QMR <= QKR && QNB % QXB == 0);   // a unit's rows share last groups only among themselves
     float out[QNB][QKR];
     for (int64_t m = 0; m < M; m += TILE) {
       const int rows = int(std::min<int64_t>(TILE, M - m));
-      for (int r = 0; r < rows; ++r) xr[r] = xq + (m + r) * stride;
+      for (int r = 0; r < rows; ++r) {
+        xr[r] = xq + (m + r) * stride;
+        if (tail) xt[r] = xt_all + m + r;
+      }
       switch (rows) {
-        case 8: if constexpr (TILE >= 8) { tile_rows<T, 8>(w, n0, n1, row_bytes, xr, nblocks, out); break; }
+        case 8: if constexpr (TILE >= 8) { tile_rows<T, 8>(w, n0, n1, row_bytes, xr, nblocks, out, tail, xt); break; }
           [[fallthrough]];
-        case 7: if constexpr (TILE >= 7) { tile_rows<T, 7>(w, n0, n1, row_bytes, xr, nblocks, out); break; }
+        case 7: if constexpr (TILE >= 7) { tile_rows<T, 7>(w, n0, n1, row_bytes, xr, nblocks, out, tail, xt); break; }
           [[fallthrough]];
-        case 6: if constexpr (TILE >= 6) { tile_rows<T, 6>(w, n0, n1, row_bytes, xr, nblocks, out); break; }
+        case 6: if constexpr (TILE >= 6) { tile_rows<T, 6>(w, n0, n1, row_bytes, xr, nblocks, out, tail, xt); break; }
           [[fallthrough]];
-        case 5: if constexpr (TILE >= 5) { tile_rows<T, 5>(w, n0, n1, row_bytes, xr, nblocks, out); break; }
+        case 5: if constexpr (TILE >= 5) { tile_rows<T, 5>(w, n0, n1, row_bytes, xr, nblocks, out, tail, xt); break; }
           [[fallthrough]];
-        case 4: tile_rows<T, 4>(w, n0, n1, row_bytes, xr, nblocks, out); break;
-        case 3: tile_rows<T, 3>(w, n0, n1, row_bytes, xr, nblocks, out); break;
-        case 2: tile_rows<T, 2>(w, n0, n1, row_bytes, xr, nblocks, out); break;
-        default: tile_rows<T, 1>(w, n0, n1, row_bytes, xr, nblocks, out); break;
+        case 4: tile_rows<T, 4>(w, n0, n1, row_bytes, xr, nblocks, out, tail, xt); break;
+        case 3: tile_rows<T, 3>(w, n0, n1, row_bytes, xr, nblocks, out, tail, xt); break;
+        case 2: tile_rows<T, 2>(w, n0, n1, row_bytes, xr, nblocks, out, tail, xt); break;
+        default: tile_rows<T, 1>(w, n0, n1, row_bytes, xr, nblocks, out, tail, xt); break;
       }
       for (int64_t n = n0; n < n1; ++n)
         for (int r = 0; r < rows; ++r) store(y + (m + r) * ys, n, out[n - n0][r]);
@@ -327,17 +357,17 @@ void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const void* xv,
   }
 }
 
-// the activations quantized for a segment of this type (Acts: QK for Q5_K, QB for Q8_0, QX otherwise)
+// the activations quantized for a segment of this type (Acts: QK for Q5_K, QX otherwise)
 template <typename Y>
-bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, const QX* qx, const QB* qb,
-                  const QK* qk, int64_t M, int64_t K, Y* y, int64_t ys) {
+bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, const QX* qx, const QK* qk, int64_t M,
+                  int64_t K, Y* y, int64_t ys) {
   switch (type) {
     case OCTETS | Q4_0: matmul_rows<Q4_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case OCTETS | Q4_1: matmul_rows<Q4_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case OCTETS | Q5_0: matmul_rows<Q5_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case OCTETS | Q5_1: matmul_rows<Q5_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case OCTETS | Q4_K: matmul_rows<Q4_K>(w, N, row_bytes, qx, M, K, y, ys); return true;
-    case Q8_0: matmul_rows<Q8_0>(w, N, row_bytes, qb, M, K, y, ys); return true;
+    case OCTETS | Q8_0: matmul_rows<Q8_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case Q5_K: matmul_rows<Q5_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case OCTETS | Q6_K: matmul_rows<Q6_K>(w, N, row_bytes, qx, M, K, y, ys); return true;
     default: return false;
@@ -348,7 +378,6 @@ inline bool takes_qk(int64_t type) { return type == Q5_K; }   // the one format 
 
 // the quantized activations of one call, reused across calls (one engine thread calls at a time per library)
 thread_local std::vector<QX> qx_buffer;
-thread_local std::vector<QB> qb_buffer;
 thread_local std::vector<QK> qk_buffer;
 
 template <typename A, typename X>
@@ -377,14 +406,12 @@ template <typename X, typename Y>
 int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, int64_t M, int64_t K) {
   const int64_t nseg = desc[0];
   const QX* qx = nullptr;
-  const QB* qb = nullptr;
   const QK* qk = nullptr;
   const uint8_t* qi = nullptr;
   for (int64_t s = 0; s < nseg; ++s) {   // each kind of activation blocks the segments need, once
     const int64_t type = desc[1 + 4 * s];
     if (type == INT8) { if (!qi) qi = quantized_i8(x, xs, M, K); }
     else if (takes_qk(type)) { if (!qk) qk = quantized(qk_buffer, x, xs, M, K); }
-    else if (type == Q8_0) { if (!qb) qb = quantized(qb_buffer, x, xs, M, K); }
     else if (!qx) { qx = quantized(qx_buffer, x, xs, M, K); }
   }
   int64_t col = 0;
@@ -394,7 +421,7 @@ int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, 
     if (seg[0] == INT8) {
       if (seg[2] % INT8_GROUP || K % i8_act_group(K) || seg[3] != i8_group_bytes(K) / INT8_GROUP) return -1;
       i8_matmul(w, seg[2], qi, i8_scales(qi, M, K), M, K, y + col, ys);
-    } else if (!matmul_typed(seg[0], w, seg[2], seg[3], qx, qb, qk, M, K, y + col, ys)) {
+    } else if (!matmul_typed(seg[0], w, seg[2], seg[3], qx, qk, M, K, y + col, ys)) {
       return -1;
     }
     col += seg[2];
@@ -409,7 +436,7 @@ int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, 
 extern "C" {
 // A quantized linear: desc = [num_segments, then per segment: type, data pointer, rows, bytes per row] (the type:
 // the ggml type, OCTETS | it for the formats whose rows kvserve_quant_repack put in octets: Q4_0, Q4_1, Q5_0,
-// Q5_1, Q4_K, Q6_K, which are refused in the file's order); the
+// Q5_1, Q8_0, Q4_K, Q6_K, which are refused in the file's order); the
 // segments' rows stack into the N output columns (a fused q|k|v may mix formats). y[M, N] = x[M, K] @ W^T with
 // x and y float32 (x_bf16 = 0) or bf16 (1), rows strided by xs / ys elements; K a multiple of 256 for K-quant
 // segments, of 32 otherwise; INT8 segments (quant_int8.cpp) have rows in groups of 16. Returns 0, or -1 for a

@@ -165,6 +165,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = None
+    lib.kvserve_llama_layers_bf16.restype = ctypes.c_int   # 0, or -1 - the layer whose linear refused its weights
     lib.kvserve_shm_all_reduce.argtypes = [p, i64, i64, i64, p, p, i64, i64, ctypes.c_double]
     lib.kvserve_shm_all_reduce.restype = ctypes.c_int
     lib.kvserve_shm_abort.argtypes = [p]

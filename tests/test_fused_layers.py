@@ -93,6 +93,25 @@ def test_fused_stack_runs_quantized_linears_bit_identical_to_the_modules(tmp_pat
     check_quantized_stack(_tiny_quantized_bf16(tmp_path, qtype, hidden_size=128, intermediate_size=96))
 
 
+def test_fused_stack_refuses_a_quantized_weight_it_cannot_multiply(tmp_path):
+    """A quantized linear whose descriptor names a type kvserve_quant_matmul does not take stops the stack with an
+    error naming the layer, as the modules path raises (no silent garbage); the same step runs once it is whole."""
+    model = _tiny_quantized_bf16(tmp_path, "Q4_1", hidden_size=128, intermediate_size=96)
+    _run_steps(model, 16)
+    assert model.model._fused is not None
+    desc = model.model.layers[1].mlp.down_proj.quantized.desc
+    good = int(desc[1])
+    desc[1] = 99
+    with pytest.raises(RuntimeError, match="layer 1"):
+        _run_steps(model, 16)
+    model.model.use_fused_layers = False
+    with pytest.raises(RuntimeError, match="does not know"):
+        _run_steps(model, 16)
+    desc[1] = good
+    model.model.use_fused_layers = True
+    assert all(torch.isfinite(x).all() for x in _run_steps(model, 16)[0])
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fused_stack_on_fp8_pools_is_bit_identical_to_the_modules(tmp_path, kv_dtype):
     """FP8 pools (layer scales folded into the attention as the backend does for the modules); dense bf16

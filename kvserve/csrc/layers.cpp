@@ -48,13 +48,14 @@ static inline void add_bias_bf16(uint16_t* y, int64_t ys, const uint16_t* b, int
     for (int64_t n = 0; n < N; ++n) y[t * ys + n] = f32_to_bf16(bf16_to_f32(y[t * ys + n]) + bf16_to_f32(b[n]));
 }
 
-// y[M, N] = x[M, K] @ W^T by the linear method of layer row p's linear in slot `slot`
-static inline void linear(const int64_t* p, int slot, const uint16_t* x, int64_t xs, uint16_t* y, int64_t ys,
-                          int64_t M, int64_t N, int64_t K) {
+// y[M, N] = x[M, K] @ W^T by the linear method of layer row p's linear in slot `slot`; 0, or -1 where a quantized
+// weight's descriptor names a format or shape kvserve_quant_matmul does not take
+static inline int linear(const int64_t* p, int slot, const uint16_t* x, int64_t xs, uint16_t* y, int64_t ys,
+                         int64_t M, int64_t N, int64_t K) {
   if (p[L_QUANT] & Q_BIT[slot])
-    kvserve_quant_matmul(reinterpret_cast<const int64_t*>(p[slot]), x, xs, 1, y, ys, M, K);
-  else
-    kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(p[slot]), y, ys, M, N, K);
+    return kvserve_quant_matmul(reinterpret_cast<const int64_t*>(p[slot]), x, xs, 1, y, ys, M, K);
+  kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(p[slot]), y, ys, M, N, K);
+  return 0;
 }
 
 // y += the LoRA delta of layer row p's linear number i (0 qkv, 1 o, 2 gate|up, 3 down) for the rows that chose
@@ -98,8 +99,8 @@ typedef void (*AllReduceFn)(uint16_t* y, int64_t numel);
 // residual [T, H]: the embedding output on entry (layer 0 normalizes it without an add), the residual stream on
 // return. hidden [T, H]: the last layer's MLP output on return. scratch: T * (H + (NH + 2 NKV) D + NH D + 3 I) bf16.
 // lora_rows [T]: each row's LoRA adapter slot (-1: none), or null. Each linear is base (+ bias) + LoRA, as in the
-// modules (Linear.forward).
-static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* layer_ptrs,
+// modules (Linear.forward). Returns 0, or -1 - l where a linear of layer l refused its weights (and stops there).
+static int layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* layer_ptrs,
                         int64_t L, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
                         const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                         const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
@@ -118,23 +119,25 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
       kvserve_rmsnorm_bf16(residual, nullptr, w(L_IN_NORM), normed, T, H, eps);
     else
       kvserve_rmsnorm_bf16(hidden, residual, w(L_IN_NORM), normed, T, H, eps);
-    linear(p, L_QKV, normed, H, qkv, nqkv, T, nqkv, H);
+    const int failed = int(-1 - l);
+    if (linear(p, L_QKV, normed, H, qkv, nqkv, T, nqkv, H)) return failed;
     if (p[L_QKV_BIAS]) add_bias_bf16(qkv, nqkv, w(L_QKV_BIAS), T, nqkv);
     lora(p, 0, lora_rows, normed, H, qkv, nqkv, T);
     kvserve_rope_bf16(qkv, nqkv, cos, sin, T, NH + NKV, D);
     attend(p, qkv, nqkv, attn, slots, tables, table_stride, seq_lens, query_start, B, T, NH, NKV, D, BS, TILED,
            KV_FMT, scale);
-    linear(p, L_O, attn, NH * D, hidden, H, T, H, NH * D);
+    if (linear(p, L_O, attn, NH * D, hidden, H, T, H, NH * D)) return failed;
     lora(p, 1, lora_rows, attn, NH * D, hidden, H, T);
     if (all_reduce) all_reduce(hidden, T * H);   // tensor parallelism: o is row-parallel (Linear.tp)
     kvserve_rmsnorm_bf16(hidden, residual, w(L_POST_NORM), normed, T, H, eps);
-    linear(p, L_GATE_UP, normed, H, gate_up, 2 * I, T, 2 * I, H);
+    if (linear(p, L_GATE_UP, normed, H, gate_up, 2 * I, T, 2 * I, H)) return failed;
     lora(p, 2, lora_rows, normed, H, gate_up, 2 * I, T);
     kvserve_silu_mul_bf16(gate_up, 2 * I, act, T, I);
-    linear(p, L_DOWN, act, I, hidden, H, T, H, I);
+    if (linear(p, L_DOWN, act, I, hidden, H, T, H, I)) return failed;
     lora(p, 3, lora_rows, act, I, hidden, H, T);
     if (all_reduce) all_reduce(hidden, T * H);   // and so is down
   }
+  return 0;
 }
 
 // Decode-only steps of at least this many sequences split the batch between the threads instead of every
@@ -144,7 +147,8 @@ static void layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* lay
 // costs more than it saves (measured by batch size on 2 cores, docs/benchmarks.md).
 constexpr int64_t SPLIT_MIN_SEQS = 24;
 
-void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64_t* layer_ptrs,
+// Returns 0, or -1 - l where a linear of layer l refused its weights (layers_rows)
+int kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64_t* layer_ptrs,
                           int64_t L, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
                           const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                           const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
@@ -154,9 +158,8 @@ void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64
   bool decode_only = T == B;   // one query token per sequence: sequence b is row b
   for (int64_t b = 0; decode_only && b < B; ++b) decode_only = query_start[b + 1] - query_start[b] == 1;
   if (!split || all_reduce || !decode_only || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel()) {
-    layers_rows(hidden, residual, layer_ptrs, L, cos, sin, slots, tables, table_stride, seq_lens, query_start, B, T,
-                H, NH, NKV, D, I, BS, TILED, KV_FMT, eps, scale, scratch, lora_rows, all_reduce);
-    return;
+    return layers_rows(hidden, residual, layer_ptrs, L, cos, sin, slots, tables, table_stride, seq_lens, query_start,
+                       B, T, H, NH, NKV, D, I, BS, TILED, KV_FMT, eps, scale, scratch, lora_rows, all_reduce);
   }
   // Shares balanced on the estimated time of each sequence on one core: its row through the matmuls (~200
   // GFLOP/s) plus its attention reading K/V (~23.5 GB/s), i.e. ~0.12 bytes of K/V per matmul FLOP.
@@ -164,7 +167,8 @@ void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64
   const double row_flops = 2.0 * (H * nqkv + NH * D * H + H * 2 * I + I * H), kv_bytes = 4.0 * NKV * D;
   std::vector<double> cum(B + 1, 0.);
   for (int64_t b = 0; b < B; ++b) cum[b + 1] = cum[b] + 0.12 * row_flops + kv_bytes * seq_lens[b];
-  #pragma omp parallel num_threads(nt)
+  int failed = 0;
+  #pragma omp parallel num_threads(nt) reduction(min : failed)
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
     auto cut = [&](int i) -> int64_t {
@@ -174,10 +178,12 @@ void kvserve_llama_layers_bf16(uint16_t* hidden, uint16_t* residual, const int64
     if (b1 > b0) {
       std::vector<int32_t> qs(b1 - b0 + 1);
       for (int64_t i = 0; i <= b1 - b0; ++i) qs[i] = int32_t(i);
-      layers_rows(hidden + b0 * H, residual + b0 * H, layer_ptrs, L, cos + b0 * D, sin + b0 * D, slots + b0,
-                  tables + b0 * table_stride, table_stride, seq_lens + b0, qs.data(), b1 - b0, b1 - b0, H, NH, NKV,
-                  D, I, BS, TILED, KV_FMT, eps, scale, scratch + b0 * per_row, lora_rows ? lora_rows + b0 : nullptr, nullptr);
+      failed = layers_rows(hidden + b0 * H, residual + b0 * H, layer_ptrs, L, cos + b0 * D, sin + b0 * D, slots + b0,
+                           tables + b0 * table_stride, table_stride, seq_lens + b0, qs.data(), b1 - b0, b1 - b0, H,
+                           NH, NKV, D, I, BS, TILED, KV_FMT, eps, scale, scratch + b0 * per_row,
+                           lora_rows ? lora_rows + b0 : nullptr, nullptr);
     }
   }
+  return failed;
 }
 }

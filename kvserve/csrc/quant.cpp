@@ -456,7 +456,8 @@ KV_ALWAYS_INLINE void octet_fields(int g, Load32 load32, Load16 load16, __m256i*
   using L = Layout<T>;
   o.k16[0] = o.k16[1] = _mm256_set1_epi16(1);
   o.s = _mm256_cvtph_ps(load16(0));
-  o.m = L::M >= 0 ? _mm256_cvtph_ps(load16(octet_pos<T>(g, 0, L::M))) : _mm256_mul_ps(o.s, _mm256_set1_ps(-float(L::OFFSET)));
+  o.m = L::M >= 0 ? _mm256_cvtph_ps(load16(octet_pos<T>(g, 0, L::M)))
+                  : _mm256_mul_ps(o.s, _mm256_set1_ps(-float(L::OFFSET)));
   if constexpr (T == Q8_0) {   // a byte per value
     for (int c = 0; c < 8; ++c) q[c] = load32(octet_pos<T>(g, 0, L::QS + 4 * c));
     return;
@@ -687,9 +688,10 @@ void tail_dot(const uint8_t* w, int64_t row_bytes, int rows, const QX* const* xt
 // x's last octet of t blocks (t = 1, 2, 4) with block b % t in lane b, as tail_dot takes it
 inline void repeat_tail(const QX& last, int t, QX& out) {
   const __m256i idx = _mm256_and_si256(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(t - 1));
-  for (int c = 0; c < 8; ++c)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(out.q[c]),
-                       _mm256_permutevar8x32_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(last.q[c])), idx));
+  for (int c = 0; c < 8; ++c) {
+    const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(last.q[c]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.q[c]), _mm256_permutevar8x32_epi32(v, idx));
+  }
   _mm256_store_ps(out.d, _mm256_permutevar8x32_ps(_mm256_load_ps(last.d), idx));
   _mm256_store_ps(out.sum, _mm256_permutevar8x32_ps(_mm256_load_ps(last.sum), idx));
   std::memset(out.halves, 0, sizeof out.halves);   // the K-quants', which have no partial groups

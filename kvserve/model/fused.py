@@ -62,7 +62,7 @@ class FusedLayers:
         scratch = residual.new_empty(t * self.scratch_per_token)
         slots, tables, table_stride, seq_lens, query_start, num_seqs = meta.kernel_args
         lora_rows = self.lora_mapping.row_slot if self.lora_mapping is not None else None
-        self.lib.kvserve_llama_layers_bf16(
+        rc = self.lib.kvserve_llama_layers_bf16(
             hidden.data_ptr(), residual.data_ptr(), self.ptrs.data_ptr(), self.num_layers, cos.data_ptr(),
             sin.data_ptr(), slots, tables, table_stride, seq_lens, query_start, num_seqs, t, self.hidden_size,
             self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.block_size, self.tiled,
@@ -70,6 +70,9 @@ class FusedLayers:
             None if lora_rows is None else lora_rows.data_ptr(), None if self.tp is None else self.tp.c_all_reduce_ptr)
         if self.tp is not None:
             self.tp.raise_if_failed()   # an exception cannot cross the C++ call: the hook keeps it
+        if rc:
+            raise RuntimeError(f"the fused layer stack stopped in layer {-1 - rc}: kvserve_quant_matmul does not know "
+                               "one of its quantized weights' formats")
         return hidden, residual
 
 

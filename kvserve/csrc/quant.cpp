@@ -555,13 +555,21 @@ inline void nibble_chunks(const uint8_t* p, __m256i* q) {
 // sub-blocks' integer scales (lane b: sub-block b's in every int16 of the lane), by which vpmaddwd weights their sums
 template <>
 inline void octet<Q4_K, true>(const uint8_t* w, int, __m256i* q, OctetScales& o) {
-  uint8_t u[16];   // 8 scales, then 8 mins
-  k4_ints(w, u);
-  const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  // k4_ints on 4 int32 lanes: the 12 bytes of scales and mins as words u0 u1 u2 -> [scales 0-3, scales 4-7, mins
+  // 0-3, mins 4-7] = [u0 & 63, (u2 & 15) | (u0 >> 6 & 3) << 4, u1 & 63, (u2 >> 4 & 15) | (u1 >> 6 & 3) << 4]
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 4));   // u0 u1 u2 and 4 quant bytes
+  const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));   // u0 u2 u1 u2
+  const __m128i top = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));   // u0 u0 u1 u1
+  const __m128i lo = _mm_and_si128(a, _mm_setr_epi32(0x3f3f3f3f, 0, 0x3f3f3f3f, 0));
+  const __m128i hi = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+                                   _mm_setr_epi32(0, 0x0f0f0f0f, 0, 0x0f0f0f0f));
+  const __m128i up = _mm_and_si128(_mm_srli_epi32(top, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  const __m128i sm = _mm_or_si128(_mm_or_si128(lo, hi), up);   // 8 scales, then 8 mins
   o.k16[0] = o.k16[1] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sm, sm));
-  o.s = _mm256_set1_ps(fp16_to_f32(w));
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int*>(w)));   // d, dmin
+  o.s = _mm256_broadcastss_ps(dd);
   o.m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
-                      _mm256_set1_ps(-fp16_to_f32(w + 2)));
+                      _mm256_broadcastss_ps(_mm_sub_ps(_mm_setzero_ps(), _mm_movehdup_ps(dd))));
   nibble_chunks(w + 16, q);
 }
 // a Q6_K super-block (OCTETS): q unsigned (0..63: the value + 32), each half of a sub-block weighted by its int8
@@ -651,11 +659,15 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t o = 0; o * QXB < nsub; ++o) {
     const uint8_t* group = w + o * octet_bytes<T>();
-    const int g = int(std::min<int64_t>(QXB, nsub - o * QXB));
     __m256i q[8];
     OctetScales sc;
-    if (g == QXB) octet<T, true>(group, g, q, sc);
-    else if constexpr (Format<T>::SUBS == 1) octet<T, false>(group, g, q, sc);
+    if constexpr (Format<T>::SUBS == 8) {   // whole super-blocks
+      octet<T, true>(group, QXB, q, sc);
+    } else {
+      const int g = int(std::min<int64_t>(QXB, nsub - o * QXB));
+      if (g == QXB) octet<T, true>(group, g, q, sc);
+      else octet<T, false>(group, g, q, sc);
+    }
     const QX* xo[R];
     for (int r = 0; r < R; ++r) xo[r] = x[r] + o;
     octet_rows<T, R>(q, sc, xo, acc);

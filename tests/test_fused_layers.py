@@ -110,6 +110,15 @@ def test_fused_stack_refuses_a_quantized_weight_it_cannot_multiply(tmp_path):
     desc[1] = good
     model.model.use_fused_layers = True
     assert all(torch.isfinite(x).all() for x in _run_steps(model, 16)[0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)   # a decode step of 40 sequences split between the threads, each stopping in layer 1
+    try:
+        with pytest.raises(RuntimeError, match="layer 1"):
+            _run_batch_decodes(model, [1, 70, 3, 40, 2, 9, 110, 5] * 5, 1,
+                               after_prefill=lambda: desc.__setitem__(1, 99))
+    finally:
+        torch.set_num_threads(threads)
+        desc[1] = good
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -144,9 +153,10 @@ def check_quantized_stack(model, kv_dtype=torch.bfloat16, kv_scales=None) -> Non
     assert all(torch.equal(x, y) for x, y in zip(a_logits + a_pools, b_logits + b_pools))
 
 
-def _run_batch_decodes(model, lens: list[int], steps: int, kv_dtype=torch.bfloat16,
-                       kv_scales=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Prefill len(lens) sequences of the given lengths in one step, then decode all of them `steps` times."""
+def _run_batch_decodes(model, lens: list[int], steps: int, kv_dtype=torch.bfloat16, kv_scales=None,
+                       after_prefill=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prefill len(lens) sequences of the given lengths in one step, then decode all of them `steps` times
+    (after_prefill: called between the two)."""
     bs = 16
     blocks = [-(-(n + steps) // bs) for n in lens]
     perm = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(0)).tolist()   # scattered blocks
@@ -160,6 +170,8 @@ def _run_batch_decodes(model, lens: list[int], steps: int, kv_dtype=torch.bfloat
     out = []
     with torch.inference_mode():
         out.append(model.compute_logits(model(ids, pos, build_attention_metadata(lens, lens, tables, block_size=bs))))
+        if after_prefill is not None:
+            after_prefill()
         for s in range(steps):
             ctx = [n + s + 1 for n in lens]
             meta = build_attention_metadata([1] * len(lens), ctx, tables, block_size=bs)

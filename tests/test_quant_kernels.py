@@ -79,9 +79,9 @@ def test_rows_of_a_step_are_independent(fmt):
 @pytest.mark.parametrize("blocks", [17, 18, 20])
 def test_rows_sharing_their_last_group_keep_their_own_results(fmt, blocks):
     # a row whose last group has 1, 2 or 4 blocks runs that group in one octet with those of the next 7, 3 or 1
-    # rows: each row's result is the same whichever rows share it (alone, or among 21 rows at the start, middle and
-    # end, the last in a group of its own), each x row's the same in a step of 1 or of 11 rows, and all close to
-    # the dequantized matmul
+    # rows (AVX2): each row's result is the same whichever rows share it (alone, or among 21 rows at the start,
+    # middle and end: the last one shares a short group), each x row's the same in a step of 1 or of 11 rows, and
+    # all close to the dequantized matmul
     k = 32 * blocks
     raw = random_quantized(fmt, 21, k, seed=blocks)
     w = QuantizedWeight([raw])
@@ -225,7 +225,8 @@ def test_octet_layout_is_the_files_blocks_regrouped(fmt):
 @pytest.mark.parametrize("variant", ["native", "portable"])
 def test_every_size_of_a_rows_last_group(fmt, variant):
     # a row's last group of g < 8 blocks runs as a whole one with its loads masked to its g blocks (odd g: the
-    # scales' last dword reaches into the next field): rows of g blocks alone, and of a whole group and g
+    # scales' last dword reaches into the next field), or, g = 1, 2, 4 on AVX2, shares an octet with the next rows'
+    # last groups: rows of g blocks alone, and of a whole group and g
     with kernels.variant(variant) as lib:
         if lib is None:
             pytest.skip("no C++ kernels")

@@ -101,11 +101,11 @@ typedef void (*AllReduceFn)(uint16_t* y, int64_t numel);
 // lora_rows [T]: each row's LoRA adapter slot (-1: none), or null. Each linear is base (+ bias) + LoRA, as in the
 // modules (Linear.forward). Returns 0, or -1 - l where a linear of layer l refused its weights (and stops there).
 static int layers_rows(uint16_t* hidden, uint16_t* residual, const int64_t* layer_ptrs,
-                        int64_t L, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
-                        const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
-                        const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
-                        int64_t D, int64_t I, int64_t BS, int64_t TILED, int64_t KV_FMT, float eps, float scale,
-                        uint16_t* scratch, const int32_t* lora_rows, AllReduceFn all_reduce) {
+                       int64_t L, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
+                       const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
+                       const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t NH, int64_t NKV,
+                       int64_t D, int64_t I, int64_t BS, int64_t TILED, int64_t KV_FMT, float eps, float scale,
+                       uint16_t* scratch, const int32_t* lora_rows, AllReduceFn all_reduce) {
   const int64_t nqkv = (NH + 2 * NKV) * D;
   uint16_t* normed = scratch;
   uint16_t* qkv = normed + T * H;

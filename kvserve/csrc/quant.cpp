@@ -171,8 +171,8 @@ template <> struct Format<Q4_K> { static constexpr int SUBS = 8, BYTES = 144; st
 template <> struct Format<Q5_K> { static constexpr int SUBS = 8, BYTES = 176; static constexpr bool MIN = true; };
 template <> struct Format<Q6_K> { static constexpr int SUBS = 8, BYTES = 210; static constexpr bool MIN = false; };
 
-// The 4- and 5-bit formats' quants as unsigned bytes with a min or offset (w = s q + m; Q4_0: m = -8 s, Q5_0:
-// m = -16 s), and where their parts sit in a block
+// The 32-value formats' fields and where they sit in a block: the 4- and 5-bit formats' quants as unsigned bytes
+// with a min or offset (w = s q + m; Q4_0: m = -8 s, Q5_0: m = -16 s), Q8_0's as signed bytes
 template <int T> struct Layout;
 template <> struct Layout<Q4_0> { static constexpr int QS = 2, QH = -1, M = -1, OFFSET = 8; };
 template <> struct Layout<Q4_1> { static constexpr int QS = 4, QH = -1, M = 2, OFFSET = 0; };
@@ -566,7 +566,9 @@ inline void octet<Q4_K, true>(const uint8_t* w, int, __m256i* q, OctetScales& o)
   const __m128i up = _mm_and_si128(_mm_srli_epi32(top, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
   const __m128i sm = _mm_or_si128(_mm_or_si128(lo, hi), up);   // 8 scales, then 8 mins
   o.k16[0] = o.k16[1] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sm, sm));
-  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int*>(w)));   // d, dmin
+  int32_t d_dmin;
+  std::memcpy(&d_dmin, w, 4);
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(d_dmin));   // d, dmin
   o.s = _mm256_broadcastss_ps(dd);
   o.m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
                       _mm256_broadcastss_ps(_mm_sub_ps(_mm_setzero_ps(), _mm_movehdup_ps(dd))));
@@ -598,6 +600,7 @@ inline void octet<Q6_K, true>(const uint8_t* w, int, __m256i* q, OctetScales& o)
 }
 
 template <int T> constexpr int pair_run() {   // chunks whose int16 pair sums add unwidened: |q| <= 15, 31, 63
+  static_assert(T != Q8_0);   // none: its chunks widen one by one (octet_rows)
   if constexpr (T == Q6_K) return 2;
   else if constexpr (T == Q4_K) return 8;
   else return Layout<T>::QH >= 0 ? 4 : 8;
@@ -617,7 +620,6 @@ template <int T> constexpr bool adds_min() {   // a term m * the activations' bl
 // or 4 blocks shares an octet with those of the next rows instead (tail_dot, from quant_matmul.cpp's tiles).
 template <int T, int R>
 KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const QX* const* xo, __m256* acc) {
-  constexpr int RUN = pair_run<T>();
   __m256i isums[T == Q8_0 ? R : 1];   // Q8_0: chunk by chunk over the rows (a chunk's |w| and w held once)
   if constexpr (T == Q8_0) {
     for (int r = 0; r < R; ++r) isums[r] = _mm256_setzero_si256();
@@ -634,6 +636,7 @@ KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const 
     if constexpr (T == Q8_0) {
       isum = isums[r];
     } else {
+      constexpr int RUN = pair_run<T>();
       for (int c0 = 0; c0 < 8; c0 += RUN) {
         __m256i s16 = _mm256_setzero_si256();
         for (int c = c0; c < c0 + RUN; ++c) {

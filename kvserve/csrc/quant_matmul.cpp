@@ -1,6 +1,6 @@
 // The quantized matmul itself (kvserve_quant_matmul), over the formats and unpacking of quant.cpp. The activations
 // are quantized first, per row, to int8 with one float scale per 32 values for the 32-value formats, Q4_K and Q6_K
-// (QX, QB: quant.cpp's octets), per 128 for Q5_K (QK: blocks of 256 like llama.cpp's block_q8_K, with two scales
+// (QX: quant.cpp's octets), per 128 for Q5_K (QK: blocks of 256 like llama.cpp's block_q8_K, with two scales
 // where it has one: a scale per 256 put Qwen2.5-Coder-1.5B's perplexity 1-1.5% above the dequantized model's, per
 // 128 within 0.5%). A Q5_K super-block's products then stay integer over each activation scale's 4 sub-blocks: each
 // sub-block's int8 dot products (vpmaddubsw) are weighted by its integer scale (vpmaddwd, or AVX-512 VNNI's

@@ -70,9 +70,9 @@ class FusedLayers:
             None if lora_rows is None else lora_rows.data_ptr(), None if self.tp is None else self.tp.c_all_reduce_ptr)
         if self.tp is not None:
             self.tp.raise_if_failed()   # an exception cannot cross the C++ call: the hook keeps it
-        if rc:
+        if rc:   # (tensor parallelism: every rank refuses the same linear, before its all-reduce)
             raise RuntimeError(f"the fused layer stack stopped in layer {-1 - rc}: kvserve_quant_matmul does not know "
-                               "one of its quantized weights' formats")
+                               "the format or shape of one of its quantized weights")
         return hidden, residual
 
 

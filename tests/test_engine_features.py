@@ -85,9 +85,13 @@ def test_logprobs_include_the_sampled_token_and_top_k(llm):
     assert all(isinstance(lp.decoded_token, str) for pos in out.logprobs for lp in pos.values())
 
 
-def test_prompt_logprobs_match_transformers(llm, hf_reference):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_match_transformers(llm, hf_reference, chunked):
+    # chunked: the prompt prefilled 4 tokens a step, each step's logprobs put in place
+    engine = LLM(dtype="float32", max_model_len=256, quantization="none", max_num_batched_tokens=4) if chunked else llm
     ids = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog")
-    out = gen(llm, {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert len(ids) > 8 and (not chunked or engine.llm_engine.scheduler.max_num_batched_tokens < len(ids))
+    out = gen(engine, {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
     with torch.no_grad():
         x = torch.tensor([ids])

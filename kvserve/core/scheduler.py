@@ -401,7 +401,7 @@ class Scheduler:
                 if req.draft_len is not None:
                     req.draft_len = accepted + 1 if accepted < num_drafts else req.draft_len + 1
                 # the KV of the first rejected draft and of every draft after it is stale
-                req.num_computed_tokens -= num_drafts - (len(tokens) - 1)
+                req.num_computed_tokens -= num_drafts - accepted
             new_tokens = self._append_tokens(req, tokens)
             if len(new_tokens) < len(tokens):   # a stop: the logprobs of the tokens after it go too
                 req.truncate_output(req.num_output_tokens)

@@ -553,18 +553,22 @@ inline void nibble_chunks(const uint8_t* p, __m256i* q) {
 
 // a Q4_K super-block (OCTETS) as an octet of its 8 sub-blocks: q and m as above, s = d in every lane, and k16 the
 // sub-blocks' integer scales (lane b: sub-block b's in every int16 of the lane), by which vpmaddwd weights their sums
-template <>
-inline void octet<Q4_K, true>(const uint8_t* w, int, __m256i* q, OctetScales& o) {
-  // k4_ints on 4 int32 lanes: the 12 bytes of scales and mins as words u0 u1 u2 -> [scales 0-3, scales 4-7, mins
-  // 0-3, mins 4-7] = [u0 & 63, (u2 & 15) | (u0 >> 6 & 3) << 4, u1 & 63, (u2 >> 4 & 15) | (u1 >> 6 & 3) << 4]
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 4));   // u0 u1 u2 and 4 quant bytes
+// k4_ints on 4 int32 lanes, for a Q4_K / Q5_K super-block at b: its 12 bytes of scales and mins as words u0 u1 u2
+// -> [scales 0-3, scales 4-7, mins 0-3, mins 4-7] = [u0 & 63, (u2 & 15) | (u0 >> 6 & 3) << 4, u1 & 63,
+// (u2 >> 4 & 15) | (u1 >> 6 & 3) << 4]
+inline __m128i k4_ints_simd(const uint8_t* b) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));   // u0 u1 u2 and 4 quant bytes
   const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));   // u0 u2 u1 u2
   const __m128i top = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));   // u0 u0 u1 u1
   const __m128i lo = _mm_and_si128(a, _mm_setr_epi32(0x3f3f3f3f, 0, 0x3f3f3f3f, 0));
   const __m128i hi = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
                                    _mm_setr_epi32(0, 0x0f0f0f0f, 0, 0x0f0f0f0f));
   const __m128i up = _mm_and_si128(_mm_srli_epi32(top, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-  const __m128i sm = _mm_or_si128(_mm_or_si128(lo, hi), up);   // 8 scales, then 8 mins
+  return _mm_or_si128(_mm_or_si128(lo, hi), up);
+}
+template <>
+inline void octet<Q4_K, true>(const uint8_t* w, int, __m256i* q, OctetScales& o) {
+  const __m128i sm = k4_ints_simd(w);   // 8 scales, then 8 mins
   o.k16[0] = o.k16[1] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sm, sm));
   int32_t d_dmin;
   std::memcpy(&d_dmin, w, 4);

@@ -94,9 +94,7 @@ struct KHeader {
   __m256i sc, mn;   // sc: the 8 scales as int16, in both 128-bit halves
   float d, dmin;
   explicit KHeader(const uint8_t* b) {
-    uint8_t u[16];   // 8 scales, then 8 mins
-    k4_ints(b, u);
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+    const __m128i v = k4_ints_simd(b);   // 8 scales, then 8 mins
     sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v));
     mn = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14,
                                                                  15, 15)));

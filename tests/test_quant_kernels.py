@@ -63,16 +63,22 @@ def test_every_format_against_dequantized_matmul(fmt, variant):
             check_close(y, reference(x, w), x, dense, 128 if fmt == "Q5_K" else 32)   # the others: per 32
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
-def test_rows_of_a_step_are_independent(fmt):
-    # a row's result does not depend on which other rows share its step (row tiles of 8, remainders; for the
-    # 32-value formats 11 blocks: an octet and a partial one)
-    k = 256 if fmt.endswith("K") else 352
-    w = QuantizedWeight([random_quantized(fmt, 20, k)])
+@pytest.mark.parametrize("fmt,k", [("Q4_K", 256), ("Q5_K", 256), ("Q6_K", 256)]
+                         + [(f, k) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") for k in (352, 512)])
+def test_rows_of_a_step_are_independent(fmt, k):
+    # a row's result does not depend on which other rows share its step (row tiles of 8, remainders) nor on the
+    # weight rows beside it (the 4-bit formats run whole octets two weight rows at a time, x rows in passes of up
+    # to 4: an odd weight row runs alone); for the 32-value formats 11 blocks (an octet and a partial one) or 16
+    raw = random_quantized(fmt, 21, k)
+    w = QuantizedWeight([raw])
     x = torch.randn(11, k)
     whole = quantized_matmul(x, w)
     for i in range(11):
         assert torch.equal(quantized_matmul(x[i:i + 1], w), whole[i:i + 1])
+    for n in (0, 7, 20):
+        alone = QuantizedWeight([dataclasses.replace(raw, data=raw.data[n:n + 1])])
+        assert torch.equal(quantized_matmul(x, alone)[:, 0], whole[:, n])
+    check_close(whole, reference(x, w), x, w.dequantize(), 128 if fmt == "Q5_K" else 32)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])

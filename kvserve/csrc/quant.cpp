@@ -682,6 +682,69 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
   for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 
+// Two weight rows (wa, wb) against R <= 4 rows of x over noct whole octets, for the 4-bit 32-value formats: each
+// chunk of x serves both weight rows, and the octets are decoded a pair of chunks at a time into few registers
+// (row_dot_simd holds a whole octet, and its R rows' sums spill). The integer sums and float steps are
+// octet_rows', so each result equals row_dot_simd's bit for bit.
+template <int T> constexpr bool in_pairs() {
+  if constexpr (T == Q4_0 || T == Q4_1) return true;
+  else return false;
+}
+template <int T, int R>
+void row_dot_pair(const uint8_t* wa, const uint8_t* wb, const QX* const* x, int64_t noct, float* outa,
+                  float* outb) {
+  static_assert(in_pairs<T>() && R <= 4);
+  using L = Layout<T>;
+  __m256 acca[R], accb[R];
+  for (int r = 0; r < R; ++r) acca[r] = accb[r] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+  for (int64_t o = 0; o < noct; ++o) {
+    const uint8_t* ga = wa + o * octet_bytes<T>();
+    const uint8_t* gb = wb + o * octet_bytes<T>();
+    __m256i sa[R], sb[R];
+    for (int r = 0; r < R; ++r) sa[r] = sb[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {   // chunks c (low nibbles) and c + 4 (high)
+      const int at = octet_pos<T>(QXB, 0, L::QS + 4 * c);
+      const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ga + at));
+      const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + at));
+      const __m256i al = _mm256_and_si256(va, lo4), ah = _mm256_and_si256(_mm256_srli_epi16(va, 4), lo4);
+      const __m256i bl = _mm256_and_si256(vb, lo4), bh = _mm256_and_si256(_mm256_srli_epi16(vb, 4), lo4);
+      for (int r = 0; r < R; ++r) {
+        const QX& xo = x[r][o];
+        const __m256i xl = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.q[c]));
+        const __m256i xh = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.q[c + 4]));
+        sa[r] = _mm256_add_epi16(_mm256_add_epi16(sa[r], _mm256_maddubs_epi16(al, xl)), _mm256_maddubs_epi16(ah, xh));
+        sb[r] = _mm256_add_epi16(_mm256_add_epi16(sb[r], _mm256_maddubs_epi16(bl, xl)), _mm256_maddubs_epi16(bh, xh));
+        __asm__ volatile("" : "+x"(sa[r]), "+x"(sb[r]));   // keeps GCC from hoisting every product (and spilling)
+      }
+    }
+    const auto scales = [&](const uint8_t* g, __m256& s, __m256& m) {   // as octet_fields'
+      const auto fp16x8 = [&](int at) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + at)));
+      };
+      s = fp16x8(0);
+      m = L::M >= 0 ? fp16x8(octet_pos<T>(QXB, 0, L::M)) : _mm256_mul_ps(s, _mm256_set1_ps(-float(L::OFFSET)));
+    };
+    __m256 s_a, m_a, s_b, m_b;
+    scales(ga, s_a, m_a);
+    scales(gb, s_b, m_b);
+    for (int r = 0; r < R; ++r) {
+      const QX& xo = x[r][o];
+      const __m256 d = _mm256_load_ps(xo.d), sum = _mm256_load_ps(xo.sum);
+      acca[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sa[r], ones)), _mm256_mul_ps(s_a, d), acca[r]);
+      accb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sb[r], ones)), _mm256_mul_ps(s_b, d), accb[r]);
+      if constexpr (adds_min<T>()) {
+        acca[r] = _mm256_fmadd_ps(m_a, sum, acca[r]);
+        accb[r] = _mm256_fmadd_ps(m_b, sum, accb[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    outa[r] = hsum8(acca[r]);
+    outb[r] = hsum8(accb[r]);
+  }
+}
+
 // The rows' last groups of t blocks by tail_octet: out[i][r] += the dot product of the last group of weight row i
 // (rows <= 8 / t of them, row_bytes apart from w) and that of x row r, taken from xt[r] (repeat_tail's). Each lane
 // is the same float step as row_dot_simd's, so a row's result does not depend on the rows beside it.

@@ -274,6 +274,28 @@ template <int T> inline int shared_tail(int64_t nblocks) {
   return 0;
 }
 
+// weight rows w, w + row_bytes, ... (count of them) over their first nblocks blocks against R rows of x, into out[i]:
+// two weight rows at a time (row_dot_pair, R split in two passes past 4) where the format and whole octets allow
+template <int T, int R, typename A>
+KV_ALWAYS_INLINE void rows_over(const uint8_t* w, int64_t count, int64_t row_bytes, const A* const* xr,
+                                int64_t nblocks, float (*out)[QKR]) {
+  int64_t i = 0;
+#ifdef KV_HAVE_QAVX2
+  if constexpr (std::is_same_v<A, QX> && in_pairs<T>()) {
+    if (R > 1 && nblocks % QXB == 0) {
+      constexpr int R1 = R <= 4 ? R : (R + 1) / 2, R2 = R - R1;
+      for (; i + 1 < count; i += 2) {
+        const uint8_t* wa = w + i * row_bytes;
+        row_dot_pair<T, R1>(wa, wa + row_bytes, xr, nblocks / QXB, out[i], out[i + 1]);
+        if constexpr (R2 > 0) row_dot_pair<T, R2>(wa, wa + row_bytes, xr + R1, nblocks / QXB, out[i] + R1,
+                                                  out[i + 1] + R1);
+      }
+    }
+  }
+#endif
+  for (; i < count; ++i) dot_rows<T, R>(w + i * row_bytes, xr, nblocks, out[i]);
+}
+
 // weight rows n0 .. n1 - 1 against R rows of x; tail (shared_tail): each row's whole octets alone, then the last
 // groups of 8 / tail rows at a time against xt (repeat_tail's)
 template <int T, int R, typename A>
@@ -286,7 +308,7 @@ void tile_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t row_bytes, cons
       const int64_t whole = nblocks - t, at = whole / QXB * octet_bytes<T>();
       for (int64_t n = n0; n < n1; n += p) {
         const int rows = int(std::min<int64_t>(p, n1 - n));
-        for (int i = 0; i < rows; ++i) dot_rows<T, R>(w + (n + i) * row_bytes, xr, whole, out[n + i - n0]);
+        rows_over<T, R>(w + n * row_bytes, rows, row_bytes, xr, whole, out + (n - n0));
         tail_dot<T, R, t>(w + n * row_bytes + at, row_bytes, rows, xt, out + (n - n0));
       }
     };
@@ -298,7 +320,7 @@ void tile_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t row_bytes, cons
     }
   }
 #endif
-  for (int64_t n = n0; n < n1; ++n) dot_rows<T, R>(w + n * row_bytes, xr, nblocks, out[n - n0]);
+  rows_over<T, R>(w + n0 * row_bytes, n1 - n0, row_bytes, xr, nblocks, out);
 }
 
 thread_local std::vector<QX> xt_buffer;   // repeat_tail's octet of each row of x

@@ -448,6 +448,28 @@ def test_a_verification_alone_gets_its_rows_as_in_a_bigger_step(dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 5), (4, 4, 32, 4)])
+def test_a_tokens_row_is_the_same_in_a_decode_and_in_a_verification(dtype, heads, kv_heads, head_dim, block_size):
+    """Speculative decoding's exactness rests on this: a token's attention output is the same bit for bit whether
+    it is decoded alone (one query token) or verified among others (here 6, the last ones of a 70-token context),
+    whichever query rows share its work item and whichever rows the kernel pairs it with."""
+    g = torch.Generator().manual_seed(5)
+    nblocks = -(-70 // block_size)
+    k_cache = torch.randn(nblocks + 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(nblocks + 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    table = torch.randperm(nblocks + 2, generator=g)[:nblocks].tolist()
+    q, k, v = (torch.randn(6, n * head_dim, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads))
+    verify = (q, k, v, k_cache, v_cache, build_attention_metadata([6], [70], [table], block_size))
+    together, k_cache, v_cache = run(CpuPagedAttention(), verify, heads)   # the pools with the 6 tokens written
+    for t in range(6):
+        ctx = 65 + t
+        alone = (q[t:t + 1], k[t:t + 1], v[t:t + 1], k_cache, v_cache,
+                 build_attention_metadata([1], [ctx], [table[:-(-ctx // block_size)]], block_size))
+        assert torch.equal(run(CpuPagedAttention(), alone, heads)[0], together[t:t + 1])
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_fused_bf16_layer_ops_equal_the_torch_ops(rows, monkeypatch):
     """RMSNorm (+ residual add), RoPE and SiLU-and-mul kernels round like the chain of torch ops they replace."""

@@ -4,7 +4,7 @@
 
 namespace {
 
-constexpr int KC = 32;        // keys per chunk: converted to fp32 once, reused by every query row of a tile
+constexpr int KC = 32;        // keys per chunk: every query row of a work item passes over them together
 constexpr int MAX_D = 256;    // largest head_dim supported (checked on the Python side)
 constexpr int MAX_ROWS = 64;  // query rows (tokens x q heads) per work item
 constexpr int MAX_KV_ROW = 1024;  // kv heads x head_dim of the SIMD path
@@ -35,69 +35,196 @@ inline void row_update(const float* qr, float* a, float& m, float& l, const floa
 }
 
 #ifdef KV_HAVE_AVX2
-// row_update on 8 lanes (D % 8 == 0; qr, a, kf, vf 32-byte aligned): the scores of 8 keys at a time (their
-// partial-sum vectors transposed and summed into one vector), exps on 8 lanes, and P @ V as 8 independent chains
-// of broadcast multiply-adds
-inline void row_update_avx2(const float* qr, float* a, float& m, float& l, const float (*kf)[MAX_D],
-                            const float (*vf)[MAX_D], int64_t nv, int64_t D) {
-  const int64_t nd = D / 8;
-  alignas(32) float s[KC];
-  int64_t j = 0;
-  for (; j + 8 <= nv; j += 8) {
-    __m256 part[8];
-    for (int k = 0; k < 8; ++k) {
-      __m256 x = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_load_ps(kf[j + k]));
-      for (int64_t i = 1; i < nd; ++i)
-        x = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kf[j + k] + 8 * i), x);
-      part[k] = x;
+// lanes 0-3: the sums of the lanes of a0 .. a3
+KV_ALWAYS_INLINE __m128 transpose_sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// 16 values of a K or V row as two float vectors, in the kernel's order of dims: bf16 as its 8 even and 8 odd
+// values (two ops on one load, no conversion pass), float32 as they come. Queries and accumulators use the same
+// order (q16), and the output is put back in place (unpermute16).
+KV_ALWAYS_INLINE void load16(const uint16_t* p, __m256& a, __m256& b) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  b = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xffff0000u))));
+}
+KV_ALWAYS_INLINE void load16(const float* p, __m256& a, __m256& b) {
+  a = _mm256_loadu_ps(p);
+  b = _mm256_loadu_ps(p + 8);
+}
+template <typename T> inline void q16(const T* src, float scale, float* dst) {   // 16 values in load16's order
+  for (int k = 0; k < 8; ++k) {
+    dst[k] = load(src, std::is_same_v<T, float> ? k : 2 * k) * scale;
+    dst[8 + k] = load(src, std::is_same_v<T, float> ? 8 + k : 2 * k + 1) * scale;
+  }
+}
+template <typename T> inline int unpermute16(int k) {   // where value k of 16 sits in load16's order
+  return std::is_same_v<T, float> ? k : (k % 2) * 8 + k / 2;
+}
+
+// the scores of NR (1 or 2) query rows q[r] (load16's order) against keys j .. j + 3 of the chunk (rows kr[j],
+// D = 16 n16) into s[r][j ..]: each key's loads serve both rows, each row's sums are its own
+template <int NR, typename T>
+KV_ALWAYS_INLINE void scores4(const float* const* q, const T* const* kr, int64_t j, int64_t n16, float* const* s) {
+  __m256 a[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < 4; ++k) a[r][k] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n16; ++i) {
+    __m256 qa[NR], qb[NR];
+    for (int r = 0; r < NR; ++r) {
+      qa[r] = _mm256_load_ps(q[r] + 16 * i);
+      qb[r] = _mm256_load_ps(q[r] + 16 * i + 8);
     }
-    _mm256_store_ps(s + j, transpose_sum8(part));
+    for (int k = 0; k < 4; ++k) {
+      __m256 ka, kb;
+      load16(kr[j + k] + 16 * i, ka, kb);
+      for (int r = 0; r < NR; ++r) a[r][k] = _mm256_fmadd_ps(qb[r], kb, _mm256_fmadd_ps(qa[r], ka, a[r][k]));
+    }
   }
-  for (; j < nv; ++j) {
-    __m256 x = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_load_ps(kf[j]));
-    for (int64_t i = 1; i < nd; ++i)
-      x = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * i), _mm256_load_ps(kf[j] + 8 * i), x);
-    s[j] = hsum8(x);
+  for (int r = 0; r < NR; ++r) _mm_store_ps(s[r] + j, transpose_sum4(a[r][0], a[r][1], a[r][2], a[r][3]));
+}
+
+// dims 16 i0 .. 16 (i0 + NI) (load16's order) of NR rows' accumulators: acc = acc * corr + sum over keys j < np of
+// p[r][j] v[j] (rows vr[j])
+template <int NR, int NI, typename T>
+KV_ALWAYS_INLINE void pv_rows(float* const* acc, const float* const* p, const float* corr, const T* const* vr,
+                              int64_t np, int64_t i0) {
+  __m256 a[NR][2 * NI];
+  for (int r = 0; r < NR; ++r) {
+    const __m256 c = _mm256_set1_ps(corr[r]);
+    for (int i = 0; i < 2 * NI; ++i) a[r][i] = _mm256_mul_ps(_mm256_load_ps(acc[r] + 16 * i0 + 8 * i), c);
   }
-  float smax = s[0];
-  for (j = 1; j < nv; ++j) smax = std::max(smax, s[j]);
-  const float mnew = std::max(m, smax);
-  const float corr = std::exp(m - mnew);
-  const __m256 vm = _mm256_set1_ps(mnew);
-  __m256 psum = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= nv; j += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + j), vm));
-    _mm256_store_ps(s + j, e);
-    psum = _mm256_add_ps(psum, e);
+  for (int64_t j = 0; j < np; ++j) {
+    __m256 v[2 * NI];
+    for (int i = 0; i < NI; ++i) load16(vr[j] + 16 * (i0 + i), v[2 * i], v[2 * i + 1]);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 pj = _mm256_broadcast_ss(p[r] + j);
+      for (int i = 0; i < 2 * NI; ++i) a[r][i] = _mm256_fmadd_ps(pj, v[i], a[r][i]);
+    }
   }
-  float ptail = 0.f;
-  for (; j < nv; ++j) { s[j] = std::exp(s[j] - mnew); ptail += s[j]; }
-  l = l * corr + (hsum8(psum) + ptail);
-  m = mnew;
-  const __m256 vc8 = _mm256_set1_ps(corr);
-  for (int64_t i0 = 0; i0 < nd; i0 += 8) {   // 8 accumulator vectors (64 dims) at a time
-    const int64_t ni = std::min<int64_t>(8, nd - i0);
-    __m256 av[8];
-    for (int64_t i = 0; i < ni; ++i) av[i] = _mm256_mul_ps(_mm256_load_ps(a + 8 * (i0 + i)), vc8);
-    for (j = 0; j < nv; ++j) {
-      const __m256 pj = _mm256_set1_ps(s[j]);
-      const float* vr = vf[j] + 8 * i0;
-      if (ni == 8) {
-        for (int i = 0; i < 8; ++i) av[i] = _mm256_fmadd_ps(pj, _mm256_load_ps(vr + 8 * i), av[i]);
-      } else {
-        for (int64_t i = 0; i < ni; ++i) av[i] = _mm256_fmadd_ps(pj, _mm256_load_ps(vr + 8 * i), av[i]);
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < 2 * NI; ++i) _mm256_store_ps(acc[r] + 16 * i0 + 8 * i, a[r][i]);
+}
+
+template <int NR, typename T>
+inline void pv_dims(float* const* acc, const float* const* p, const float* corr, const T* const* vr, int64_t np,
+                    int64_t n16) {
+  int64_t i0 = 0;
+  for (; i0 + 2 <= n16; i0 += 2) pv_rows<NR, 2>(acc, p, corr, vr, np, i0);
+  if (i0 < n16) pv_rows<NR, 1>(acc, p, corr, vr, np, i0);
+}
+
+// One work item on 8 lanes (D % 16 == 0; K/V of the query's type): sequence b, kv head g, query tokens
+// [t0, t0 + nt). Per chunk of KC key positions (fixed positions: a row's result does not depend on its tile or
+// step), three passes over the rows, two rows at a time, reading K and V straight from the cache (load16), so that
+// out-of-order execution overlaps rows and each load serves both: 1. scores, 2. online-softmax update (the exps
+// of keys past a row's causal limit are exactly 0), 3. P @ V. A row's sums are its own in every pass, so its result
+// does not depend on its partner.
+template <typename T>
+void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table,
+                      int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H,
+                      int64_t Hkv, int64_t D, int64_t bs, float scale) {
+  const int64_t G = H / Hkv, R = nt * G, n16 = D / 16;
+  alignas(32) float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D];
+  alignas(32) float s[MAX_ROWS][KC];
+  alignas(32) static const T zero_row[MAX_D] = {};   // the keys past a chunk's end, up to a multiple of 4
+  const T* kr[KC];
+  const T* vr[KC];
+  float m[MAX_ROWS], l[MAX_ROWS], corr[MAX_ROWS];
+  int64_t limit[MAX_ROWS], nv[MAX_ROWS];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = t0 + r / G, h = g * G + r % G;
+    const T* src = q + (q_row0 + t) * qs + h * D;
+    for (int64_t d = 0; d < D; d += 16) q16(src + d, scale, qf[r] + d);
+    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[r] + d, _mm256_setzero_ps());
+    m[r] = -INFINITY; l[r] = 0.f;
+    limit[r] = ctx_len - q_len + t;   // causal: the last key position this token sees
+  }
+  const int64_t end = limit[R - 1] + 1;
+  const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row;
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t p = 0; p < end; p += KC) {
+    const int64_t n = std::min<int64_t>(KC, end - p), n4 = (n + 3) & ~int64_t(3);
+    for (int64_t j = 0; j < n;) {   // the chunk's rows, block by block
+      const int64_t off = (p + j) % bs, run = std::min(n - j, bs - off);
+      const int64_t at = int64_t(table[(p + j) / bs]) * blk_stride + off * kv_row + g * D;
+      for (int64_t i = 0; i < run; ++i, ++j) {
+        kr[j] = kc + at + i * kv_row;
+        vr[j] = vc + at + i * kv_row;
       }
     }
-    for (int64_t i = 0; i < ni; ++i) _mm256_store_ps(a + 8 * (i0 + i), av[i]);
+    for (int64_t j = n; j < n4; ++j) kr[j] = vr[j] = zero_row;
+    for (int64_t r = 0; r < R; ++r) nv[r] = std::max<int64_t>(0, std::min<int64_t>(n, limit[r] - p + 1));
+    // 1. scores
+    int64_t r = 0;
+    for (; r + 1 < R; r += 2) {
+      const float* qq[2] = {qf[r], qf[r + 1]};
+      float* ss[2] = {s[r], s[r + 1]};
+      const int64_t top = std::max(nv[r], nv[r + 1]);
+      for (int64_t j = 0; j < top; j += 4) scores4<2>(qq, kr, j, n16, ss);
+    }
+    if (r < R) {
+      const float* qq[1] = {qf[r]};
+      float* ss[1] = {s[r]};
+      for (int64_t j = 0; j < nv[r]; j += 4) scores4<1>(qq, kr, j, n16, ss);
+    }
+    // 2. online softmax: p = exp(s - m) for the row's nv keys, 0 for the rest of the chunk
+    for (r = 0; r < R; ++r) {
+      corr[r] = 1.f;
+      if (nv[r] == 0) {
+        for (int64_t j = 0; j < KC; j += 8) _mm256_store_ps(s[r] + j, _mm256_setzero_ps());
+        continue;
+      }
+      const __m256 vn = _mm256_set1_ps(float(nv[r]));
+      __m256 vmax = _mm256_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < nv[r]; j += 8) {
+        const __m256 in = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), vn, _CMP_LT_OQ);
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(s[r] + j), in));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float mnew = std::max(m[r], _mm_cvtss_f32(h));
+      corr[r] = std::exp(m[r] - mnew);
+      const __m256 vm = _mm256_set1_ps(mnew);
+      __m256 psum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < KC; j += 8) {
+        const __m256 in = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), vn, _CMP_LT_OQ);
+        const __m256 e = j < nv[r] ? _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_load_ps(s[r] + j), vm)), in)
+                                   : _mm256_setzero_ps();
+        _mm256_store_ps(s[r] + j, e);
+        psum = _mm256_add_ps(psum, e);
+      }
+      l[r] = l[r] * corr[r] + hsum8(psum);
+      m[r] = mnew;
+    }
+    // 3. P @ V
+    for (r = 0; r + 1 < R; r += 2) {
+      float* aa[2] = {acc[r], acc[r + 1]};
+      const float* pp[2] = {s[r], s[r + 1]};
+      pv_dims<2>(aa, pp, corr + r, vr, std::max(nv[r], nv[r + 1]), n16);
+    }
+    if (r < R) {
+      float* aa[1] = {acc[r]};
+      const float* pp[1] = {s[r]};
+      pv_dims<1>(aa, pp, corr + r, vr, nv[r], n16);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = t0 + r / G, h = g * G + r % G;
+    T* dst = out + ((q_row0 + t) * H + h) * D;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; d += 16)
+      for (int k = 0; k < 16; ++k) store(dst, d + k, acc[r][d + unpermute16<T>(k)] * inv);
   }
 }
 #endif
 
 // One work item: sequence b, kv head g, query tokens [t0, t0 + nt) of that sequence.
 // Rows are (token, q head of this kv head) pairs; every row runs its own online softmax.
-// KV: the pools' element type (T, or an FP8 format whose values are scaled by k_scale / v_scale). AVX2: the rows'
-// updates on 8 lanes (D % 8 == 0).
-template <typename T, typename KV = T, bool AVX2 = false>
+// KV: the pools' element type (T, or an FP8 format whose values are scaled by k_scale / v_scale).
+template <typename T, typename KV = T>
 void attend_item(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* table, int64_t ctx_len,
                  int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H, int64_t Hkv,
                  int64_t D, int64_t bs, float scale, float k_scale = 1.f, float v_scale = 1.f) {  // one kv head g
@@ -126,12 +253,6 @@ void attend_item(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, con
     for (int64_t r = 0; r < R; ++r) {
       const int64_t nv = std::min<int64_t>(n, limit[r] - p + 1);  // keys of this chunk the row may see
       if (nv <= 0) continue;
-#ifdef KV_HAVE_AVX2
-      if constexpr (AVX2) {
-        row_update_avx2(qf[r], acc[r], m[r], l[r], kf, vf, nv, D);
-        continue;
-      }
-#endif
       row_update(qf[r], acc[r], m[r], l[r], kf, vf, nv, D);
     }
     p += n;
@@ -481,7 +602,7 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
 #endif
   bool avx2 = false;   // the AVX2 kernel: where the AVX-512 one does not apply
 #ifdef KV_HAVE_AVX2
-  avx2 = !simd && std::is_same<T, KV>::value && D % 8 == 0;
+  avx2 = !simd && std::is_same<T, KV>::value && D % 16 == 0;
 #else
   (void)avx2;
 #endif
@@ -548,8 +669,8 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
 #ifdef KV_HAVE_AVX2
     if constexpr (std::is_same<T, KV>::value) {
       if (avx2) {
-        attend_item<T, T, true>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D,
-                                bs, scale);
+        attend_item_avx2<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D, bs,
+                            scale);
         continue;
       }
     }

@@ -566,8 +566,8 @@ inline __m128i k4_ints_simd(const uint8_t* b) {
   const __m128i up = _mm_and_si128(_mm_srli_epi32(top, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
   return _mm_or_si128(_mm_or_si128(lo, hi), up);
 }
-template <>
-inline void octet<Q4_K, true>(const uint8_t* w, int, __m256i* q, OctetScales& o) {
+// a Q4_K super-block's factors (octet<Q4_K>'s, without its quants)
+inline void q4k_scales(const uint8_t* w, OctetScales& o) {
   const __m128i sm = k4_ints_simd(w);   // 8 scales, then 8 mins
   o.k16[0] = o.k16[1] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sm, sm));
   int32_t d_dmin;
@@ -576,6 +576,10 @@ inline void octet<Q4_K, true>(const uint8_t* w, int, __m256i* q, OctetScales& o)
   o.s = _mm256_broadcastss_ps(dd);
   o.m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
                       _mm256_broadcastss_ps(_mm_sub_ps(_mm_setzero_ps(), _mm_movehdup_ps(dd))));
+}
+template <>
+inline void octet<Q4_K, true>(const uint8_t* w, int, __m256i* q, OctetScales& o) {
+  q4k_scales(w, o);
   nibble_chunks(w + 16, q);
 }
 // a Q6_K super-block (OCTETS): q unsigned (0..63: the value + 32), each half of a sub-block weighted by its int8
@@ -682,31 +686,46 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
   for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 
-// Two weight rows (wa, wb) against R <= 4 rows of x over noct whole octets, for the 4-bit 32-value formats: each
-// chunk of x serves both weight rows, and the octets are decoded a pair of chunks at a time into few registers
-// (row_dot_simd holds a whole octet, and its R rows' sums spill). The integer sums and float steps are
+// Two weight rows (wa, wb) against R <= 4 rows of x over noct whole octets, for the 4-bit formats (Q4_0, Q4_1,
+// Q4_K): each chunk of x serves both weight rows, and the octets are decoded a pair of chunks at a time into few
+// registers (row_dot_simd holds a whole octet, and its R rows' sums spill). The integer sums and float steps are
 // octet_rows', so each result equals row_dot_simd's bit for bit.
 template <int T> constexpr bool in_pairs() {
-  if constexpr (T == Q4_0 || T == Q4_1) return true;
+  if constexpr (T == Q4_0 || T == Q4_1 || T == Q4_K) return true;
   else return false;
+}
+template <int T> constexpr int pair_chunks_at(int c) {   // the 32 bytes of chunks c (low nibbles) and c + 4 (high)
+  if constexpr (T == Q4_K) return 16 + 32 * c;
+  else return octet_pos<T>(QXB, 0, Layout<T>::QS + 4 * c);
+}
+template <int T> KV_ALWAYS_INLINE void pair_scales(const uint8_t* g, OctetScales& o) {   // as octet's
+  if constexpr (T == Q4_K) {
+    q4k_scales(g, o);
+  } else {
+    using L = Layout<T>;
+    const auto fp16x8 = [&](int at) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + at)));
+    };
+    o.k16[0] = _mm256_set1_epi16(1);
+    o.s = fp16x8(0);
+    o.m = L::M >= 0 ? fp16x8(octet_pos<T>(QXB, 0, L::M)) : _mm256_mul_ps(o.s, _mm256_set1_ps(-float(L::OFFSET)));
+  }
 }
 template <int T, int R>
 void row_dot_pair(const uint8_t* wa, const uint8_t* wb, const QX* const* x, int64_t noct, float* outa,
                   float* outb) {
-  static_assert(in_pairs<T>() && R <= 4);
-  using L = Layout<T>;
+  static_assert(in_pairs<T>() && pair_run<T>() == 8 && R <= 4);
   __m256 acca[R], accb[R];
   for (int r = 0; r < R; ++r) acca[r] = accb[r] = _mm256_setzero_ps();
-  const __m256i lo4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+  const __m256i lo4 = _mm256_set1_epi8(0xF);
   for (int64_t o = 0; o < noct; ++o) {
     const uint8_t* ga = wa + o * octet_bytes<T>();
     const uint8_t* gb = wb + o * octet_bytes<T>();
     __m256i sa[R], sb[R];
     for (int r = 0; r < R; ++r) sa[r] = sb[r] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {   // chunks c (low nibbles) and c + 4 (high)
-      const int at = octet_pos<T>(QXB, 0, L::QS + 4 * c);
-      const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ga + at));
-      const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + at));
+    for (int c = 0; c < 4; ++c) {
+      const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ga + pair_chunks_at<T>(c)));
+      const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + pair_chunks_at<T>(c)));
       const __m256i al = _mm256_and_si256(va, lo4), ah = _mm256_and_si256(_mm256_srli_epi16(va, 4), lo4);
       const __m256i bl = _mm256_and_si256(vb, lo4), bh = _mm256_and_si256(_mm256_srli_epi16(vb, 4), lo4);
       for (int r = 0; r < R; ++r) {
@@ -718,24 +737,19 @@ void row_dot_pair(const uint8_t* wa, const uint8_t* wb, const QX* const* x, int6
         __asm__ volatile("" : "+x"(sa[r]), "+x"(sb[r]));   // keeps GCC from hoisting every product (and spilling)
       }
     }
-    const auto scales = [&](const uint8_t* g, __m256& s, __m256& m) {   // as octet_fields'
-      const auto fp16x8 = [&](int at) {
-        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + at)));
-      };
-      s = fp16x8(0);
-      m = L::M >= 0 ? fp16x8(octet_pos<T>(QXB, 0, L::M)) : _mm256_mul_ps(s, _mm256_set1_ps(-float(L::OFFSET)));
-    };
-    __m256 s_a, m_a, s_b, m_b;
-    scales(ga, s_a, m_a);
-    scales(gb, s_b, m_b);
+    OctetScales fa, fb;
+    pair_scales<T>(ga, fa);
+    pair_scales<T>(gb, fb);
     for (int r = 0; r < R; ++r) {
       const QX& xo = x[r][o];
       const __m256 d = _mm256_load_ps(xo.d), sum = _mm256_load_ps(xo.sum);
-      acca[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sa[r], ones)), _mm256_mul_ps(s_a, d), acca[r]);
-      accb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sb[r], ones)), _mm256_mul_ps(s_b, d), accb[r]);
+      acca[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sa[r], fa.k16[0])), _mm256_mul_ps(fa.s, d),
+                                acca[r]);
+      accb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sb[r], fb.k16[0])), _mm256_mul_ps(fb.s, d),
+                                accb[r]);
       if constexpr (adds_min<T>()) {
-        acca[r] = _mm256_fmadd_ps(m_a, sum, acca[r]);
-        accb[r] = _mm256_fmadd_ps(m_b, sum, accb[r]);
+        acca[r] = _mm256_fmadd_ps(fa.m, sum, acca[r]);
+        accb[r] = _mm256_fmadd_ps(fb.m, sum, accb[r]);
       }
     }
   }

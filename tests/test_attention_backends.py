@@ -450,23 +450,39 @@ def test_a_verification_alone_gets_its_rows_as_in_a_bigger_step(dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 5), (4, 4, 32, 4)])
-def test_a_tokens_row_is_the_same_in_a_decode_and_in_a_verification(dtype, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("ctx", [70, 35, 6])
+def test_a_tokens_row_is_the_same_in_a_decode_and_in_a_verification(dtype, heads, kv_heads, head_dim, block_size,
+                                                                    ctx):
     """Speculative decoding's exactness rests on this: a token's attention output is the same bit for bit whether
-    it is decoded alone (one query token) or verified among others (here 6, the last ones of a 70-token context),
-    whichever query rows share its work item and whichever rows the kernel pairs it with."""
+    it is decoded alone (one query token) or verified among others (the last 6 tokens of the context: inside one
+    chunk of 32 key positions, across a chunk boundary, or the whole context), whichever query rows share its work
+    item and whichever rows the kernel pairs it with; even an inf in a later token's V stays out of it."""
     g = torch.Generator().manual_seed(5)
-    nblocks = -(-70 // block_size)
+    nblocks = -(-ctx // block_size)
     k_cache = torch.randn(nblocks + 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(nblocks + 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
     table = torch.randperm(nblocks + 2, generator=g)[:nblocks].tolist()
     q, k, v = (torch.randn(6, n * head_dim, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads))
-    verify = (q, k, v, k_cache, v_cache, build_attention_metadata([6], [70], [table], block_size))
+    v[5, 3] = float("inf")   # the last token's V: every row of the earlier tokens must not see it
+    verify = (q, k, v, k_cache, v_cache, build_attention_metadata([6], [ctx], [table], block_size))
     together, k_cache, v_cache = run(CpuPagedAttention(), verify, heads)   # the pools with the 6 tokens written
+    assert torch.isfinite(together[:5]).all()
     for t in range(6):
-        ctx = 65 + t
+        upto = ctx - 5 + t
         alone = (q[t:t + 1], k[t:t + 1], v[t:t + 1], k_cache, v_cache,
-                 build_attention_metadata([1], [ctx], [table[:-(-ctx // block_size)]], block_size))
-        assert torch.equal(run(CpuPagedAttention(), alone, heads)[0], together[t:t + 1])
+                 build_attention_metadata([1], [upto], [table[:-(-upto // block_size)]], block_size))
+        got = run(CpuPagedAttention(), alone, heads)[0]
+        if t < 5:
+            assert torch.equal(got, together[t:t + 1])
+        else:
+            assert torch.equal(torch.isfinite(got), torch.isfinite(together[t:t + 1]))
+
+
+def test_kernel_backend_leaves_groups_wider_than_a_work_item_to_torch():
+    # 71 query heads on one kv head (Falcon-7B's shape) do not fit the kernels' 64 rows of a work item
+    k_cache = torch.zeros(4, 16, 1, 64)
+    assert not CpuPagedAttention.supports(torch.zeros(3, 71 * 64), k_cache)
+    assert CpuPagedAttention.supports(torch.zeros(3, 64 * 64), k_cache)
 
 
 @needs_kernels

@@ -63,7 +63,7 @@ def test_every_format_against_dequantized_matmul(fmt, variant):
             check_close(y, reference(x, w), x, dense, 128 if fmt == "Q5_K" else 32)   # the others: per 32
 
 
-@pytest.mark.parametrize("fmt,k", [("Q4_K", 256), ("Q5_K", 256), ("Q6_K", 256)]
+@pytest.mark.parametrize("fmt,k", [("Q4_K", 256), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 256)]
                          + [(f, k) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") for k in (352, 512)])
 def test_rows_of_a_step_are_independent(fmt, k):
     # a row's result does not depend on which other rows share its step (row tiles of 8, remainders) nor on the

@@ -74,8 +74,9 @@ class CpuPagedAttention(TorchPagedAttention):
 
     @staticmethod
     def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        _, hkv, d = kv_layout.geometry(k_cache)
         return (q.is_cpu and q.dtype in _KERNEL_DTYPES and (k_cache.dtype == q.dtype or fp8.is_fp8(k_cache.dtype))
-                and kv_layout.geometry(k_cache)[2] <= kernels.MAX_HEAD_DIM)
+                and d <= kernels.MAX_HEAD_DIM and q.shape[1:].numel() // d // hkv <= kernels.MAX_ROWS)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float,
                 kv_scales: torch.Tensor | None = None):

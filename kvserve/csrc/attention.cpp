@@ -41,30 +41,30 @@ KV_ALWAYS_INLINE __m128 transpose_sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// 16 values of a K or V row as two float vectors, in the kernel's order of dims: bf16 as its 8 even and 8 odd
-// values (two ops on one load, no conversion pass), float32 as they come. Queries and accumulators use the same
-// order (q16), and the output is put back in place (unpermute16).
-KV_ALWAYS_INLINE void load16(const uint16_t* p, __m256& a, __m256& b) {
+// 16 values of a K or V row as two float vectors, in the AVX2 kernel's order of dims: bf16 as its 8 even and 8
+// odd values (a shift or an and on one load, no conversion pass), float32 as they come. Queries and accumulators
+// use the same order (q16), and the output is put back in place (unpermute16).
+KV_ALWAYS_INLINE void load16_halves(const uint16_t* p, __m256& a, __m256& b) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   a = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   b = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xffff0000u))));
 }
-KV_ALWAYS_INLINE void load16(const float* p, __m256& a, __m256& b) {
+KV_ALWAYS_INLINE void load16_halves(const float* p, __m256& a, __m256& b) {
   a = _mm256_loadu_ps(p);
   b = _mm256_loadu_ps(p + 8);
 }
-template <typename T> inline void q16(const T* src, float scale, float* dst) {   // 16 values in load16's order
+template <typename T> inline void q16(const T* src, float scale, float* dst) {   // 16 values in that order
   for (int k = 0; k < 8; ++k) {
     dst[k] = load(src, std::is_same_v<T, float> ? k : 2 * k) * scale;
     dst[8 + k] = load(src, std::is_same_v<T, float> ? 8 + k : 2 * k + 1) * scale;
   }
 }
-template <typename T> inline int unpermute16(int k) {   // where value k of 16 sits in load16's order
+template <typename T> inline int unpermute16(int k) {   // where value k of 16 sits in that order
   return std::is_same_v<T, float> ? k : (k % 2) * 8 + k / 2;
 }
 
-// the scores of NR (1 or 2) query rows q[r] (load16's order) against keys j .. j + 3 of the chunk (rows kr[j],
-// D = 16 n16) into s[r][j ..]: each key's loads serve both rows, each row's sums are its own
+// the scores of NR (1 or 2) query rows q[r] against keys j .. j + 3 of the chunk (rows kr[j], D = 16 n16) into
+// s[r][j ..]: each key's loads serve both rows, each row's sums are its own
 template <int NR, typename T>
 KV_ALWAYS_INLINE void scores4(const float* const* q, const T* const* kr, int64_t j, int64_t n16, float* const* s) {
   __m256 a[NR][4];
@@ -78,26 +78,26 @@ KV_ALWAYS_INLINE void scores4(const float* const* q, const T* const* kr, int64_t
     }
     for (int k = 0; k < 4; ++k) {
       __m256 ka, kb;
-      load16(kr[j + k] + 16 * i, ka, kb);
+      load16_halves(kr[j + k] + 16 * i, ka, kb);
       for (int r = 0; r < NR; ++r) a[r][k] = _mm256_fmadd_ps(qb[r], kb, _mm256_fmadd_ps(qa[r], ka, a[r][k]));
     }
   }
   for (int r = 0; r < NR; ++r) _mm_store_ps(s[r] + j, transpose_sum4(a[r][0], a[r][1], a[r][2], a[r][3]));
 }
 
-// dims 16 i0 .. 16 (i0 + NI) (load16's order) of NR rows' accumulators: acc = acc * corr + sum over keys j < np of
-// p[r][j] v[j] (rows vr[j])
+// dims 16 i0 .. 16 (i0 + NI) of NR rows' accumulators (in load16_halves' order): acc = acc * corr + the sum over
+// keys j0 <= j < j1 of p[r][j] v[j] (rows vr[j])
 template <int NR, int NI, typename T>
 KV_ALWAYS_INLINE void pv_rows(float* const* acc, const float* const* p, const float* corr, const T* const* vr,
-                              int64_t np, int64_t i0) {
+                              int64_t j0, int64_t j1, int64_t i0) {
   __m256 a[NR][2 * NI];
   for (int r = 0; r < NR; ++r) {
     const __m256 c = _mm256_set1_ps(corr[r]);
     for (int i = 0; i < 2 * NI; ++i) a[r][i] = _mm256_mul_ps(_mm256_load_ps(acc[r] + 16 * i0 + 8 * i), c);
   }
-  for (int64_t j = 0; j < np; ++j) {
+  for (int64_t j = j0; j < j1; ++j) {
     __m256 v[2 * NI];
-    for (int i = 0; i < NI; ++i) load16(vr[j] + 16 * (i0 + i), v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < NI; ++i) load16_halves(vr[j] + 16 * (i0 + i), v[2 * i], v[2 * i + 1]);
     for (int r = 0; r < NR; ++r) {
       const __m256 pj = _mm256_broadcast_ss(p[r] + j);
       for (int i = 0; i < 2 * NI; ++i) a[r][i] = _mm256_fmadd_ps(pj, v[i], a[r][i]);
@@ -108,19 +108,46 @@ KV_ALWAYS_INLINE void pv_rows(float* const* acc, const float* const* p, const fl
 }
 
 template <int NR, typename T>
-inline void pv_dims(float* const* acc, const float* const* p, const float* corr, const T* const* vr, int64_t np,
-                    int64_t n16) {
+inline void pv_dims(float* const* acc, const float* const* p, const float* corr, const T* const* vr, int64_t j0,
+                    int64_t j1, int64_t n16) {
   int64_t i0 = 0;
-  for (; i0 + 2 <= n16; i0 += 2) pv_rows<NR, 2>(acc, p, corr, vr, np, i0);
-  if (i0 < n16) pv_rows<NR, 1>(acc, p, corr, vr, np, i0);
+  for (; i0 + 2 <= n16; i0 += 2) pv_rows<NR, 2>(acc, p, corr, vr, j0, j1, i0);
+  if (i0 < n16) pv_rows<NR, 1>(acc, p, corr, vr, j0, j1, i0);
+}
+
+// the online-softmax step of one row over its nv keys of the chunk's raw scores s [KC]: updates its running max m
+// and sum l, sets the rescale factor corr and turns s into exp(s - m), exactly 0 past nv
+inline void softmax_chunk(float* s, int64_t nv, float& m, float& l, float& corr) {
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), vn = _mm256_set1_ps(float(nv));
+  const auto visible = [&](int64_t j) {
+    return _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), vn, _CMP_LT_OQ);
+  };
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < nv; j += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(s + j), visible(j)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float mnew = std::max(m, _mm_cvtss_f32(h));
+  corr = std::exp(m - mnew);
+  const __m256 vm = _mm256_set1_ps(mnew);
+  __m256 psum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < KC; j += 8) {
+    const __m256 e = j < nv ? _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_load_ps(s + j), vm)), visible(j))
+                            : _mm256_setzero_ps();
+    _mm256_store_ps(s + j, e);
+    psum = _mm256_add_ps(psum, e);
+  }
+  l = l * corr + hsum8(psum);
+  m = mnew;
 }
 
 // One work item on 8 lanes (D % 16 == 0; K/V of the query's type): sequence b, kv head g, query tokens
-// [t0, t0 + nt). Per chunk of KC key positions (fixed positions: a row's result does not depend on its tile or
-// step), three passes over the rows, two rows at a time, reading K and V straight from the cache (load16), so that
-// out-of-order execution overlaps rows and each load serves both: 1. scores, 2. online-softmax update (the exps
-// of keys past a row's causal limit are exactly 0), 3. P @ V. A row's sums are its own in every pass, so its result
-// does not depend on its partner.
+// [t0, t0 + nt). Per chunk of KC key positions (fixed positions, so a row's result does not depend on its tile or
+// step), three passes over the rows, two rows at a time, reading K and V straight from the cache, so that
+// out-of-order execution overlaps rows and each load serves both: 1. scores, 2. online-softmax update, 3. P @ V.
+// A row's sums are its own in every pass and it reads no key past its causal limit (a pair's P @ V runs together
+// over the keys both see, then the longer row alone, its factor 1), so its result does not depend on its partner.
 template <typename T>
 void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table,
                       int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H,
@@ -143,10 +170,9 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
   }
   const int64_t end = limit[R - 1] + 1;
   const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row;
-  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t p = 0; p < end; p += KC) {
     const int64_t n = std::min<int64_t>(KC, end - p), n4 = (n + 3) & ~int64_t(3);
-    for (int64_t j = 0; j < n;) {   // the chunk's rows, block by block
+    for (int64_t j = 0; j < n;) {   // the chunk's K and V rows, block by block
       const int64_t off = (p + j) % bs, run = std::min(n - j, bs - off);
       const int64_t at = int64_t(table[(p + j) / bs]) * blk_stride + off * kv_row + g * D;
       for (int64_t i = 0; i < run; ++i, ++j) {
@@ -156,59 +182,35 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
     }
     for (int64_t j = n; j < n4; ++j) kr[j] = vr[j] = zero_row;
     for (int64_t r = 0; r < R; ++r) nv[r] = std::max<int64_t>(0, std::min<int64_t>(n, limit[r] - p + 1));
-    // 1. scores
     int64_t r = 0;
-    for (; r + 1 < R; r += 2) {
+    for (; r + 1 < R; r += 2) {   // 1. scores
       const float* qq[2] = {qf[r], qf[r + 1]};
       float* ss[2] = {s[r], s[r + 1]};
-      const int64_t top = std::max(nv[r], nv[r + 1]);
-      for (int64_t j = 0; j < top; j += 4) scores4<2>(qq, kr, j, n16, ss);
+      for (int64_t j = 0; j < std::max(nv[r], nv[r + 1]); j += 4) scores4<2>(qq, kr, j, n16, ss);
     }
     if (r < R) {
       const float* qq[1] = {qf[r]};
       float* ss[1] = {s[r]};
       for (int64_t j = 0; j < nv[r]; j += 4) scores4<1>(qq, kr, j, n16, ss);
     }
-    // 2. online softmax: p = exp(s - m) for the row's nv keys, 0 for the rest of the chunk
-    for (r = 0; r < R; ++r) {
+    for (r = 0; r < R; ++r) {   // 2. online softmax
       corr[r] = 1.f;
-      if (nv[r] == 0) {
-        for (int64_t j = 0; j < KC; j += 8) _mm256_store_ps(s[r] + j, _mm256_setzero_ps());
-        continue;
-      }
-      const __m256 vn = _mm256_set1_ps(float(nv[r]));
-      __m256 vmax = _mm256_set1_ps(-INFINITY);
-      for (int64_t j = 0; j < nv[r]; j += 8) {
-        const __m256 in = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), vn, _CMP_LT_OQ);
-        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(s[r] + j), in));
-      }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_movehdup_ps(h));
-      const float mnew = std::max(m[r], _mm_cvtss_f32(h));
-      corr[r] = std::exp(m[r] - mnew);
-      const __m256 vm = _mm256_set1_ps(mnew);
-      __m256 psum = _mm256_setzero_ps();
-      for (int64_t j = 0; j < KC; j += 8) {
-        const __m256 in = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), vn, _CMP_LT_OQ);
-        const __m256 e = j < nv[r] ? _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_load_ps(s[r] + j), vm)), in)
-                                   : _mm256_setzero_ps();
-        _mm256_store_ps(s[r] + j, e);
-        psum = _mm256_add_ps(psum, e);
-      }
-      l[r] = l[r] * corr[r] + hsum8(psum);
-      m[r] = mnew;
+      if (nv[r] > 0) softmax_chunk(s[r], nv[r], m[r], l[r], corr[r]);
     }
-    // 3. P @ V
-    for (r = 0; r + 1 < R; r += 2) {
-      float* aa[2] = {acc[r], acc[r + 1]};
-      const float* pp[2] = {s[r], s[r + 1]};
-      pv_dims<2>(aa, pp, corr + r, vr, std::max(nv[r], nv[r + 1]), n16);
-    }
-    if (r < R) {
-      float* aa[1] = {acc[r]};
-      const float* pp[1] = {s[r]};
-      pv_dims<1>(aa, pp, corr + r, vr, nv[r], n16);
+    const float one = 1.f;
+    for (r = 0; r < R; r += 2) {   // 3. P @ V: the keys both rows see together, then the longer row's rest alone
+      const int64_t pair = r + 1 < R, both = pair ? std::min(nv[r], nv[r + 1]) : 0;
+      if (both > 0) {
+        float* aa[2] = {acc[r], acc[r + 1]};
+        const float* pp[2] = {s[r], s[r + 1]};
+        pv_dims<2>(aa, pp, corr + r, vr, 0, both, n16);
+      }
+      for (int64_t i = r; i <= r + pair; ++i) {
+        if (nv[i] <= both) continue;
+        float* aa[1] = {acc[i]};
+        const float* pp[1] = {s[i]};
+        pv_dims<1>(aa, pp, both > 0 ? &one : corr + i, vr, both, nv[i], n16);
+      }
     }
   }
   for (int64_t r = 0; r < R; ++r) {

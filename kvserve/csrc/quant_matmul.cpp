@@ -296,8 +296,8 @@ KV_ALWAYS_INLINE void rows_over(const uint8_t* w, int64_t count, int64_t row_byt
   for (; i < count; ++i) dot_rows<T, R>(w + i * row_bytes, xr, nblocks, out[i]);
 }
 
-// weight rows n0 .. n1 - 1 against R rows of x; tail (shared_tail): each row's whole octets alone, then the last
-// groups of 8 / tail rows at a time against xt (repeat_tail's)
+// weight rows n0 .. n1 - 1 against R rows of x; tail (shared_tail): the rows' whole octets (rows_over), then the
+// last groups of 8 / tail rows at a time against xt (repeat_tail's)
 template <int T, int R, typename A>
 void tile_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t row_bytes, const A* const* xr, int64_t nblocks,
                float (*out)[QKR], int tail, const QX* const* xt) {

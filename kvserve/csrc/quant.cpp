@@ -446,6 +446,23 @@ struct OctetScales {
   __m256i k16[2], kh;
 };
 
+// byte i of each lane of v: its low nibble into lo, its high one into hi
+KV_ALWAYS_INLINE void split_nibbles(__m256i v, __m256i& lo, __m256i& hi) {
+  const __m256i lo4 = _mm256_set1_epi8(0xF);
+  lo = _mm256_and_si256(v, lo4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+}
+
+// o's factors (k16 = 1, s, m) for a group of g blocks of a 32-value format, its fp16 fields read by load16(at)
+template <int T, typename Load16>
+KV_ALWAYS_INLINE void octet_scales(int g, Load16 load16, OctetScales& o) {
+  using L = Layout<T>;
+  o.k16[0] = o.k16[1] = _mm256_set1_epi16(1);
+  o.s = _mm256_cvtph_ps(load16(0));
+  o.m = L::M >= 0 ? _mm256_cvtph_ps(load16(octet_pos<T>(g, 0, L::M)))
+                  : _mm256_mul_ps(o.s, _mm256_set1_ps(-float(L::OFFSET)));
+}
+
 // An octet of 8 weight blocks of the 32-value formats, chunk-major as QX's quants: q[c] holds values 4 c .. 4 c + 3
 // of block b as its int32 lane b (unsigned; Q8_0 signed); o.s and o.m the blocks' scales and mins (m = -offset * s
 // where the format has an offset). The fields are read through load32(at), the 32 bytes of a field (a chunk of
@@ -454,20 +471,13 @@ struct OctetScales {
 template <int T, typename Load32, typename Load16>
 KV_ALWAYS_INLINE void octet_fields(int g, Load32 load32, Load16 load16, __m256i* q, OctetScales& o) {
   using L = Layout<T>;
-  o.k16[0] = o.k16[1] = _mm256_set1_epi16(1);
-  o.s = _mm256_cvtph_ps(load16(0));
-  o.m = L::M >= 0 ? _mm256_cvtph_ps(load16(octet_pos<T>(g, 0, L::M)))
-                  : _mm256_mul_ps(o.s, _mm256_set1_ps(-float(L::OFFSET)));
+  octet_scales<T>(g, load16, o);
   if constexpr (T == Q8_0) {   // a byte per value
     for (int c = 0; c < 8; ++c) q[c] = load32(octet_pos<T>(g, 0, L::QS + 4 * c));
     return;
   }
-  const __m256i lo4 = _mm256_set1_epi8(0xF);
-  for (int c = 0; c < 4; ++c) {   // byte i of lane b: value 4 c + i (low nibble) and 16 + 4 c + i (high)
-    const __m256i v = load32(octet_pos<T>(g, 0, L::QS + 4 * c));
-    q[c] = _mm256_and_si256(v, lo4);
-    q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-  }
+  for (int c = 0; c < 4; ++c)   // byte i of lane b: value 4 c + i (low nibble) and 16 + 4 c + i (high)
+    split_nibbles(load32(octet_pos<T>(g, 0, L::QS + 4 * c)), q[c], q[c + 4]);
   if constexpr (L::QH >= 0) {   // bit i of a block's 32-bit qh: value i's 0x10
     const __m256i h = load32(octet_pos<T>(g, 0, L::QH));
     const __m256i bits_lo = _mm256_set1_epi32(0x08040201), bits_hi = _mm256_set1_epi32(int32_t(0x80402010u));
@@ -543,12 +553,8 @@ KV_ALWAYS_INLINE void tail_octet(const uint8_t* w, int64_t row_bytes, int rows, 
 // 128 bytes of nibbles at p, chunk-major (Q4_K, Q6_K packed): q[c] the low nibbles of bytes 32 c .. 32 c + 31,
 // q[c + 4] their high ones
 inline void nibble_chunks(const uint8_t* p, __m256i* q) {
-  const __m256i lo4 = _mm256_set1_epi8(0xF);
-  for (int c = 0; c < 4; ++c) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
-    q[c] = _mm256_and_si256(v, lo4);
-    q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-  }
+  for (int c = 0; c < 4; ++c)
+    split_nibbles(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c)), q[c], q[c + 4]);
 }
 
 // a Q4_K super-block (OCTETS) as an octet of its 8 sub-blocks: q and m as above, s = d in every lane, and k16 the
@@ -699,17 +705,10 @@ template <int T> constexpr int pair_chunks_at(int c) {   // the 32 bytes of chun
   else return octet_pos<T>(QXB, 0, Layout<T>::QS + 4 * c);
 }
 template <int T> KV_ALWAYS_INLINE void pair_scales(const uint8_t* g, OctetScales& o) {   // as octet's
-  if constexpr (T == Q4_K) {
+  if constexpr (T == Q4_K)
     q4k_scales(g, o);
-  } else {
-    using L = Layout<T>;
-    const auto fp16x8 = [&](int at) {
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + at)));
-    };
-    o.k16[0] = _mm256_set1_epi16(1);
-    o.s = fp16x8(0);
-    o.m = L::M >= 0 ? fp16x8(octet_pos<T>(QXB, 0, L::M)) : _mm256_mul_ps(o.s, _mm256_set1_ps(-float(L::OFFSET)));
-  }
+  else
+    octet_scales<T>(QXB, [&](int at) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + at)); }, o);
 }
 template <int T, int R>
 void row_dot_pair(const uint8_t* wa, const uint8_t* wb, const QX* const* x, int64_t noct, float* outa,
@@ -717,7 +716,6 @@ void row_dot_pair(const uint8_t* wa, const uint8_t* wb, const QX* const* x, int6
   static_assert(in_pairs<T>() && pair_run<T>() == 8 && R <= 4);
   __m256 acca[R], accb[R];
   for (int r = 0; r < R; ++r) acca[r] = accb[r] = _mm256_setzero_ps();
-  const __m256i lo4 = _mm256_set1_epi8(0xF);
   for (int64_t o = 0; o < noct; ++o) {
     const uint8_t* ga = wa + o * octet_bytes<T>();
     const uint8_t* gb = wb + o * octet_bytes<T>();
@@ -726,8 +724,9 @@ void row_dot_pair(const uint8_t* wa, const uint8_t* wb, const QX* const* x, int6
     for (int c = 0; c < 4; ++c) {
       const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ga + pair_chunks_at<T>(c)));
       const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + pair_chunks_at<T>(c)));
-      const __m256i al = _mm256_and_si256(va, lo4), ah = _mm256_and_si256(_mm256_srli_epi16(va, 4), lo4);
-      const __m256i bl = _mm256_and_si256(vb, lo4), bh = _mm256_and_si256(_mm256_srli_epi16(vb, 4), lo4);
+      __m256i al, ah, bl, bh;
+      split_nibbles(va, al, ah);
+      split_nibbles(vb, bl, bh);
       for (int r = 0; r < R; ++r) {
         const QX& xo = x[r][o];
         const __m256i xl = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.q[c]));

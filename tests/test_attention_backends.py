@@ -1,6 +1,6 @@
 """The C++ CPU attention kernels equal the torch reference backend on random mixed batches (decodes, fresh
 prefills, prefill chunks over cached context, scattered blocks, GQA), in float32 and bfloat16; the metadata
-builder equals a plain per-sequence loop; oneDNN-packed linears equal F.linear."""
+builder equals a plain per-sequence loop. The dense linears and fused bf16 ops: test_dense_kernels.py."""
 from __future__ import annotations
 
 import ctypes
@@ -319,96 +319,6 @@ def test_vectorized_metadata_equals_a_loop(seed):
                 assert allowed[:sl] == [p <= sl - ql + j for p in range(sl)]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_onednn_packed_linear_equals_f_linear_in_bfloat16(bias):
-    """oneDNN's packed path (where the C++ matmul kernels do not build) is bit-identical to F.linear."""
-    from kvserve.model.layers import Linear, onednn_available, packed_linear, prepack_weights
-    lin = Linear(64, 96, bias=bias).to(torch.bfloat16)
-    for p in lin.parameters():
-        torch.nn.init.normal_(p)
-    if not onednn_available(torch.bfloat16):
-        pytest.skip("oneDNN has no bf16 linear on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
-    pack, = prepack_weights([lin.weight], onednn=True)
-    assert pack.onednn is not None and pack.kernel is None
-    for rows in (7, 300):
-        x = torch.randn(rows, 64).to(torch.bfloat16)
-        plain = lin(x)
-        packed = packed_linear(x, pack, lin.bias)
-        if bias:   # the bias is added after rounding the product to bf16
-            torch.testing.assert_close(packed, plain, atol=0.5, rtol=2e-2)
-        else:
-            assert torch.equal(packed, plain)
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_onednn_packed_linear_agrees_with_f_linear_in_float32_and_unpacks_exactly(bias):
-    """float32 Linears are packed for oneDNN on the CPU: the product agrees with F.linear to rounding at every
-    row count (1-8 rows are why: MKL's F.linear reads the weight once per row there), strided and 3-d inputs
-    included, and the plain weight comes back exactly from the pack."""
-    from kvserve.model.layers import Linear, can_prepack, onednn_available, prepack_linears, unpack_weight
-    if not onednn_available(torch.float32):
-        pytest.skip("this torch has no oneDNN")
-    g = torch.Generator().manual_seed(int(bias))
-    lin = Linear(96, 200, bias=bias)
-    for p in lin.parameters():
-        p.copy_(torch.randn(p.shape, generator=g))
-    lin.weight[0, 0] = -0.0
-    assert can_prepack(lin.weight) and prepack_linears(lin)[0] == 1
-    assert lin.packed.onednn is not None and lin.packed.kernel is None
-    for rows in (1, 2, 3, 6, 8, 9, 37, 300):
-        x = torch.randn(rows, 100, generator=g)[:, :96]
-        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
-    x3 = torch.randn(2, 5, 96, generator=g)
-    torch.testing.assert_close(lin(x3), torch.nn.functional.linear(x3, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
-    assert torch.equal(unpack_weight(lin.packed, 96), lin.weight)
-
-
-def test_float32_serving_keeps_one_copy_of_the_weights():
-    """The engine drops each float32 Linear's plain weight once it is packed for oneDNN; restoring gives back
-    exactly the loaded weights."""
-    from kvserve import LLM
-    from kvserve.model.layers import Linear, onednn_available, restore_unpacked_weights
-    from model_utils import load_ours
-    if not onednn_available(torch.float32):
-        pytest.skip("this torch has no oneDNN")
-    llm = LLM(dtype="float32", max_model_len=256, enable_prefix_caching=False, quantization="none")
-    model = llm.llm_engine.model
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight.is_meta and m.packed.onednn is not None for m in linears)
-    assert llm.llm_engine.runner.released_weight_bytes == sum(4 * m.weight.numel() for m in linears)
-    restore_unpacked_weights(model)
-    fresh, _ = load_ours(None, "float32")
-    for (name, got), (_, want) in zip(model.named_parameters(), fresh.named_parameters()):
-        assert torch.equal(got, want), name
-
-
-@needs_kernels
-@pytest.mark.parametrize("out_features", [100, 48])
-def test_matmul_kernels_are_as_close_to_float32_as_f_linear(out_features):
-    """The C++ matmuls (GEMV up to 8 rows, register tiles of 6 rows x 64 columns beyond, a remainder of 1-2 rows
-    sharing the last two tiles; strided rows; 3-d input; N not a multiple of 16 or 64) round like F.linear: their
-    error against the float32 product is within bf16 rounding, as F.linear's is."""
-    from kvserve.model.layers import Linear, can_prepack, prepack_linears
-    g = torch.Generator().manual_seed(out_features)
-    lin = Linear(576, out_features).to(torch.bfloat16)
-    lin.weight.copy_(torch.randn(out_features, 576, generator=g))
-    if not kernels.load().kvserve_has_packed_matmul():
-        pytest.skip("no AVX-512 BF16: no C++ matmul kernels")
-    assert can_prepack(lin.weight) and prepack_linears(lin)[0] == 1
-    assert lin.packed.kernel is not None and lin.packed.onednn is None   # one packed copy, not two
-    for rows in [*range(1, 15), 20, 32, 37, 100, 257, 1030]:   # 13, 14, 20, 32: last tiles 4 + 3 or 4 + 4
-        wide = torch.randn(rows, 600, generator=g).to(torch.bfloat16)
-        x = wide[:, :576]   # rows with a stride of 600
-        exact = x.float() @ lin.weight.float().t()
-        got, plain = lin(x), torch.nn.functional.linear(x, lin.weight)
-        assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
-        err_got, err_plain = ((t.float() - exact).abs().max().item() for t in (got, plain))
-        assert err_got <= 1.5 * err_plain + 1e-2
-        torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=0.05)
-    x3 = torch.randn(2, 5, 576, generator=g).to(torch.bfloat16)
-    torch.testing.assert_close(lin(x3).float(), x3.float() @ lin.weight.float().t(), rtol=2 ** -7, atol=0.05)
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_decodes_split_by_kv_head(dtype):
@@ -483,33 +393,3 @@ def test_kernel_backend_leaves_groups_wider_than_a_work_item_to_torch():
     k_cache = torch.zeros(4, 16, 1, 64)
     assert not CpuPagedAttention.supports(torch.zeros(3, 71 * 64), k_cache)
     assert CpuPagedAttention.supports(torch.zeros(3, 64 * 64), k_cache)
-
-
-@needs_kernels
-@pytest.mark.parametrize("rows", [1, 5, 300])
-def test_fused_bf16_layer_ops_equal_the_torch_ops(rows, monkeypatch):
-    """RMSNorm (+ residual add), RoPE and SiLU-and-mul kernels round like the chain of torch ops they replace."""
-    from kvserve.model import layers
-    g = torch.Generator().manual_seed(rows)
-    bf = torch.bfloat16
-    norm = layers.RMSNorm(576, 1e-5).to(bf)
-    norm.weight.copy_(torch.rand(576, generator=g) + 0.5)
-    x, res = (torch.randn(rows, 576, generator=g).to(bf) for _ in range(2))
-    qkv = torch.randn(rows, 15 * 64, generator=g).to(bf)
-    rope = layers.RotaryEmbedding(64, 2048, 10000.0)
-    cos, sin = rope(torch.randint(0, 2048, (rows,), generator=g), bf)
-    fast = (norm(x), *norm(x, res.clone()))
-    fast_qkv = qkv.clone()
-    assert layers.rotate_heads_inplace(fast_qkv, 12, 64, cos, sin)
-    gate_up = (torch.randn(rows, 2 * 1536, generator=g) * 4).to(bf)
-    gate_up[0, :6] = torch.tensor([100.0, -100.0, 0.0, -0.0, 1e-30, -95.0])   # exp overflow and underflow
-    fast_act = layers.SiluAndMul()(gate_up)
-    monkeypatch.setattr(layers, "_fast_lib", lambda x: None)
-    slow = (norm(x), *norm(x, res.clone()))
-    assert torch.equal(fast_act, layers.SiluAndMul()(gate_up))
-    slow_qkv = qkv.clone().view(rows, 15, 64)
-    slow_qkv[:, :12] = layers.apply_rotary(slow_qkv[:, :12], cos, sin)
-    for a, b in zip(fast, slow):
-        assert (a.float() - b.float()).abs().max().item() <= 0.0625 * b.float().abs().max().item() / 64
-        assert (a != b).float().mean().item() < 0.01   # rare 1-ulp differences (exp, summation order)
-    assert torch.equal(fast_qkv, slow_qkv.view(rows, -1))

@@ -208,6 +208,18 @@ def test_layers_the_stack_does_not_cover_run_as_modules(tmp_path):
     assert model.model._fused is None and model.model._fused_refused is not None
 
 
+def test_more_query_heads_per_kv_head_than_a_work_item_holds_run_as_modules(tmp_path):
+    """66 query heads on one kv head do not fit the attention kernels' 64 rows of a work item: the stack is not
+    built, and the modules leave attention to the torch backend."""
+    save_tiny_model("llama", tmp_path, hidden_size=66 * 16, num_attention_heads=66, num_key_value_heads=1,
+                    intermediate_size=96)
+    model, _ = load_model(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cpu", quantization="int8"))
+    model.prepack()
+    logits, _ = _run_steps(model, 16)
+    assert model.model._fused is None and model.model._fused_refused is not None
+    assert all(torch.isfinite(x).all() for x in logits)
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_fused_stack_adds_qwen2_qkv_biases_bit_identical_to_the_modules(tmp_path, quantization):
     """Qwen2's q|k|v bias, on dense bf16 linears and on int8 ones (then on FP8 pools too)."""

@@ -131,6 +131,7 @@ def build_fused_layers(layers) -> FusedLayers | None:
                 or not (cache.dtype == torch.bfloat16 or fp8.is_fp8(cache.dtype))
                 or not cache.is_cpu
                 or cache.numel() == 0 or attn.head_dim > kernels.MAX_HEAD_DIM
+                or attn.num_heads // attn.num_kv_heads > kernels.MAX_ROWS   # a kv head's rows fit one work item
                 or norms[0].weight.shape[0] > 8192):
             return None
         tiled.add(kv_layout.is_tiled(cache))

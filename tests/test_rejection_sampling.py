@@ -1,10 +1,12 @@
-"""Verification of deterministic drafts on synthetic distributions: the emitted tokens are distributed as the
-target's p at every position, through the accepted, recovered and bonus paths (chi-square over 100k draws)."""
+"""Verification of drafts on synthetic distributions, deterministic ones and ones drawn from a distribution q: the
+emitted tokens are distributed as the target's p at every position, through the accepted, recovered and bonus
+paths (chi-square over 100k draws)."""
 import numpy as np
 import pytest
 import torch
 
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow
+from kvserve.sample.metadata import SampledDrafts
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.model_runner import accepted_length
 
@@ -20,6 +22,14 @@ def chi_square(samples: np.ndarray, probs: np.ndarray) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
+def processed(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
+    """p: the target's distribution after temperature and top-k, as the sampler computes it."""
+    scaled = logits / params.temperature
+    if params.top_k:
+        scaled[scaled < scaled.topk(params.top_k, dim=-1).values[:, -1:]] = -torch.inf
+    return scaled.softmax(-1).double().numpy()
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6)],
                          ids=["plain", "temperature-top-k"])
 def test_emitted_tokens_follow_the_target_distribution(params):
@@ -31,10 +41,7 @@ def test_emitted_tokens_follow_the_target_distribution(params):
     sampled = Sampler()(logits.repeat(N, 1), meta).sampled_token_ids.view(N, K + 1).tolist()
     emitted = [row[:accepted_length(drafts, row[:K]) + 1] for row in sampled]
 
-    scaled = logits / params.temperature
-    if params.top_k:
-        scaled[scaled < scaled.topk(params.top_k, dim=-1).values[:, -1:]] = -torch.inf
-    p = scaled.softmax(-1).double().numpy()
+    p = processed(logits, params)
     first = np.array([e[0] for e in emitted])
     assert chi_square(first, p[0]) < CHI2_999[V - 1]                     # every draw, whatever the draft
     accepted = np.array([len(e) > 1 for e in emitted])
@@ -49,6 +56,39 @@ def test_emitted_tokens_follow_the_target_distribution(params):
     bonus = np.array([e[2] for e in emitted if len(e) > 2])              # both drafts accepted
     assert len(bonus) > 1000
     assert chi_square(bonus, p[2]) < CHI2_999[int((p[2] > 0).sum()) - 1]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6)],
+                         ids=["plain", "temperature-top-k"])
+def test_drafts_drawn_from_q_leave_the_target_distribution(params):
+    # k = 3 drafts, each drawn from its own random q (one token of q_1 has probability 0); row j keeps its draft
+    # with probability min(1, p/q), else draws from norm(max(0, p - q))
+    k = 3
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(k + 1, V, generator=g) * 1.5
+    q = torch.rand(k, V, generator=g) ** 2
+    q[1, 3] = 0
+    q /= q.sum(-1, keepdim=True)
+    drafts = torch.stack([torch.multinomial(q[j], N, replacement=True, generator=g) for j in range(k)], 1)
+    rows = [SamplingRow(params, [1], [])] * (N * (k + 1))
+    meta = SamplingMetadata.build(rows, V, "cpu", torch.Generator().manual_seed(1))
+    draft_rows = (torch.arange(N).unsqueeze(1) * (k + 1) + torch.arange(k)).flatten()
+    meta.sampled_drafts = SampledDrafts(draft_rows, drafts.flatten(), q.repeat(N, 1))
+    sampled = Sampler()(logits.repeat(N, 1), meta).sampled_token_ids.view(N, k + 1).tolist()
+    drafts = drafts.tolist()
+    emitted = [row[:accepted_length(d, row[:k]) + 1] for d, row in zip(drafts, sampled)]
+
+    p = processed(logits, params)
+    for j in range(k + 1):   # the j-th token of every request that emitted one: after j accepted drafts
+        tokens = np.array([e[j] for e in emitted if len(e) > j])
+        assert len(tokens) > 2000, j
+        assert chi_square(tokens, p[j]) < CHI2_999[int((p[j] > 0).sum()) - 1], j
+    accepted = np.array([len(e) > 1 for e in emitted])
+    rate = np.minimum(p[0], q[0].double().numpy()).sum()              # sum_x min(p, q), not q's E[p(d)]
+    assert abs(accepted.mean() - rate) < 4 * np.sqrt(rate * (1 - rate) / N)
+    first = np.array([e[0] for e in emitted])
+    residual = np.maximum(p[0] - q[0].double().numpy(), 0)
+    assert chi_square(first[~accepted], residual / residual.sum()) < CHI2_999[int((residual > 0).sum()) - 1]
 
 
 def test_accepted_length():

@@ -402,12 +402,11 @@ def test_argmax_kernel_matches_torch_argmax(vocab):
 def test_seeded_rows_draw_on_their_generators_device_and_copy():
     """Request generators live on the CPU; on another device (CUDA in serving, the meta device here) a seeded row
     must not hand its CPU generator to an op on that device, which raises and would fail the whole step."""
-    from kvserve.sample.sampler import exponential_noise
-    gens = {1: torch.Generator().manual_seed(7)}
-    q = exponential_noise(torch.empty(3, 50, device="meta"), gens)
-    assert q.device.type == "meta" and q.shape == (3, 50)
-    cpu = exponential_noise(torch.ones(3, 50), {1: torch.Generator().manual_seed(7)})
-    assert torch.equal(cpu[1], torch.empty(50).exponential_(generator=torch.Generator().manual_seed(7)))
+    from kvserve.sample.sampler import draw_uniform, uniform_noise
+    u = uniform_noise(3, "meta", {1: torch.Generator().manual_seed(7)})
+    assert u.device.type == "meta" and u.shape == (3,)
+    cpu = uniform_noise(3, "cpu", {1: torch.Generator().manual_seed(7)})
+    assert cpu[1] == draw_uniform(torch.Generator().manual_seed(7))
 
 
 def test_unseeded_rows_draw_from_the_given_generator():
@@ -417,3 +416,11 @@ def test_unseeded_rows_draw_from_the_given_generator():
     first = Sampler()(logits, meta).sampled_token_ids
     meta.generator.manual_seed(5)
     assert torch.equal(Sampler()(logits, meta).sampled_token_ids, first)
+
+
+def test_inverse_cdf_splits_the_unit_interval_by_weight():
+    from kvserve.sample.sampler import inverse_cdf
+    w = torch.tensor([[0.0, 1.0, 0.0, 3.0, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 5.0]])
+    draws = {0.0: [1, 0, 4], 0.25 - 1e-12: [1, 0, 4], 0.25: [3, 0, 4], 1 - 1e-15: [3, 0, 4]}
+    for u, want in draws.items():   # tokens of weight 0 span nothing: never drawn, at either end either
+        assert inverse_cdf(w, torch.full((3,), u, dtype=torch.float64)).tolist() == want, u

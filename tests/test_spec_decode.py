@@ -4,6 +4,7 @@ accepted tokens; bad configurations refused at start; the batch-size switch; the
 import copy
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -303,6 +304,51 @@ def test_restricted_head_gives_the_first_columns_of_the_logits(tmp_path, weights
         torch.testing.assert_close(part, full[:, :cols], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="restrict_vocab"):
         model.restrict_vocab(257)
+
+
+def two_sample_chi_square(a: list[int], b: list[int]) -> tuple[float, float]:
+    """(statistic, its 99.9% quantile) for 'a and b, as many draws each, come from one distribution'; bins of
+    under 10 draws merged."""
+    assert len(a) == len(b)
+    ca, cb = np.bincount(a, minlength=96), np.bincount(b, minlength=96)
+    small = ca + cb < 10
+    ca, cb = np.append(ca[~small], ca[small].sum()), np.append(cb[~small], cb[small].sum())
+    keep = ca + cb > 0
+    ca, cb = ca[keep], cb[keep]
+    dof = len(ca) - 1
+    quantile = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3   # Wilson-Hilferty
+    return float(((ca - cb) ** 2 / (ca + cb)).sum()), quantile
+
+
+def test_drafts_drawn_from_the_draft_distribution_keep_the_targets(tmp_path, gguf_path):
+    # random requests without a seed draw their drafts from the draft's q (temperature, top-p and a penalty
+    # applied) and keep each with probability min(1, p/q): the tokens after the first, which verifications emit,
+    # are distributed as without speculation (two-sample chi-square at each of positions 1 to 3). Weights of a
+    # larger scale than tiny_pair's give distributions far from uniform, where a wrong q shows.
+    save_tiny_model("qwen2", tmp_path / "target", num_hidden_layers=3, vocab_size=96, initializer_range=0.25)
+    save_first_layer_draft(tmp_path / "target", tmp_path / "draft")
+    target, draft = str(tmp_path / "target"), str(tmp_path / "draft")
+    params = SamplingParams(temperature=0.5, top_p=0.95, presence_penalty=0.5, max_tokens=4, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 33, 8, 61]}] * 3000
+    off = make_llm(model=target, tokenizer=gguf_path)
+    llm = make_llm({"model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": None},
+                   model=target, tokenizer=gguf_path)
+    runner, drawn = llm.llm_engine.runner, []
+    propose = runner.propose_drafts
+
+    def recording(reqs, max_drafts):
+        drafts = propose(reqs, max_drafts)
+        drawn.extend(r.spec_draft_probs is not None for r, d in zip(reqs, drafts) if d)
+        return drafts
+    runner.propose_drafts = recording
+    got = [t[0] for t in tokens(llm.generate(prompts, params, use_tqdm=False))]
+    want = [t[0] for t in tokens(off.generate(prompts, params, use_tqdm=False))]
+    assert drawn and all(drawn)
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert 0.05 * stats.num_draft_tokens < stats.num_accepted_tokens < 0.9 * stats.num_draft_tokens
+    for pos in range(1, 4):
+        statistic, quantile = two_sample_chi_square([t[pos] for t in got], [t[pos] for t in want])
+        assert statistic < quantile, (pos, statistic, quantile)
 
 
 def test_draft_model_must_share_the_vocabulary_and_be_smaller(tiny_pair, gguf_path, tmp_path):

@@ -315,7 +315,8 @@ def test_min_tokens_holds_a_grammar_open_until_it_must_end(llm):
         o = chat(llm, prompt, temperature=temperature, seed=1, min_tokens=5, logprobs=1,
                  structured_outputs=constrained(choice=["yes"]))
         assert o.text == "yes" and o.finish_reason == "stop" and o.token_ids[-1] == eos
-        assert len(o.token_ids) == len(llm.get_tokenizer().encode("yes", add_special_tokens=False)) + 1
+        # ended where the grammar did ("yes" may come as one token or as several: a draw may take either)
+        assert llm.get_tokenizer().decode(o.token_ids[:-1]) == "yes" and eos not in o.token_ids[:-1]
 
 
 def test_names_under_keywords_that_hold_names_are_not_keywords():

@@ -67,6 +67,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []   # drafts to verify in the next step (speculative decoding)
+        # [>= len(spec_token_ids), V]: the distributions q the drafts were drawn from; None: deterministic drafts
+        self.spec_draft_probs: torch.Tensor | None = None
         # draft model: its KV is written for the positions below min(draft_kv_end, num_computed_tokens), those of
         # prefix-cache hits included (no limit until its first forward; model_runner._write_draft_kv)
         self.draft_kv_end = sys.maxsize

@@ -43,6 +43,15 @@ class PenaltyTensors:
 
 
 @dataclass
+class SampledDrafts:
+    """Rows that verify a draft drawn from a known distribution q (speculative decoding with a draft model)."""
+
+    rows: torch.Tensor        # [R] long: the rows of the batch
+    token_ids: torch.Tensor   # [R] long: the draft each row verifies
+    probs: torch.Tensor       # [R, V] float: q, the distribution each draft was drawn from
+
+
+@dataclass
 class SamplingMetadata:
     """Per-step sampling settings of a batch; a feature no row uses is None (its work is skipped)."""
 
@@ -62,6 +71,7 @@ class SamplingMetadata:
     penalties: PenaltyTensors | None
     max_num_logprobs: int | None        # K; None: no row asked for logprobs
     grammar_bitmask: object | None = None   # structured outputs: a GrammarBitmask, set by the model runner
+    sampled_drafts: SampledDrafts | None = None   # random rows verifying drawn drafts, set by the model runner
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str,

@@ -20,7 +20,8 @@ from kvserve.errors import EngineDeadError, InvalidRequestError
 from kvserve.model.layers import release_unpacked_weights
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
-from kvserve.sample.sampler import argmax_rows
+from kvserve.sample.sampler import draw_uniform
+from kvserve.spec_decode.draft_sampling import next_drafts, sampled_drafts
 from kvserve.structured_output import build_grammar_bitmask
 
 
@@ -246,7 +247,9 @@ class ModelRunner:
         exactly when it equals that token is rejection sampling (accept with probability p(d) = min(1, p/q); on
         rejection the token is distributed as norm(max(0, p - q))); the row after the last accepted draft gives
         the recovered token, or the bonus token when all k are accepted. Seeded requests then give the same
-        output with and without speculation: their generators are rewound to the draws actually used.
+        output with and without speculation: their generators are rewound to the draws actually used. Drafts
+        drawn from the draft model's distribution q (random requests without a seed) are kept with probability
+        min(1, p/q) instead (kvserve.spec_decode.draft_sampling).
         Constrained rows are masked by the request's grammar, advanced over the drafts before the row, so a draft
         the grammar forbids is never accepted."""
         rows, states = [], {}
@@ -259,6 +262,7 @@ class ModelRunner:
                                  req.eos_token_ids) for j in range(len(drafts) + 1)]
         meta = SamplingMetadata.build(rows, self.vocab_size, self.device, self.generator)
         meta.grammar_bitmask = build_grammar_bitmask(reqs, self.vocab_size)
+        meta.sampled_drafts = sampled_drafts(reqs, self.device)
         out = self.sampler(logits, meta)
         sampled = out.sampled_token_ids.tolist()
         emitted, emitted_rows, row = {}, [], 0
@@ -268,7 +272,7 @@ class ModelRunner:
             emitted[req.request_id] = sampled[row:row + num]
             emitted_rows.append(range(row, row + num))
             if req.request_id in states:
-                _rewind(req.generator, states[req.request_id], num, self.vocab_size)
+                _rewind(req.generator, states[req.request_id], num)
             row += len(drafts) + 1
         if out.logprobs is not None:
             self._record_logprobs(reqs, emitted_rows, out.logprobs)
@@ -305,8 +309,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def propose_drafts(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
-        """Up to max_drafts[i] drafts for each request, by the draft model: greedy, batched over the requests, one
-        draft forward per draft position. The first one also writes the draft KV the request lacks before its last
+        """Up to max_drafts[i] drafts for each request, by the draft model, batched over the requests, one draft
+        forward per draft position: its argmax, or for random requests without a seed a draw from its distribution
+        q, kept in req.spec_draft_probs (draft_sampling.next_drafts). The first one also writes the draft KV the request lacks before its last
         token (the last draft of a verification that accepted all). The draft writes its KV for the last token
         and the drafts but the last, in slots allocated now (those the next step needs anyway); a request the pool
         has no room for gets none."""
@@ -323,6 +328,7 @@ class ModelRunner:
             if self.executor is not None:   # the other ranks' pools of the target too, before their next step
                 self.executor.send_block_copies(copies)
         drafts = [[] for _ in live]
+        probs: list[list[torch.Tensor]] = [[] for _ in live]
         for step in range(max(limits, default=0)):
             idx = [i for i, limit in enumerate(limits) if limit > step]
             if step:
@@ -340,10 +346,18 @@ class ModelRunner:
             hidden = self.draft_model(self._long(ids), self._long(positions), meta)
             if len(ids) > len(idx):   # the last row of each request
                 hidden = hidden[self._long(np.cumsum(query_lens) - 1)]
-            for i, token in zip(idx, argmax_rows(self.draft_model.compute_logits(hidden)).tolist()):
+            logits = self.draft_model.compute_logits(hidden)
+            drawn = next_drafts(logits, [live[i] for i in idx], [drafts[i] for i in idx], self.vocab_size,
+                                self.generator)
+            for i, (token, q) in zip(idx, drawn):
                 drafts[i].append(token)
-        for req, limit in zip(live, limits):
+                if q is not None:
+                    probs[i].append(q)
+        for req in reqs:
+            req.spec_draft_probs = None
+        for req, limit, q in zip(live, limits, probs):
             req.draft_kv_end = req.num_tokens - 1 + limit
+            req.spec_draft_probs = torch.stack(q) if q else None
         by_req = {id(req): d for req, d in zip(live, drafts)}
         return [by_req.get(id(req), []) for req in reqs]
 
@@ -391,13 +405,11 @@ def accepted_length(drafts: list[int], sampled: list[int]) -> int:
     return len(drafts)
 
 
-def _rewind(generator: torch.Generator, state: torch.Tensor, num_rows: int, vocab_size: int) -> None:
-    """Set `generator` to where drawing `num_rows` rows of noise from `state` leaves it (the sampler draws a
-    seeded row as vocab_size exponentials of its own; exponential_noise)."""
+def _rewind(generator: torch.Generator, state: torch.Tensor, num_rows: int) -> None:
+    """Set `generator` to where sampling `num_rows` rows from `state` leaves it (one draw per row)."""
     generator.set_state(state)
-    scratch = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)   # the sampler's dtype
     for _ in range(num_rows):
-        scratch.exponential_(generator=generator)
+        draw_uniform(generator)
 
 
 def _logprob_dict(ids: list[int], vals: list[float], rank: int, k: int) -> dict[int, Logprob]:

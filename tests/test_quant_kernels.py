@@ -69,11 +69,14 @@ def test_rows_of_a_step_are_independent(fmt, k):
     # a row's result does not depend on which other rows share its step (row tiles of 8, remainders) nor on the
     # weight rows beside it (Q4_0, Q4_1 and Q4_K run whole octets two weight rows at a time in the row tiles after
     # the first, x rows in passes of up to 4: here tiles of 8, 8 and 3 rows; an odd weight row runs alone); for the
-    # 32-value formats 11 blocks (an octet and a partial one) or 16
+    # 32-value formats 11 blocks (an octet and a partial one) or 16; steps of 10, 13, 14 and 19 rows pair 2 rows
+    # of x, 3 + 2, 3 + 3, and 4 + 4 then 3
     raw = random_quantized(fmt, 21, k)
     w = QuantizedWeight([raw])
     x = torch.randn(19, k)
     whole = quantized_matmul(x, w)
+    for m in (10, 13, 14):
+        assert torch.equal(quantized_matmul(x[:m], w), whole[:m])
     for i in range(19):
         assert torch.equal(quantized_matmul(x[i:i + 1], w), whole[i:i + 1])
     for n in (0, 7, 20):

@@ -96,3 +96,23 @@ def test_accepted_length():
     assert accepted_length([1, 2, 3], [1, 2, 3]) == 3
     assert accepted_length([1, 2, 3], [1, 4, 3]) == 1
     assert accepted_length([1, 2, 3], [7, 2, 3]) == 0
+
+
+def test_verification_rows_take_each_requests_drawn_drafts_and_their_q():
+    # a request's k drafts take rows row .. row + k - 1, its bonus row + k; drafts the scheduler cut off the end
+    # keep their first q rows; argmax drafts (q None) and requests without drafts add no row
+    from kvserve.core.request import Request
+    from kvserve.spec_decode.draft_sampling import sampled_drafts
+    reqs = [Request(str(i), [1, 2], SamplingParams(temperature=1.0)) for i in range(4)]
+    q = [torch.rand(3, V) for _ in reqs]
+    reqs[0].spec_token_ids, reqs[0].spec_draft_probs = [5, 6], q[0]          # 3 drafts, the last one cut off
+    reqs[2].spec_token_ids = [1, 2]                                          # argmax drafts
+    reqs[3].spec_token_ids, reqs[3].spec_draft_probs = [7, 4, 3], q[3]
+    d = sampled_drafts(reqs, "cpu")
+    assert d.rows.tolist() == [0, 1, 7, 8, 9] and d.token_ids.tolist() == [5, 6, 7, 4, 3]
+    assert torch.equal(d.probs, torch.cat([q[0][:2], q[3]]))
+    reqs[0].spec_draft_probs = q[0][:1]
+    with pytest.raises(RuntimeError, match="has 2 drafts but 1"):
+        sampled_drafts(reqs, "cpu")
+    reqs[0].drop_drafts()
+    assert reqs[0].spec_draft_probs is None and sampled_drafts(reqs[:3], "cpu") is None

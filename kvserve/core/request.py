@@ -112,6 +112,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def drop_drafts(self) -> None:
+        """Forget the drafts to verify, and the distributions they were drawn from."""
+        self.spec_token_ids = []
+        self.spec_draft_probs = None
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

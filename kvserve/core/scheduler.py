@@ -186,7 +186,7 @@ class Scheduler:
             num_new = self._num_new_tokens(req, budget)
             while self.kv.allocate_slots(req, num_new) is None:
                 if req.spec_token_ids:   # drafts are worth no preemption: drop them first, then everyone's
-                    req.spec_token_ids = []
+                    req.drop_drafts()
                     num_new = self._num_new_tokens(req, budget)
                     continue
                 freed = self._drop_drafts(out)
@@ -213,7 +213,7 @@ class Scheduler:
         freed, changed = 0, False
         for r in self.running:
             num_drafts = len(r.spec_token_ids)
-            r.spec_token_ids = []
+            r.drop_drafts()
             for j, (scheduled, n) in enumerate(out.scheduled):
                 if scheduled is r and num_drafts:
                     out.scheduled[j] = (r, n - num_drafts)
@@ -354,7 +354,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.drop_drafts()
         req.num_preemptions += 1
         self.num_preemptions += 1
         if self.policy == "priority":
@@ -387,7 +387,7 @@ class Scheduler:
         updates = []
         for req, num_new in out.scheduled:
             num_drafts = len(req.spec_token_ids)
-            req.spec_token_ids = []
+            req.drop_drafts()
             tokens = sampled.get(req.request_id)
             req.num_computed_tokens += num_new
             if tokens is None:   # a prefill chunk that did not reach the end of the prompt

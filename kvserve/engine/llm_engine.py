@@ -371,7 +371,7 @@ class LLMEngine:
             except Exception:   # drafts are optional: the step's outputs stand, the next step runs without them
                 logger.exception("kvserve: proposing drafts failed; the next step runs without them")
                 for req in self.scheduler.running:
-                    req.spec_token_ids = []
+                    req.drop_drafts()
         return outputs
 
     def _wait_for_held_requests(self) -> None:

@@ -38,7 +38,7 @@ class Sampler(torch.nn.Module):
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Argmax for greedy rows, the exponential race for random rows."""
+    """Argmax for greedy rows, a draw by inverse CDF for random rows."""
     if meta.all_greedy:
         return argmax_rows(logits)
     random = sample_random(logits, meta)
@@ -82,7 +82,9 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     for u ~ U[0, 1), a draw from weights / total. One pass over the row and one random number, where a race of V
     exponentials needs V of them; the sums are float64, so a token's share is exact to ~1e-16 of the row's."""
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)
-    target = (u * cdf[:, -1]).unsqueeze(1)
+    total = cdf[:, -1:]
+    # u * total can round up to the total itself (u = 1 - 2^-53): keep the target below it
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     # right: a token of weight 0 spans no interval and is never drawn; the clamp keeps a NaN row in range
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(weights.shape[1] - 1)
 

@@ -2,8 +2,9 @@
 
 A random request's draft is a draw from the draft's distribution under the request's own sampling settings
 (penalties, logit bias, temperature, min-p, top-k, top-p), kept with q; the target keeps it with probability
-min(1, p/q) (kvserve.sample.sampler.verify_sampled_drafts). That accepts sum_x min(p(x), q(x)) of the drafts
-where the draft's argmax would be accepted only with p(argmax q). Greedy requests take the argmax (q one-hot), and
+min(1, p/q) (kvserve.sample.sampler.verify_sampled_drafts). That accepts sum_x min(p(x), q(x)) of the drafts,
+where the draft's argmax is accepted with p(argmax q): often more where p spreads over several tokens and q
+resembles p (an underconfident q can do worse). Greedy requests take the argmax (q one-hot), and
 so do seeded ones: their drafts stay deterministic, so their output is the one they give without speculation
 whatever the batch (model_runner._sample rewinds their generators to the draws actually used).
 """
@@ -28,25 +29,25 @@ def next_drafts(logits: torch.Tensor, reqs: list[Request], drafts: list[list[int
                 generator: torch.Generator | None) -> list[tuple[int, torch.Tensor | None]]:
     """Each request's next draft from the draft model's logits [len(reqs), N <= vocab_size] (its drafts so far
     count as output): (token, None) for an argmax, (token, q [vocab_size]) for a draw from q."""
-    tokens = argmax_rows(logits).tolist()
-    out: list[tuple[int, torch.Tensor | None]] = [(t, None) for t in tokens]
+    tokens = argmax_rows(logits)
     drawn = [j for j, req in enumerate(reqs) if draws_drafts(req)]
-    if not drawn:
-        return out
-    # a draft with a cut vocabulary (draft_vocab_size) proposes none of the tokens past its N
-    full = logits.new_full((len(drawn), vocab_size), -math.inf, dtype=torch.float32)
-    full[:, :logits.shape[1]] = logits[drawn]
-    rows = [SamplingRow(reqs[j].params, reqs[j].prompt_token_ids, reqs[j].output_token_ids + drafts[j], None,
-                        reqs[j].eos_token_ids) for j in drawn]
-    meta = SamplingMetadata.build(rows, vocab_size, logits.device, generator)
-    q = random_probs(apply_logits_processors(full, meta), meta)
-    broken = ~(torch.isfinite(q).all(dim=-1) & (q.amax(dim=-1) > 0))   # NaN logits: fall back to the argmax
-    if bool(broken.any()):
-        argmax = torch.tensor([tokens[j] for j in drawn], device=q.device)
-        q[broken] = torch.nn.functional.one_hot(argmax[broken], vocab_size).to(q.dtype)
-    picks = inverse_cdf(q, uniform_noise(len(drawn), q.device, {}, generator)).tolist()
+    q = None
+    if drawn:
+        # a draft with a cut vocabulary (draft_vocab_size) proposes none of the tokens past its N
+        full = logits.new_full((len(drawn), vocab_size), -math.inf, dtype=torch.float32)
+        full[:, :logits.shape[1]] = logits[drawn]
+        rows = [SamplingRow(reqs[j].params, reqs[j].prompt_token_ids, reqs[j].output_token_ids + drafts[j], None,
+                            reqs[j].eos_token_ids) for j in drawn]
+        meta = SamplingMetadata.build(rows, vocab_size, logits.device, generator)
+        q = random_probs(apply_logits_processors(full, meta), meta)
+        index = torch.tensor(drawn, device=q.device)
+        broken = ~(torch.isfinite(q).all(dim=-1) & (q.amax(dim=-1) > 0))   # NaN logits: the argmax, q one-hot
+        one_hot = torch.nn.functional.one_hot(tokens[index], vocab_size).to(q.dtype)
+        q = torch.where(broken.unsqueeze(1), one_hot, q)
+        tokens = tokens.index_copy(0, index, inverse_cdf(q, uniform_noise(len(drawn), q.device, {}, generator)))
+    out: list[tuple[int, torch.Tensor | None]] = [(t, None) for t in tokens.tolist()]
     for n, j in enumerate(drawn):
-        out[j] = (picks[n], q[n])
+        out[j] = (out[j][0], q[n])
     return out
 
 
@@ -57,6 +58,9 @@ def sampled_drafts(reqs: list[Request], device: torch.device) -> SampledDrafts |
     for req in reqs:
         drafts = req.spec_token_ids
         if drafts and req.spec_draft_probs is not None:
+            if req.spec_draft_probs.shape[0] < len(drafts):
+                raise RuntimeError(f"request {req.request_id} has {len(drafts)} drafts but "
+                                   f"{req.spec_draft_probs.shape[0]} distributions they were drawn from")
             rows.extend(range(row, row + len(drafts)))
             tokens.extend(drafts)
             probs.append(req.spec_draft_probs[:len(drafts)])   # the scheduler may have cut drafts off the end

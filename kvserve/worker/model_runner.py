@@ -243,15 +243,14 @@ class ModelRunner:
 
         A request with k drafts has k + 1 rows, row j sampled as if drafts 1..j were already its output (penalties,
         min_tokens), with the j-th draw of its generator: the token the request would sample there without
-        speculation. Proposals are deterministic (the proposer's distribution q is one-hot), so accepting draft j
-        exactly when it equals that token is rejection sampling (accept with probability p(d) = min(1, p/q); on
-        rejection the token is distributed as norm(max(0, p - q))); the row after the last accepted draft gives
-        the recovered token, or the bonus token when all k are accepted. Seeded requests then give the same
-        output with and without speculation: their generators are rewound to the draws actually used. Drafts
-        drawn from the draft model's distribution q (random requests without a seed) are kept with probability
-        min(1, p/q) instead (kvserve.spec_decode.draft_sampling).
-        Constrained rows are masked by the request's grammar, advanced over the drafts before the row, so a draft
-        the grammar forbids is never accepted."""
+        speculation. Where a proposal is deterministic (the proposer's q one-hot: n-gram, suffix, and the draft
+        model's argmax for greedy and seeded requests), accepting draft j exactly when it equals that token is
+        rejection sampling (accept with probability p(d) = min(1, p/q); on rejection the token is distributed as
+        norm(max(0, p - q))); the row after the last accepted draft gives the recovered token, or the bonus token
+        when all k are accepted. Seeded requests then give the same output with and without speculation: their
+        generators are rewound to the draws actually used. Drafts drawn from the draft model's distribution q
+        (random requests without a seed) are kept with probability min(1, p/q) instead
+        (kvserve.spec_decode.draft_sampling)."""
         rows, states = [], {}
         for req in reqs:
             drafts = req.spec_token_ids
@@ -311,8 +310,8 @@ class ModelRunner:
     def propose_drafts(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
         """Up to max_drafts[i] drafts for each request, by the draft model, batched over the requests, one draft
         forward per draft position: its argmax, or for random requests without a seed a draw from its distribution
-        q, kept in req.spec_draft_probs (draft_sampling.next_drafts). The first one also writes the draft KV the request lacks before its last
-        token (the last draft of a verification that accepted all). The draft writes its KV for the last token
+        q, kept in req.spec_draft_probs (draft_sampling.next_drafts). The first one also writes the draft KV the
+        request lacks before its last token (the last draft of a verification that accepted all). The draft writes its KV for the last token
         and the drafts but the last, in slots allocated now (those the next step needs anyway); a request the pool
         has no room for gets none."""
         live, limits = [], []

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from kvserve.sample.metadata import SamplingRow
 from kvserve.sampling_params import SamplingParams
 
 
@@ -111,6 +112,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def sampling_row(self, drafts: list[int], generator: torch.Generator | None) -> SamplingRow:
+        """The row that samples after `drafts` (taken as output: penalties, min_tokens), drawing from
+        `generator`."""
+        return SamplingRow(self.params, self.prompt_token_ids,
+                           self.output_token_ids + drafts if drafts else self.output_token_ids, generator,
+                           self.eos_token_ids)
 
     def drop_drafts(self) -> None:
         """Forget the drafts to verify, and the distributions they were drawn from."""

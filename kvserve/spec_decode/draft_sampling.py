@@ -16,7 +16,7 @@ import torch
 
 from kvserve.core.request import Request
 from kvserve.sample.logits_processors import apply_logits_processors
-from kvserve.sample.metadata import SampledDrafts, SamplingMetadata, SamplingRow
+from kvserve.sample.metadata import SampledDrafts, SamplingMetadata
 from kvserve.sample.sampler import argmax_rows, inverse_cdf, random_probs, uniform_noise
 
 
@@ -36,8 +36,7 @@ def next_drafts(logits: torch.Tensor, reqs: list[Request], drafts: list[list[int
         # a draft with a cut vocabulary (draft_vocab_size) proposes none of the tokens past its N
         full = logits.new_full((len(drawn), vocab_size), -math.inf, dtype=torch.float32)
         full[:, :logits.shape[1]] = logits[drawn]
-        rows = [SamplingRow(reqs[j].params, reqs[j].prompt_token_ids, reqs[j].output_token_ids + drafts[j], None,
-                            reqs[j].eos_token_ids) for j in drawn]
+        rows = [reqs[j].sampling_row(drafts[j], None) for j in drawn]
         meta = SamplingMetadata.build(rows, vocab_size, logits.device, generator)
         q = random_probs(apply_logits_processors(full, meta), meta)
         index = torch.tensor(drawn, device=q.device)

@@ -19,7 +19,7 @@ from kvserve.distributed.message import StepMessage
 from kvserve.errors import EngineDeadError, InvalidRequestError
 from kvserve.model.layers import release_unpacked_weights
 from kvserve.outputs import Logprob
-from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
+from kvserve.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from kvserve.sample.sampler import draw_uniform
 from kvserve.spec_decode.draft_sampling import next_drafts, sampled_drafts
 from kvserve.structured_output import build_grammar_bitmask
@@ -256,9 +256,7 @@ class ModelRunner:
             drafts = req.spec_token_ids
             if drafts and req.generator is not None and not req.params.is_greedy:
                 states[req.request_id] = req.generator.get_state()
-            rows += [SamplingRow(req.params, req.prompt_token_ids,
-                                 req.output_token_ids + drafts[:j] if j else req.output_token_ids, req.generator,
-                                 req.eos_token_ids) for j in range(len(drafts) + 1)]
+            rows += [req.sampling_row(drafts[:j], req.generator) for j in range(len(drafts) + 1)]
         meta = SamplingMetadata.build(rows, self.vocab_size, self.device, self.generator)
         meta.grammar_bitmask = build_grammar_bitmask(reqs, self.vocab_size)
         meta.sampled_drafts = sampled_drafts(reqs, self.device)
@@ -311,9 +309,9 @@ class ModelRunner:
         """Up to max_drafts[i] drafts for each request, by the draft model, batched over the requests, one draft
         forward per draft position: its argmax, or for random requests without a seed a draw from its distribution
         q, kept in req.spec_draft_probs (draft_sampling.next_drafts). The first one also writes the draft KV the
-        request lacks before its last token (the last draft of a verification that accepted all). The draft writes its KV for the last token
-        and the drafts but the last, in slots allocated now (those the next step needs anyway); a request the pool
-        has no room for gets none."""
+        request lacks before its last token (the last draft of a verification that accepted all). The draft writes
+        its KV for the last token and the drafts but the last, in slots allocated now (those the next step needs
+        anyway); a request the pool has no room for gets none."""
         live, limits = [], []
         for req, limit in zip(reqs, max_drafts):
             # the next step computes positions num_tokens - 1 .. num_tokens - 1 + limit; the draft writes all but

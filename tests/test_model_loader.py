@@ -370,3 +370,26 @@ def test_a_gguf_file_is_parsed_once_until_it_changes(tmp_path):
     assert all(np.array_equal(a, t.data) for a, t in zip(before, second.tensors))
     with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
         gguf_loader.open_gguf(str(tmp_path / "missing.gguf"))
+
+
+def test_the_metadata_reader_steps_over_the_vocabulary_and_keeps_everything_else(gguf_path, tmp_path):
+    """open_gguf's reader skips the tokenizer's arrays unparsed: every other field and every tensor as gguf's own
+    reader gives them, on the bundled file; a file cut inside the vocabulary is refused, not read past its end."""
+    from kvserve.model import gguf_loader
+    full, meta = gguf_loader._plain_view_reader()(gguf_path), gguf_loader._metadata_reader()(gguf_path)
+    skipped = set(full.fields) - set(meta.fields)
+    assert skipped == {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"}
+    assert list(meta.fields) == [k for k in full.fields if k not in skipped]
+    for key, field in meta.fields.items():
+        assert field.offset == full.fields[key].offset and field.types == full.fields[key].types
+        assert field.contents() == full.fields[key].contents(), key
+    assert meta.data_offset == full.data_offset
+    assert [(t.name, t.tensor_type, t.data_offset, t.shape.tolist()) for t in meta.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset, t.shape.tolist()) for t in full.tensors]
+    assert gguf_loader.gguf_model_config(meta) == gguf_loader.gguf_model_config(full)
+    merges = full.fields["tokenizer.ggml.merges"]
+    cut = tmp_path / "cut.gguf"
+    with open(gguf_path, "rb") as f:
+        cut.write_bytes(f.read(merges.offset + sum(p.nbytes for p in merges.parts) // 2))
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file .*corrupt, truncated"):
+        gguf_loader.open_gguf(str(cut))

@@ -669,6 +669,11 @@ KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const 
   }
 }
 
+// With several rows of x, the weight row is prefetched PREFETCH_AHEAD bytes ahead: over wide rows (Qwen2.5-Coder-
+// 1.5B's ffn_down, 8960 inputs: 12 KiB of activations per row of x), the hardware's prefetch of the weights fell
+// behind, and several rows streamed from memory ran markedly slower than with it (docs/benchmarks.md). One row of
+// x keeps the hardware's, which measured no worse.
+constexpr int64_t PREFETCH_AHEAD = 2048;
 template <int T, int R>
 void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
   static_assert(in_octets<T>());
@@ -676,6 +681,9 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t o = 0; o * QXB < nsub; ++o) {
     const uint8_t* group = w + o * octet_bytes<T>();
+    if constexpr (R > 1)   // prefetches never fault: those past the matrix's end are harmless
+      for (int64_t at = 0; at < octet_bytes<T>(); at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(group + PREFETCH_AHEAD + at), _MM_HINT_T0);
     __m256i q[8];
     OctetScales sc;
     if constexpr (Format<T>::SUBS == 8) {   // whole super-blocks

@@ -116,3 +116,29 @@ def test_verification_rows_take_each_requests_drawn_drafts_and_their_q():
         sampled_drafts(reqs, "cpu")
     reqs[0].drop_drafts()
     assert reqs[0].spec_draft_probs is None and sampled_drafts(reqs[:3], "cpu") is None
+
+
+def test_next_drafts_with_a_cut_vocabulary_and_broken_logits():
+    # a draft with draft_vocab_size N < V gives logits over its first N tokens: q is zero past N and sums to 1,
+    # and draws follow q; greedy requests take the argmax (no q); a row of NaN logits falls back to its argmax
+    # with a one-hot q, leaving the other rows alone
+    from kvserve.core.request import Request
+    from kvserve.spec_decode.draft_sampling import next_drafts
+    cut, draws = 5, 10_000
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, cut, generator=gen) * 2
+    logits[2] = torch.nan
+    reqs = [Request("drawn", [1, 2], SamplingParams(temperature=0.8)),
+            Request("greedy", [1, 2], SamplingParams(temperature=0.0)),
+            Request("broken", [1, 2], SamplingParams(temperature=1.0))]
+    out = next_drafts(logits, reqs, [[], [3], []], V, gen)
+    (token, q), (greedy, no_q), (fallback, one_hot) = out
+    assert no_q is None and greedy == int(logits[1].argmax())
+    want = torch.zeros(V)
+    want[:cut] = (logits[0] / 0.8).softmax(-1)
+    assert token < cut and torch.allclose(q, want, atol=1e-6) and abs(float(q.sum()) - 1) < 1e-6
+    assert torch.equal(one_hot, torch.nn.functional.one_hot(torch.tensor(fallback), V).float())
+    assert 0 <= fallback < cut
+    samples = np.array([t for t, _ in next_drafts(logits[:1].expand(draws, cut), reqs[:1] * draws, [[]] * draws, V,
+                                                  gen)])
+    assert chi_square(samples, want.double().numpy()) < CHI2_999[cut - 1]

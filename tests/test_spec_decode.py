@@ -351,6 +351,25 @@ def test_drafts_drawn_from_the_draft_distribution_keep_the_targets(tmp_path, ggu
         assert statistic < quantile, (pos, statistic, quantile)
 
 
+def test_the_memory_profile_samples_the_largest_step_with_drawn_drafts(tiny_pair, gguf_path, monkeypatch):
+    # the GPU's KV budget is what a profiled step leaves: it samples max_num_seqs * (k + 1) rows (fewer if the
+    # token budget is smaller) and verifies drafts drawn from q on every row but each sequence's bonus row
+    from kvserve.sample import sampler
+    target, draft = tiny_pair
+    llm = make_llm({"model": draft, "num_speculative_tokens": 3}, model=target, tokenizer=gguf_path, max_num_seqs=4)
+    verified, verify = [], sampler.verify_sampled_drafts
+
+    def recording(probs, u, meta):
+        verified.append(meta.sampled_drafts.rows.tolist())
+        return verify(probs, u, meta)
+    monkeypatch.setattr(sampler, "verify_sampled_drafts", recording)
+    engine = llm.llm_engine
+    assert engine.runner.profile_step(engine.config, 64) == 16
+    assert verified == [[r for r in range(16) if r % 4 != 3]]
+    assert engine.runner.profile_step(engine.config, 10) == 10
+    assert llm.generate(tiny_prompts(1), GREEDY, use_tqdm=False)[0].outputs[0].token_ids   # serving goes on
+
+
 def test_draft_model_must_share_the_vocabulary_and_be_smaller(tiny_pair, gguf_path, tmp_path):
     target, draft = tiny_pair
     save_tiny_model("qwen2", tmp_path / "other_vocab", num_hidden_layers=1, vocab_size=128)

@@ -19,7 +19,9 @@ from kvserve.distributed.message import StepMessage
 from kvserve.errors import EngineDeadError, InvalidRequestError
 from kvserve.model.layers import release_unpacked_weights
 from kvserve.outputs import Logprob
-from kvserve.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
+from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
+from kvserve.sample.metadata import SampledDrafts
+from kvserve.sampling_params import SamplingParams
 from kvserve.sample.sampler import draw_uniform
 from kvserve.spec_decode.draft_sampling import next_drafts, sampled_drafts
 from kvserve.structured_output import build_grammar_bitmask
@@ -113,17 +115,39 @@ class ModelRunner:
         """Run one forward over a full token budget, then give the KV cache what utilization leaves."""
         bs = config.block_size
         bind_kv_cache(self.model, cdiv(num_tokens, bs), bs, dtype, self.device)
-        with torch.inference_mode():
-            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            hidden = self.model(ids, torch.arange(num_tokens, device=self.device),
-                                single_sequence_metadata(num_tokens, bs, self.device))
-            self.model.compute_logits(hidden[-config.max_num_seqs:])
+        self.profile_step(config, num_tokens)
         torch.cuda.synchronize(self.device)
         bind_kv_cache(self.model, 0, bs, dtype, self.device)   # drop the profiling cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
         return int(total * config.gpu_memory_utilization - (total - free) - peak_activations)
+
+    @torch.inference_mode()
+    def profile_step(self, config: EngineConfig, num_tokens: int) -> int:
+        """The largest step's work, to measure its peak memory: a forward over num_tokens tokens (the model's KV
+        pools bound), then logits and sampling for as many rows as a step samples at most (max_num_seqs, times
+        k + 1 with speculation), at their most costly: random draws under top-p (a sort of every row) with
+        logprobs, verifying drafts drawn from a distribution q where a draft model proposes them. Returns the rows
+        sampled."""
+        spec = config.speculative_config
+        per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        rows = min(num_tokens, config.max_num_seqs * per_seq)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(num_tokens, device=self.device),
+                            single_sequence_metadata(num_tokens, config.block_size, self.device))
+        logits = self.model.compute_logits(hidden[-rows:])
+        del hidden
+        params = SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5, logprobs=20)
+        meta = SamplingMetadata.build([SamplingRow(params, [], [0])] * rows, self.vocab_size, self.device,
+                                      torch.Generator(device=self.device))   # the engine's stream stays untouched
+        if self.draft_model is not None and per_seq > 1:
+            verifying = torch.arange(rows, device=self.device)
+            verifying = verifying[verifying % per_seq != per_seq - 1]   # each sequence's last row is its bonus
+            q = torch.full((len(verifying), self.vocab_size), 1.0 / self.vocab_size, device=self.device)
+            meta.sampled_drafts = SampledDrafts(verifying, torch.zeros_like(verifying), q)
+        self.sampler(logits, meta)
+        return rows
 
     # ----- steps -----
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:

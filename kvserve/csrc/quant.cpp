@@ -183,7 +183,8 @@ template <> struct Layout<Q8_0> { static constexpr int QS = 2, QH = -1, M = -1, 
 // The 32-value formats as the kernels keep them (kvserve_quant_repack; type id OCTETS | the ggml type): the same
 // bytes as the file's blocks, reordered within each row. A row's blocks go in groups of 8 (the last group holds
 // the rest), and a group of g holds its blocks' fields one after another: the g scales (fp16), the g mins (Q4_1,
-// Q5_1), the g 32-bit high-bit words (Q5_0, Q5_1), then for c = 0, 1, ... the g blocks' quant bytes 4 c .. 4 c + 3
+// Q5_1), the g 32-bit high-bit words (Q5_0, Q5_1; each word's bits transposed, qh_transpose, so that a chunk's
+// high bits come out with one shift), then for c = 0, 1, ... the g blocks' quant bytes 4 c .. 4 c + 3
 // (4-/5-bit: c < 4, nibbles of values 4 c + i and 16 + 4 c + i; Q8_0: c < 8, values 4 c + i). One 32-byte load of
 // a full group then gives a chunk of each of the 8 blocks in the int32 lanes QX's chunk-major activations want,
 // with no shuffling at run time.
@@ -270,6 +271,19 @@ inline void k6_repack(const uint8_t* src, uint8_t* dst, bool to_raw) {
   }
 }
 
+// A 5-bit block's 32 high bits (Q5_0, Q5_1) in the file's order (bit v: value v) -> the kernels' (bit c of byte i:
+// value 4 c + i, the value that chunk c holds in byte i of the block's lane), or back (to_raw), in place at p
+inline void qh_transpose(uint8_t* p, bool to_raw) {
+  uint32_t in, out = 0;
+  std::memcpy(&in, p, 4);
+  for (int c = 0; c < 8; ++c)
+    for (int i = 0; i < 4; ++i) {
+      const int file = 4 * c + i, kernel = 8 * i + c;
+      out |= ((in >> (to_raw ? kernel : file)) & 1u) << (to_raw ? file : kernel);
+    }
+  std::memcpy(p, &out, 4);
+}
+
 // a row of nb blocks from the file's order to the kernels' (or back, to_raw), src to dst
 template <int T> void repack_row(const uint8_t* src, uint8_t* dst, int64_t nb, bool to_raw) {
   constexpr int B = Format<T>::BYTES;
@@ -280,11 +294,15 @@ template <int T> void repack_row(const uint8_t* src, uint8_t* dst, int64_t nb, b
   } else {
     for (int64_t o = 0; o < nb; o += 8) {
       const int g = int(std::min<int64_t>(8, nb - o));
-      for (int b = 0; b < g; ++b)
+      for (int b = 0; b < g; ++b) {
         for (int k = 0; k < B; ++k) {
           const int64_t raw = (o + b) * B + k, packed = o * B + octet_pos<T>(g, b, k);
           dst[to_raw ? raw : packed] = src[to_raw ? packed : raw];
         }
+        if constexpr (Layout<T>::QH >= 0)
+          qh_transpose(dst + (to_raw ? (o + b) * B + Layout<T>::QH : o * B + octet_pos<T>(g, b, Layout<T>::QH)),
+                       to_raw);
+      }
     }
   }
 }
@@ -298,6 +316,7 @@ template <int T> void octet_block(const uint8_t* packed, int64_t nb, int64_t j, 
     const int64_t o = j - j % 8;
     const int g = int(std::min<int64_t>(8, nb - o)), b = int(j % 8);
     for (int k = 0; k < B; ++k) out[k] = packed[o * B + octet_pos<T>(g, b, k)];
+    if constexpr (Layout<T>::QH >= 0) qh_transpose(out + Layout<T>::QH, true);
   }
 }
 
@@ -478,17 +497,11 @@ KV_ALWAYS_INLINE void octet_fields(int g, Load32 load32, Load16 load16, __m256i*
   }
   for (int c = 0; c < 4; ++c)   // byte i of lane b: value 4 c + i (low nibble) and 16 + 4 c + i (high)
     split_nibbles(load32(octet_pos<T>(g, 0, L::QS + 4 * c)), q[c], q[c + 4]);
-  if constexpr (L::QH >= 0) {   // bit i of a block's 32-bit qh: value i's 0x10
+  if constexpr (L::QH >= 0) {   // bit c of byte i of a block's qh (qh_transpose): value 4 c + i's 0x10
     const __m256i h = load32(octet_pos<T>(g, 0, L::QH));
-    const __m256i bits_lo = _mm256_set1_epi32(0x08040201), bits_hi = _mm256_set1_epi32(int32_t(0x80402010u));
-    for (int c = 0; c < 8; ++c) {   // values 4 c .. 4 c + 3: byte c / 2 of qh, its low or high half
-      const char k = char(c / 2);
-      const __m256i spread = _mm256_shuffle_epi8(h, _mm256_setr_epi8(k, k, k, k, 4 + k, 4 + k, 4 + k, 4 + k,
-          8 + k, 8 + k, 8 + k, 8 + k, 12 + k, 12 + k, 12 + k, 12 + k, k, k, k, k, 4 + k, 4 + k, 4 + k, 4 + k,
-          8 + k, 8 + k, 8 + k, 8 + k, 12 + k, 12 + k, 12 + k, 12 + k));
-      const __m256i bits = c % 2 ? bits_hi : bits_lo;
-      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits);
-      q[c] = _mm256_or_si256(q[c], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    for (int c = 0; c < 8; ++c) {   // bit c to bit 4 of each byte (16-bit shifts of <= 4 carry no other byte's bit there)
+      const __m256i at4 = c < 4 ? _mm256_slli_epi16(h, 4 - c) : c == 4 ? h : _mm256_srli_epi16(h, c - 4);
+      q[c] = _mm256_or_si256(q[c], _mm256_and_si256(at4, _mm256_set1_epi8(0x10)));
     }
   }
 }

@@ -10,6 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 KERNELS := $(VENV)/.kernels-stamp
+TEST_KERNELS := $(VENV)/.test-kernels-stamp
 # the peers live outside the repository, shared by every checkout; compare.py reads the same variable
 export PEERS ?= $(HOME)/peers
 HF_MODEL := $(PEERS)/smollm2-135m-instruct
@@ -36,10 +37,16 @@ $(KERNELS): $(STAMP) $(wildcard kvserve/csrc/*)
 	$(PY) -m kvserve.kernels
 	touch $(KERNELS)
 
+# make test also builds the portable variant the tests compare against, beside the native one (one compiler
+# process each: on two cores the pair takes about as long as one)
+$(TEST_KERNELS): $(STAMP) $(wildcard kvserve/csrc/*)
+	$(PY) -m kvserve.kernels --with-portable
+	touch $(KERNELS) $(TEST_KERNELS)
+
 run: setup
 	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000
 
-test: setup
+test: $(STAMP) $(TEST_KERNELS)
 	$(PY) -m pytest -q tests
 
 models: setup

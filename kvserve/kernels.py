@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,10 +309,24 @@ def is_degraded(device: torch.device, fused_stack: bool = False) -> bool:
     return device.type == "cpu" and not (status().fast_bf16 or fused_stack)
 
 
-def main() -> int:
-    """`python -m kvserve.kernels`: build the kernels now (make setup does) and say what this CPU runs."""
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvserve.kernels [--with-portable]`: build the kernels now (make setup does) and say what this CPU
+    runs; --with-portable also builds the portable variant (which the tests compare against), at the same time:
+    each build is one compiler process, so on two cores the pair takes about as long as one."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = sys.argv[1:] if argv is None else argv
+    if args not in ([], ["--with-portable"]):
+        print("usage: python -m kvserve.kernels [--with-portable]", file=sys.stderr)
+        return 2
+    portable = None
+    if args:
+        portable = threading.Thread(target=load_variant, args=("portable",))
+        portable.start()
     st = status()
+    if portable is not None:
+        portable.join()
+        print(f"kvserve kernels, portable variant: "
+              f"{'built' if _libs.get('portable') else 'not built: ' + _failures.get('portable', '?')}")
     if st.built:
         print(f"kvserve kernels: built ({'AVX-512' if st.avx512 else 'AVX2' if st.avx2 else 'portable, no AVX2'}"
               f"{', AVX-512 BF16' if st.bf16 else ', no AVX-512 BF16'})")

@@ -393,3 +393,12 @@ def test_kernel_backend_leaves_groups_wider_than_a_work_item_to_torch():
     k_cache = torch.zeros(4, 16, 1, 64)
     assert not CpuPagedAttention.supports(torch.zeros(3, 71 * 64), k_cache)
     assert CpuPagedAttention.supports(torch.zeros(3, 64 * 64), k_cache)
+
+
+def test_the_setup_command_builds_the_portable_variant_beside_the_native_one(capsys):
+    # make test runs `python -m kvserve.kernels --with-portable` (both cached already, as they are here)
+    assert kernels.main(["--with-portable"]) == 0
+    out = capsys.readouterr().out
+    assert "kvserve kernels, portable variant: built" in out and "kvserve kernels: built" in out
+    assert kernels.load_variant("portable") is not None
+    assert kernels.main(["--portable"]) == 2

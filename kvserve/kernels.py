@@ -42,11 +42,11 @@ _FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "quan
           "lora.cpp", "layers.cpp", "shm.cpp")
 
 
-def _read_source() -> str:
-    """The kernel files as one translation unit (common.h first, its includes dropped from the others)."""
+def _read_source(csrc: Path = CSRC) -> str:
+    """The kernel files in `csrc` as one translation unit (common.h first, its includes dropped from the others)."""
     parts = []
     for name in _FILES:
-        text = (CSRC / name).read_text()
+        text = (csrc / name).read_text()
         parts.append("\n".join(line for line in text.splitlines()
                                  if line.strip() not in ('#include "common.h"', "#pragma once")))
     return "\n".join(parts)
@@ -319,14 +319,16 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m kvserve.kernels [--with-portable]", file=sys.stderr)
         return 2
     portable = None
-    if args:
-        portable = threading.Thread(target=load_variant, args=("portable",))
+    if args:   # a daemon: Ctrl-C does not wait for it
+        portable = threading.Thread(target=load_variant, args=("portable",), daemon=True)
         portable.start()
     st = status()
     if portable is not None:
         portable.join()
-        print(f"kvserve kernels, portable variant: "
-              f"{'built' if _libs.get('portable') else 'not built: ' + _failures.get('portable', '?')}")
+        if not _libs.get("portable"):
+            print(f"kvserve kernels, portable variant: not built: {_failures.get('portable', 'the build raised')}")
+            return 1 if st.built else 0   # without a compiler neither builds: the engine runs plain torch
+        print("kvserve kernels, portable variant: built")
     if st.built:
         print(f"kvserve kernels: built ({'AVX-512' if st.avx512 else 'AVX2' if st.avx2 else 'portable, no AVX2'}"
               f"{', AVX-512 BF16' if st.bf16 else ', no AVX-512 BF16'})")

@@ -395,6 +395,7 @@ def test_kernel_backend_leaves_groups_wider_than_a_work_item_to_torch():
     assert CpuPagedAttention.supports(torch.zeros(3, 64 * 64), k_cache)
 
 
+@needs_kernels
 def test_the_setup_command_builds_the_portable_variant_beside_the_native_one(capsys):
     # make test runs `python -m kvserve.kernels --with-portable` (both cached already, as they are here)
     assert kernels.main(["--with-portable"]) == 0

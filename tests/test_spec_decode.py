@@ -2,6 +2,7 @@
 sampling too), under batching, chunked prefill, preemption and prefix caching; stops, logprobs and n > 1 across
 accepted tokens; bad configurations refused at start; the batch-size switch; the metrics."""
 import copy
+import dataclasses
 import logging
 
 import numpy as np
@@ -353,7 +354,8 @@ def test_drafts_drawn_from_the_draft_distribution_keep_the_targets(tmp_path, ggu
 
 def test_the_memory_profile_samples_the_largest_step_with_drawn_drafts(tiny_pair, gguf_path, monkeypatch):
     # the GPU's KV budget is what a profiled step leaves: it samples max_num_seqs * (k + 1) rows (fewer if the
-    # token budget is smaller) and verifies drafts drawn from q on every row but each sequence's bonus row
+    # token budget is smaller, or if fewer requests may draft) and verifies drafts drawn from q on every row but
+    # each sequence's bonus row
     from kvserve.sample import sampler
     target, draft = tiny_pair
     llm = make_llm({"model": draft, "num_speculative_tokens": 3}, model=target, tokenizer=gguf_path, max_num_seqs=4)
@@ -365,8 +367,11 @@ def test_the_memory_profile_samples_the_largest_step_with_drawn_drafts(tiny_pair
     monkeypatch.setattr(sampler, "verify_sampled_drafts", recording)
     engine = llm.llm_engine
     assert engine.runner.profile_step(engine.config, 64) == 16
-    assert verified == [[r for r in range(16) if r % 4 != 3]]
     assert engine.runner.profile_step(engine.config, 10) == 10
+    # drafts only while at most disable_by_batch_size requests run: 2 of them with 4 rows, or 4 with one
+    spec = dataclasses.replace(engine.config.speculative_config, disable_by_batch_size=2)
+    assert engine.runner.profile_step(dataclasses.replace(engine.config, speculative_config=spec), 64) == 8
+    assert verified == [[r for r in range(n) if r % 4 != 3] for n in (16, 10, 8)]
     assert llm.generate(tiny_prompts(1), GREEDY, use_tqdm=False)[0].outputs[0].token_ids   # serving goes on
 
 

@@ -276,11 +276,21 @@ inline void k6_repack(const uint8_t* src, uint8_t* dst, bool to_raw) {
 inline void qh_transpose(uint8_t* p, bool to_raw) {
   uint32_t in, out = 0;
   std::memcpy(&in, p, 4);
-  for (int c = 0; c < 8; ++c)
-    for (int i = 0; i < 4; ++i) {
-      const int file = 4 * c + i, kernel = 8 * i + c;
-      out |= ((in >> (to_raw ? kernel : file)) & 1u) << (to_raw ? file : kernel);
+  for (int i = 0; i < 4; ++i) {
+    if (to_raw) {   // byte i's bit c to bit 4 c + i: spread 8 bits 4 apart
+      uint32_t x = (in >> 8 * i) & 0xFFu;
+      x = (x | x << 12) & 0x000F000Fu;
+      x = (x | x << 6) & 0x03030303u;
+      x = (x | x << 3) & 0x11111111u;
+      out |= x << i;
+    } else {   // bits i, 4 + i, ..., 28 + i gathered into byte i
+      uint32_t x = (in >> i) & 0x11111111u;
+      x = (x | x >> 3) & 0x03030303u;
+      x = (x | x >> 6) & 0x000F000Fu;
+      x = (x | x >> 12) & 0xFFu;
+      out |= x << 8 * i;
     }
+  }
   std::memcpy(p, &out, 4);
 }
 
@@ -499,7 +509,7 @@ KV_ALWAYS_INLINE void octet_fields(int g, Load32 load32, Load16 load16, __m256i*
     split_nibbles(load32(octet_pos<T>(g, 0, L::QS + 4 * c)), q[c], q[c + 4]);
   if constexpr (L::QH >= 0) {   // bit c of byte i of a block's qh (qh_transpose): value 4 c + i's 0x10
     const __m256i h = load32(octet_pos<T>(g, 0, L::QH));
-    for (int c = 0; c < 8; ++c) {   // bit c to bit 4 of each byte (16-bit shifts of <= 4 carry no other byte's bit there)
+    for (int c = 0; c < 8; ++c) {   // bit c to bit 4 of each byte (16-bit shifts of <= 4 bring no other byte's)
       const __m256i at4 = c < 4 ? _mm256_slli_epi16(h, 4 - c) : c == 4 ? h : _mm256_srli_epi16(h, c - 4);
       q[c] = _mm256_or_si256(q[c], _mm256_and_si256(at4, _mm256_set1_epi8(0x10)));
     }
@@ -696,7 +706,8 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
     const uint8_t* group = w + o * octet_bytes<T>();
     if constexpr (R > 1)   // prefetches never fault: those past the matrix's end are harmless
       for (int64_t at = 0; at < octet_bytes<T>(); at += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(group + PREFETCH_AHEAD + at), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(group) + PREFETCH_AHEAD + at),
+                     _MM_HINT_T0);
     __m256i q[8];
     OctetScales sc;
     if constexpr (Format<T>::SUBS == 8) {   // whole super-blocks

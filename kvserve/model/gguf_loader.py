@@ -33,9 +33,8 @@ _SKIP_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-# the last files parsed, by (path, size, mtime): GGUFReader parses every metadata array (a 49k-token vocabulary
-# takes it seconds), and a process that starts several engines on one file (tests, benchmarks) parses it once;
-# the tokenizer's arrays are dropped from a kept reader (the tokenizer is converted from the file apart, tokenizer.py)
+# the last files parsed, by (path, size, mtime): a process that starts several engines on one file (tests,
+# benchmarks) parses its metadata once; the tokenizer's arrays are never parsed (_metadata_reader)
 _READERS: OrderedDict = OrderedDict()
 _READERS_KEPT = 2
 _READERS_LOCK = threading.Lock()
@@ -55,6 +54,8 @@ def open_gguf(path: str):
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on corrupt files
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}; "
                              "the file is corrupt, truncated or not GGUF") from e
+    for name in _SKIP_KEYS:   # where gguf's own parsing read one (a reader without the skip, or not an array)
+        reader.fields.pop(name, None)
     with _READERS_LOCK:
         _READERS[key] = reader
         while len(_READERS) > _READERS_KEPT:
@@ -85,15 +86,19 @@ def _plain_view_reader():
 @functools.cache
 def _metadata_reader():
     """The plain-view reader that steps over the vocabulary's arrays (_SKIP_KEYS) without parsing them: gguf's
-    reader builds a numpy view and a Python list entry for every token and merge (Qwen's 151,936 tokens and
-    151,387 merges took it ~3 s), and none of them is read here (the tokenizer is converted from the file apart,
-    tokenizer.py). Every other field is parsed by gguf's own code; the skipped ones are absent from `fields`."""
+    reader builds a numpy view and a Python list entry for every token and merge (most of a file's parse time,
+    docs/benchmarks.md), and none of them is read here (the tokenizer is converted from the file apart,
+    tokenizer.py). Every other field is parsed by gguf's own code. A gguf release without the private methods
+    this overrides gets the plain reader (open_gguf drops those fields either way)."""
     import struct
 
     from gguf import GGUFValueType
 
-    skipped = {key.encode() for key in _SKIP_KEYS}
     base = _plain_view_reader()
+    if not (callable(getattr(base, "_build_fields", None)) and isinstance(getattr(base, "gguf_scalar_to_np", None),
+                                                                          dict)):
+        return base
+    skipped = {key.encode() for key in _SKIP_KEYS}
 
     class MetadataReader(base):
         def _build_fields(self, offs: int, count: int) -> int:
@@ -117,15 +122,20 @@ def _metadata_reader():
                 return None
             offs += 16
             if itype == GGUFValueType.STRING:
+                if offs + 8 * n > len(data):   # a corrupt count: no loop over it
+                    raise ValueError(f"a metadata array of {n} strings runs past the end of the file")
                 length = struct.Struct(order + "Q").unpack_from
-                for _ in range(n):
-                    offs += 8 + length(data, offs)[0]
+                try:
+                    for _ in range(n):
+                        offs += 8 + length(data, offs)[0]
+                except struct.error:
+                    offs = len(data) + 1
             elif (dtype := self.gguf_scalar_to_np.get(GGUFValueType(itype))) is not None:
                 offs += n * np.dtype(dtype).itemsize
             else:
                 return None
-            if offs > len(self.data):
-                raise ValueError(f"a metadata array runs past the end of the file ({offs} > {len(self.data)})")
+            if offs > len(data):
+                raise ValueError(f"a metadata array runs past the end of the file ({offs} > {len(data)})")
             return offs
 
     return MetadataReader

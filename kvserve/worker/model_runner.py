@@ -21,8 +21,8 @@ from kvserve.model.layers import release_unpacked_weights
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
 from kvserve.sample.metadata import SampledDrafts
-from kvserve.sampling_params import SamplingParams
 from kvserve.sample.sampler import draw_uniform
+from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_sampling import next_drafts, sampled_drafts
 from kvserve.structured_output import build_grammar_bitmask
 
@@ -115,24 +115,36 @@ class ModelRunner:
         """Run one forward over a full token budget, then give the KV cache what utilization leaves."""
         bs = config.block_size
         bind_kv_cache(self.model, cdiv(num_tokens, bs), bs, dtype, self.device)
-        self.profile_step(config, num_tokens)
+        sampled = self.profile_step(config, num_tokens)
         torch.cuda.synchronize(self.device)
         bind_kv_cache(self.model, 0, bs, dtype, self.device)   # drop the profiling cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        return int(total * config.gpu_memory_utilization - (total - free) - peak_activations)
+        budget = int(total * config.gpu_memory_utilization - (total - free) - peak_activations)
+        if budget <= 0:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization {config.gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves nothing "
+                f"for the KV cache: {(total - free) / 2**30:.1f} GiB in use (weights), "
+                f"{peak_activations / 2**30:.1f} GiB for the largest step (a forward over {num_tokens} tokens, "
+                f"then logits and sampling for {sampled} rows); lower max_num_batched_tokens, max_num_seqs or "
+                "num_speculative_tokens, raise gpu_memory_utilization, or set kv_cache_memory", "kv_cache_memory")
+        return budget
 
     @torch.inference_mode()
     def profile_step(self, config: EngineConfig, num_tokens: int) -> int:
         """The largest step's work, to measure its peak memory: a forward over num_tokens tokens (the model's KV
-        pools bound), then logits and sampling for as many rows as a step samples at most (max_num_seqs, times
-        k + 1 with speculation), at their most costly: random draws under top-p (a sort of every row) with
+        pools bound), then logits and sampling for as many rows as a step samples at most (max_num_seqs; with
+        speculation k + 1 for each of the requests that may draft, disable_by_batch_size), at their most costly: random draws under top-p (a sort of every row) with
         logprobs, verifying drafts drawn from a distribution q where a draft model proposes them. Returns the rows
         sampled."""
         spec = config.speculative_config
         per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-        rows = min(num_tokens, config.max_num_seqs * per_seq)
+        rows = config.max_num_seqs
+        if per_seq > 1:   # drafts only while at most disable_by_batch_size requests run
+            cap = spec.disable_by_batch_size
+            rows = max(rows, min(rows, cap if cap is not None else rows) * per_seq)
+        rows = min(num_tokens, rows)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(num_tokens, device=self.device),
                             single_sequence_metadata(num_tokens, config.block_size, self.device))

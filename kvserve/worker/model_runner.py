@@ -135,9 +135,9 @@ class ModelRunner:
     def profile_step(self, config: EngineConfig, num_tokens: int) -> int:
         """The largest step's work, to measure its peak memory: a forward over num_tokens tokens (the model's KV
         pools bound), then logits and sampling for as many rows as a step samples at most (max_num_seqs; with
-        speculation k + 1 for each of the requests that may draft, disable_by_batch_size), at their most costly: random draws under top-p (a sort of every row) with
-        logprobs, verifying drafts drawn from a distribution q where a draft model proposes them. Returns the rows
-        sampled."""
+        speculation k + 1 for each of the requests that may draft, disable_by_batch_size), at their most costly:
+        random draws under top-p (a sort of every row) with logprobs, verifying drafts drawn from a distribution q
+        where a draft model proposes them. Returns the rows sampled."""
         spec = config.speculative_config
         per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         rows = config.max_num_seqs

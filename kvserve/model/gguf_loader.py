@@ -99,12 +99,13 @@ def _metadata_reader():
                                                                           dict)):
         return base
     skipped = {key.encode() for key in _SKIP_KEYS}
+    longest = max(map(len, skipped))
 
     class MetadataReader(base):
         def _build_fields(self, offs: int, count: int) -> int:
             for _ in range(int(count)):
-                klen = int(self._get(offs, np.uint64)[0])
-                if bytes(self.data[offs + 8:offs + 8 + klen]) in skipped:
+                klen = int(self._get(offs, np.uint64)[0])   # a corrupt length is no reason to copy the file
+                if klen <= longest and bytes(self.data[offs + 8:offs + 8 + klen]) in skipped:
                     end = self._array_end(offs + 8 + klen)
                     if end is not None:
                         offs = end

@@ -51,8 +51,9 @@ def main() -> None:
     libs = [build(args.dir_a), build(args.dir_b)]
     rows = [int(r) for r in args.rows.split(",")]
     for spec in args.weights.split(","):
-        model, name = spec.split(":")
-        t = next(t for t in gguf.GGUFReader(str(MODELS[model]())).tensors if t.name == name)
+        model, name = spec.rsplit(":", 1)
+        t = next(t for t in gguf.GGUFReader(str(MODELS[model]() if model in MODELS else model)).tensors
+                 if t.name == name)
         cols, n = int(t.shape[0]), int(t.shape[1])
         raw = torch.from_numpy(np.array(t.data).reshape(n, -1).copy())
         copies = max(2, min(args.copies, int(400e6 // raw.numel())))   # 2 at least: never the same copy twice

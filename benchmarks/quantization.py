@@ -2,7 +2,8 @@
 single-stream TPOT and TTFT (prompt 256, output 128, greedy, EOS ignored) and resident memory; with --throughput,
 offline throughput of 16 requests (prompts 64-256, outputs 32-128 tokens) per kvserve configuration.
 
-    python benchmarks/quantization.py [--models smollm2 qwen1.5b] [--llama-cpp ~/peers/llama.cpp-src/build/bin]
+    python benchmarks/quantization.py [--models smollm2 qwen1.5b FILE.gguf]
+        [--llama-cpp ~/peers/llama.cpp-src/build/bin]
         [--configs gguf int8 none] [--dtypes auto float32] [--iters 3] [--rounds 1] [--throughput [--vllm]]
         [--output-json benchmarks/results/quantization.json]
 
@@ -33,6 +34,8 @@ HF_COPIES = {"smollm2": "smollm2-135m-instruct", "qwen1.5b": "qwen2.5-coder-1.5b
 
 def hf_copy(name: str) -> str | None:
     """The model's bf16 HF copy under $PEERS, where make hf-models wrote one."""
+    if name not in HF_COPIES:   # a GGUF file given by its path
+        return None
     path = Path(os.environ.get("PEERS", os.path.expanduser("~/peers"))) / HF_COPIES[name]
     return str(path) if (path / "config.json").exists() else None
 
@@ -40,6 +43,10 @@ def hf_copy(name: str) -> str | None:
 def model_file(name: str) -> str:
     from kvserve.model import default_model_path
     from kvserve.model.fetch import model_path
+    if name not in MODELS:
+        if not (name.endswith(".gguf") and os.path.isfile(name)):
+            sys.exit(f"--models: {name!r} is neither one of {', '.join(MODELS)} nor a .gguf file")
+        return name
     if MODELS[name] is None:
         return default_model_path()
     path = model_path(MODELS[name])
@@ -146,7 +153,8 @@ def merge_rounds(rows: list[dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["smollm2", "qwen1.5b"], choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=["smollm2", "qwen1.5b"],
+                   help=f"{', '.join(MODELS)}, or paths of GGUF files")
     p.add_argument("--llama-cpp", default=os.path.expanduser("~/peers/llama.cpp-src/build/bin"))
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1, help="run every engine this many times, in turn (medians)")

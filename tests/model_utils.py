@@ -146,7 +146,65 @@ def _add_gguf_tensor(w, name: str, a, qtype: str, raw_overrides: dict) -> None:
         w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
     else:
         q = getattr(gguf.GGMLQuantizationType, qtype)
-        w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+        blocks = LOW_BIT_K_QUANTIZERS[qtype](a) if qtype in LOW_BIT_K_QUANTIZERS else gguf.quants.quantize(a, q)
+        w.add_tensor(name, blocks, raw_dtype=q)
+
+
+def _k_layout(q):
+    """Values [n, 256] of 0..3 -> the 64 quant bytes of Q2_K / Q3_K: value 128 h + 32 k + i at bits 2 k of byte
+    32 h + i."""
+    import numpy as np
+    v = q.reshape(-1, 2, 4, 32).astype(np.uint8)
+    return (v[:, :, 0] | v[:, :, 1] << 2 | v[:, :, 2] << 4 | v[:, :, 3] << 6).reshape(-1, 64)
+
+
+def quantize_q2_k(a):
+    """Q2_K blocks of a float matrix [rows, K % 256 == 0] (gguf-py only dequantizes it): per 16 values a 4-bit scale
+    and min of the super-block's d and dmin, w = d sc q - dmin m, q in 0..3. A plain rounding quantizer, not
+    llama.cpp's search: for tiny test models."""
+    import numpy as np
+    x = a.astype(np.float32).reshape(-1, 16, 16)
+    lo = np.minimum(x.min(-1), 0)
+    scale, m = (x.max(-1) - lo) / 3, -lo
+    d, dmin = scale.max(-1, keepdims=True) / 15, m.max(-1, keepdims=True) / 15
+    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(np.divide(scale, d, out=np.zeros_like(scale), where=d > 0)), 0, 15)
+    mq = np.clip(np.round(np.divide(m, dmin, out=np.zeros_like(m), where=dmin > 0)), 0, 15)
+    step = (d * sc)[..., None]
+    q = np.divide(x + (dmin * mq)[..., None], step, out=np.zeros_like(x), where=step > 0)
+    q = np.clip(np.round(q), 0, 3)
+    out = [(sc.astype(np.uint8) | mq.astype(np.uint8) << 4), _k_layout(q),
+           d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8)]
+    return np.concatenate(out, axis=1).reshape(a.shape[0], -1)
+
+
+def quantize_q3_k(a):
+    """Q3_K blocks of a float matrix [rows, K % 256 == 0]: per 16 values a 6-bit signed scale of the super-block's
+    d, w = d sc q, q in -4..3 stored as q + 4 (its 2 low bits as Q2_K's, its third in hmask bit v / 32 of byte
+    v % 32). A plain rounding quantizer, as quantize_q2_k."""
+    import numpy as np
+    x = a.astype(np.float32).reshape(-1, 16, 16)
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    scale = -peak / 4   # the largest magnitude maps to -4
+    top = np.take_along_axis(scale, np.abs(scale).argmax(-1)[..., None], -1)
+    d = (-top / 32).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(np.divide(scale, d, out=np.zeros_like(scale), where=d != 0)), -32, 31)
+    step = (d * sc)[..., None]
+    q = np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), -4, 3).astype(np.int64) + 4
+    v = q.reshape(-1, 256)
+    hmask = np.zeros((v.shape[0], 32), np.uint8)
+    for bit in range(8):
+        hmask |= ((v[:, 32 * bit:32 * bit + 32] >> 2) << bit).astype(np.uint8)
+    l6 = (sc + 32).astype(np.uint8)
+    scales = np.zeros((v.shape[0], 12), np.uint8)
+    scales[:, :8] = (l6[:, :8] & 0xF) | (l6[:, 8:] & 0xF) << 4
+    for g in range(16):
+        scales[:, 8 + g % 4] |= (l6[:, g] >> 4) << (2 * (g // 4))
+    out = [hmask, _k_layout(v & 3), scales, d.astype(np.float16).view(np.uint8)]
+    return np.concatenate(out, axis=1).reshape(a.shape[0], -1)
+
+
+LOW_BIT_K_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k}
 
 
 class FailingForward:

@@ -14,7 +14,8 @@ from kvserve.model.quantization import (INT8_GROUP, KERNEL_FORMATS, FORMAT_IDS, 
 
 # byte offsets of each format's fp16 fields (scales and mins): random bytes there would be NaN or huge
 _FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-                "Q5_K": (0, 2), "Q6_K": (208,)}
+                "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
+QK_FORMATS = ("Q2_K", "Q3_K", "Q5_K")   # x quantized per 128 values for these, per 32 for the others
 
 
 def random_quantized(fmt: str, rows: int, cols: int, seed: int = 0) -> QuantizedTensor:
@@ -24,7 +25,7 @@ def random_quantized(fmt: str, rows: int, cols: int, seed: int = 0) -> Quantized
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(rows, cols // per_block, nbytes), dtype=np.uint8)
     for off in _FP16_FIELDS[fmt]:
-        scale = 0.05 if fmt in ("Q4_K", "Q5_K", "Q6_K") else 0.2   # K-quants multiply by 6/8-bit sub-scales
+        scale = 0.05 if fmt.endswith("K") else 0.2   # K-quants multiply by 6/8-bit sub-scales
         d = (rng.uniform(-1, 1, size=blocks.shape[:2]) * scale / (32 if fmt.endswith("K") else 8))
         blocks[:, :, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
     return QuantizedTensor(tid, torch.from_numpy(blocks.reshape(rows, -1)), cols)
@@ -35,7 +36,7 @@ def reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 
 def check_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group: int = 32):
-    # quantizing x to int8 per `group` values (32; 128 for Q5_K) moves each value by
+    # quantizing x to int8 per `group` values (32; 128 for QK_FORMATS) moves each value by
     # at most half a step (its block's max |x| / 254)
     amax = x.abs().double().reshape(x.shape[0], -1, group).amax(-1, keepdim=True)
     step = (amax / 254).expand(-1, -1, group).reshape(x.shape)
@@ -57,13 +58,14 @@ def test_every_format_against_dequantized_matmul(fmt, variant):
         dense = w.dequantize()
         for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 64, 300):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-            x[:, 128:256] *= 8   # Q5_K's two activation scales of a block differ
+            x[:, 128:256] *= 8   # the two activation scales of a QK_FORMATS block differ
             y = quantized_matmul(x, w)
             assert y.dtype == torch.float32 and y.shape == (rows, 37)
-            check_close(y, reference(x, w), x, dense, 128 if fmt == "Q5_K" else 32)   # the others: per 32
+            check_close(y, reference(x, w), x, dense, 128 if fmt in QK_FORMATS else 32)   # the others: per 32
 
 
-@pytest.mark.parametrize("fmt,k", [("Q4_K", 256), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 256)]
+@pytest.mark.parametrize("fmt,k", [("Q4_K", 256), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 256),
+                                     ("Q2_K", 512), ("Q3_K", 512)]
                          + [(f, k) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") for k in (352, 512)])
 def test_rows_of_a_step_are_independent(fmt, k):
     # a row's result does not depend on which other rows share its step (row tiles of 8, remainders) nor on the
@@ -82,7 +84,7 @@ def test_rows_of_a_step_are_independent(fmt, k):
     for n in (0, 7, 20):
         alone = QuantizedWeight([dataclasses.replace(raw, data=raw.data[n:n + 1])])
         assert torch.equal(quantized_matmul(x, alone)[:, 0], whole[:, n])
-    check_close(whole, reference(x, w), x, w.dequantize(), 128 if fmt == "Q5_K" else 32)
+    check_close(whole, reference(x, w), x, w.dequantize(), 128 if fmt in QK_FORMATS else 32)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
@@ -105,7 +107,7 @@ def test_rows_sharing_their_last_group_keep_their_own_results(fmt, blocks):
         assert torch.equal(quantized_matmul(x[r:r + 1], w), whole[r:r + 1])
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_native_and_portable_agree_on_the_integer_sums(fmt):
     # same quantized activations and exact integer dot products: only float rounding differs, on the scale of the
     # terms summed (a result near cancellation differs relatively more), over many random inputs; 32-value

@@ -1,9 +1,9 @@
-// GGUF-quantized weights kept in their block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q4_K, Q5_K,
-// Q6_K: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of the 32-value formats, Q4_K and
-// Q6_K, and rows dequantized for embedding lookups. The matmul over them is quant_matmul.cpp's. For those formats,
-// as llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below); each
-// block (sub-block) of W is unpacked in registers to 32 small integers q with a float scale s (and a min m for the
-// formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32 products come
+// GGUF-quantized weights kept in their block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q2_K, Q3_K,
+// Q4_K, Q5_K, Q6_K: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of the 32-value formats,
+// Q4_K and Q6_K, and rows dequantized for embedding lookups. The matmul over them is quant_matmul.cpp's. For those
+// formats, as llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below);
+// each block (sub-block) of W is unpacked in registers to 32 small integers q with a float scale s (and a min m for
+// the formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32 products come
 // from integer dot products:
 //   sum_i w_i x_i ~= s dx k sum_i q_i qx_i + m dx sum_i qx_i.
 // The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; Q8_0: vpdpbusd with AVX-512 VNNI) and
@@ -25,7 +25,8 @@
 namespace {
 
 // ggml type ids (gguf's GGMLQuantizationType), and kvserve's own INT8 (quant_int8.cpp; no ggml type)
-enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, INT8 = 200 };
+enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+             INT8 = 200 };
 
 // eight 32-value blocks of a quantized activation row, block b: x_i ~= d[b] q_i, sum[b] = d[b] * sum_i q_i. The
 // quants are chunk-major: q[c][4 b + i] is value 4 c + i of block b, so that one 32-byte load holds 4 values of
@@ -144,12 +145,6 @@ template <> void unpack_scalar<Q4_K>(const uint8_t* b, int j, Sub& o) {
   const uint8_t* qs = b + 16 + 32 * (j / 2);
   for (int i = 0; i < 32; ++i) o.q[i] = int8_t(j % 2 ? qs[i] >> 4 : qs[i] & 0xF);
 }
-template <> void unpack_scalar<Q5_K>(const uint8_t* b, int j, Sub& o) {
-  k4_scales(b, j, o);
-  const uint8_t* qh = b + 16;
-  const uint8_t* qs = b + 48 + 32 * (j / 2);
-  for (int i = 0; i < 32; ++i) o.q[i] = int8_t((j % 2 ? qs[i] >> 4 : qs[i] & 0xF) | (((qh[i] >> j) & 1) << 4));
-}
 template <> void unpack_scalar<Q6_K>(const uint8_t* b, int j, Sub& o) {
   const int h = j / 4, i4 = j % 4;
   const uint8_t* ql = b + 64 * h + 32 * (i4 & 1);
@@ -167,9 +162,64 @@ template <> struct Format<Q4_1> { static constexpr int SUBS = 1, BYTES = 20; sta
 template <> struct Format<Q5_0> { static constexpr int SUBS = 1, BYTES = 22; static constexpr bool MIN = false; };
 template <> struct Format<Q5_1> { static constexpr int SUBS = 1, BYTES = 24; static constexpr bool MIN = true; };
 template <> struct Format<Q8_0> { static constexpr int SUBS = 1, BYTES = 34; static constexpr bool MIN = false; };
+template <> struct Format<Q2_K> { static constexpr int SUBS = 8, BYTES = 84; static constexpr bool MIN = true; };
+template <> struct Format<Q3_K> { static constexpr int SUBS = 8, BYTES = 110; static constexpr bool MIN = true; };
 template <> struct Format<Q4_K> { static constexpr int SUBS = 8, BYTES = 144; static constexpr bool MIN = true; };
 template <> struct Format<Q5_K> { static constexpr int SUBS = 8, BYTES = 176; static constexpr bool MIN = true; };
 template <> struct Format<Q6_K> { static constexpr int SUBS = 8, BYTES = 210; static constexpr bool MIN = false; };
+
+// The K-quants the kernels read in the file's order, on 256-value activation blocks (quant_matmul.cpp's QK): Q2_K,
+// Q3_K and Q5_K. A super-block is 8 sub-blocks of 32 unsigned q and, per 16 values g, an integer scale sc[g] and
+// min mn[g] with two float factors: w = d sc q - dmin mn. Q2_K: q 2 bits, sc and mn 4 bits each; Q3_K: q 3 bits
+// (its value is q - 4, so mn = sc and dmin = 4 d), sc 6 bits less 32; Q5_K: q 5 bits, Q4_K's 6-bit scales and mins
+// (one per 32 values, so each twice).
+template <int T> void k_ints(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin);
+template <> void k_ints<Q2_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
+  for (int g = 0; g < 16; ++g) { sc[g] = b[g] & 0xF; mn[g] = b[g] >> 4; }
+  d = fp16_to_f32(b + 80);
+  dmin = fp16_to_f32(b + 82);
+}
+// Q3_K's 16 6-bit scales from their 12 bytes: the low 4 bits of scale g in nibble g / 8 of byte g % 8, its high 2
+// in bits 2 (g / 4) of byte 8 + g % 4 (ggml's kmask unpacking)
+inline void q3k_scales(const uint8_t* b, int8_t* out) {
+  uint32_t a[4];
+  std::memcpy(a, b + 96, 12);
+  const uint32_t m2 = 0x0f0f0f0f, m1 = 0x03030303, t = a[2];
+  a[2] = ((a[0] >> 4) & m2) | (((t >> 4) & m1) << 4);
+  a[3] = ((a[1] >> 4) & m2) | (((t >> 6) & m1) << 4);
+  a[0] = (a[0] & m2) | ((t & m1) << 4);
+  a[1] = (a[1] & m2) | (((t >> 2) & m1) << 4);
+  std::memcpy(out, a, 16);
+  for (int g = 0; g < 16; ++g) out[g] = int8_t(out[g] - 32);
+}
+template <> void k_ints<Q3_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
+  int8_t s[16];
+  q3k_scales(b, s);
+  for (int g = 0; g < 16; ++g) sc[g] = mn[g] = s[g];
+  d = fp16_to_f32(b + 108);
+  dmin = 4.f * d;
+}
+template <> void k_ints<Q5_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
+  uint8_t u[16];
+  k4_ints(b, u);
+  for (int g = 0; g < 16; ++g) { sc[g] = u[g / 2]; mn[g] = u[8 + g / 2]; }
+  d = fp16_to_f32(b);
+  dmin = fp16_to_f32(b + 2);
+}
+// sub-block j's 32 unsigned q, scalar. Q2_K and Q3_K: value 32 j + i's 2 low bits at bit 2 (j % 4) of quant byte
+// 32 (j / 4) + i (Q3_K: its third bit, bit j of hmask byte i); Q5_K: Q4_K's nibbles and bit j of qh byte i
+template <int T> void k_quants(const uint8_t* b, int j, uint8_t* q);
+template <> void k_quants<Q2_K>(const uint8_t* b, int j, uint8_t* q) {
+  for (int i = 0; i < 32; ++i) q[i] = (b[16 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3;
+}
+template <> void k_quants<Q3_K>(const uint8_t* b, int j, uint8_t* q) {
+  for (int i = 0; i < 32; ++i) q[i] = ((b[32 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3) | (((b[i] >> j) & 1) << 2);
+}
+template <> void k_quants<Q5_K>(const uint8_t* b, int j, uint8_t* q) {
+  const uint8_t* qs = b + 48 + 32 * (j / 2);
+  for (int i = 0; i < 32; ++i) q[i] = uint8_t((j % 2 ? qs[i] >> 4 : qs[i] & 0xF) | (((b[16 + i] >> j) & 1) << 4));
+}
+template <int T> constexpr bool on_qk() { return T == Q2_K || T == Q3_K || T == Q5_K; }
 
 // The 32-value formats' fields and where they sit in a block: the 4- and 5-bit formats' quants as unsigned bytes
 // with a min or offset (w = s q + m; Q4_0: m = -8 s, Q5_0: m = -16 s), Q8_0's as signed bytes
@@ -441,7 +491,31 @@ inline __m256i k_nibbles(const uint8_t* qs, int j) {   // sub-block j's 32 nibbl
 }
 template <> void header<Q4_K>(const uint8_t* b, float* s, float* m) { k4_header(b, s, m); }
 template <> __m256i quants<Q4_K>(const uint8_t* b, int j) { return k_nibbles(b + 16, j); }
-template <> void header<Q5_K>(const uint8_t* b, float* s, float* m) { k4_header(b, s, m); }
+// the K-quants on QK activations (k_ints): sub-block j's q, unsigned
+inline __m256i two_bits(const uint8_t* qs, int j) {   // Q2_K, Q3_K: the low 2 bits of sub-block j's values
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 4)));
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * (j % 4))), _mm256_set1_epi8(3));
+}
+template <> __m256i quants<Q2_K>(const uint8_t* b, int j) { return two_bits(b + 16, j); }
+// bit j of each hmask byte to bit 2 by one 16-bit shift (right by up to 5, left by up to 2: bit 2 of each byte
+// receives a bit of its own byte)
+template <> __m256i quants<Q3_K>(const uint8_t* b, int j) {
+  const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  const __m256i at2 = j < 2 ? _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - j))
+                            : _mm256_srl_epi16(hm, _mm_cvtsi32_si128(j - 2));
+  return _mm256_or_si256(two_bits(b + 32, j), _mm256_and_si256(at2, _mm256_set1_epi8(4)));
+}
+// q3k_scales on 4 int32 lanes: the 12 bytes as words u0 u1 u2 -> [u0 & m4 | (u2 & m2) << 4, u1 & m4 |
+// (u2 >> 2 & m2) << 4, u0 >> 4 & m4 | (u2 >> 4 & m2) << 4, u1 >> 4 & m4 | (u2 >> 6 & m2) << 4] less 32 a byte
+inline __m128i q3k_scales_simd(const uint8_t* b) {
+  int32_t u[3];
+  std::memcpy(u, b + 96, 12);   // not a 16-byte load: the block's last field ends 2 bytes after these
+  const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_setr_epi32(u[0], u[1], u[0], u[1]), _mm_setr_epi32(0, 0, 4, 4)),
+                                   _mm_set1_epi32(0x0f0f0f0f));
+  const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(u[2]), _mm_setr_epi32(0, 2, 4, 6)),
+                                   _mm_set1_epi32(0x03030303));
+  return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
+}
 template <> __m256i quants<Q5_K>(const uint8_t* b, int j) {
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
   const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)),
@@ -837,6 +911,7 @@ inline void row_dot(const uint8_t* w, const QX* const* x, int64_t nsub, float* o
 template <int T, typename Y>
 void dequant_row(const uint8_t* w, int64_t nsub, Y* out) {
   using F = Format<T>;
+  static_assert(!on_qk<T>());
 #ifdef KV_HAVE_QAVX2
   float s[16], m[8] = {};
   for (int64_t blk = 0; blk < nsub / F::SUBS; ++blk) {
@@ -873,6 +948,31 @@ void dequant_row(const uint8_t* w, int64_t nsub, Y* out) {
 #endif
 }
 
+// a row of a K-quant on QK activations (k_ints): w = d sc q - dmin mn per 16 values
+template <int T, typename Y>
+void dequant_k_row(const uint8_t* w, int64_t nsub, Y* out) {
+  static_assert(on_qk<T>());
+  int16_t sc[16], mn[16];
+  float d, dmin;
+  for (int64_t blk = 0; blk < nsub / 8; ++blk) {
+    const uint8_t* b = w + blk * Format<T>::BYTES;
+    k_ints<T>(b, sc, mn, d, dmin);
+    for (int j = 0; j < 8; ++j) {
+      alignas(32) uint8_t q[32];
+#ifdef KV_HAVE_QAVX2
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), quants<T>(b, j));
+#else
+      k_quants<T>(b, j, q);
+#endif
+      Y* o = out + 32 * (8 * blk + j);
+      for (int i = 0; i < 32; ++i) {
+        const int g = 2 * j + i / 16;
+        store(o, i, d * float(sc[g]) * float(q[i]) - dmin * float(mn[g]));
+      }
+    }
+  }
+}
+
 // a packed row (OCTETS) dequantized: back in the file's order first
 template <int T, typename Y>
 void dequant_octets(const uint8_t* w, int64_t nsub, Y* out) {
@@ -898,7 +998,9 @@ bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
     case Q5_1: dequant_row<Q5_1>(w, nsub, out); return true;
     case Q8_0: dequant_row<Q8_0>(w, nsub, out); return true;
     case Q4_K: dequant_row<Q4_K>(w, nsub, out); return true;
-    case Q5_K: dequant_row<Q5_K>(w, nsub, out); return true;
+    case Q2_K: dequant_k_row<Q2_K>(w, nsub, out); return true;
+    case Q3_K: dequant_k_row<Q3_K>(w, nsub, out); return true;
+    case Q5_K: dequant_k_row<Q5_K>(w, nsub, out); return true;
     case Q6_K: dequant_row<Q6_K>(w, nsub, out); return true;
     default: return false;
   }

@@ -1,10 +1,11 @@
 // The quantized matmul itself (kvserve_quant_matmul), over the formats and unpacking of quant.cpp. The activations
 // are quantized first, per row, to int8 with one float scale per 32 values for the 32-value formats, Q4_K and Q6_K
-// (QX: quant.cpp's octets), per 128 for Q5_K (QK: blocks of 256 like llama.cpp's block_q8_K, with two scales
-// where it has one: a scale per 256 put Qwen2.5-Coder-1.5B's perplexity 1-1.5% above the dequantized model's, per
-// 128 within 0.5%). A Q5_K super-block's products then stay integer over each activation scale's 4 sub-blocks: each
-// sub-block's int8 dot products (vpmaddubsw) are weighted by its integer scale (vpmaddwd, or AVX-512 VNNI's
-// vpdpwssd) and summed, and its mins are the integer scales times the activations' integer sums per 16 values:
+// (QX: quant.cpp's octets), per 128 for Q2_K, Q3_K and Q5_K (QK: blocks of 256 like llama.cpp's block_q8_K, with
+// two scales where it has one: a scale per 256 put Qwen2.5-Coder-1.5B's perplexity 1-1.5% above the dequantized
+// model's with Q5_K, per 128 within 0.5%). Such a super-block's products then stay integer over each activation
+// scale's 4 sub-blocks: each sub-block's int8 dot products (vpmaddubsw) are weighted by its integer scales per 16
+// values (k_ints; vpmaddwd, or AVX-512 VNNI's vpdpwssd) and summed, and its mins are the integer mins times the
+// activations' integer sums per 16 values:
 //   sum_i w_i x_i ~= sum_h dx_h (d sum_(g in h) sc_g sum_(i in g) q_i qx_i - dmin sum_(g in h) mn_g sum_(i in g) qx_i).
 // Those integer sums are exact; the scalar and AVX2 paths agree up to float rounding (their float steps differ).
 #include "common.h"
@@ -17,9 +18,9 @@
 
 namespace {
 
-constexpr int QKJ = 4;   // sub-blocks (of 32 values) per activation scale of Q5_K: 128 values
+constexpr int QKJ = 4;   // sub-blocks (of 32 values) per activation scale on QK activations: 128 values
 
-// one 256-value block of a quantized activation row for Q5_K: x_i ~= dl[i / 32] q_i, one scale per QKJ
+// one 256-value block of a quantized activation row for Q2_K, Q3_K and Q5_K: x_i ~= dl[i / 32] q_i, one scale per QKJ
 // sub-blocks, repeated for each; sum16[g] = sum of q over values 16 g .. 16 g + 15 (aligned: the kernels' 32-byte
 // loads of q then never straddle a cache line)
 struct alignas(64) QK {
@@ -28,17 +29,7 @@ struct alignas(64) QK {
   float dl[8];
 };
 
-constexpr int QKR = 8;   // rows of x per pass over a Q5_K weight row (a pass holds one int32 sum per row)
-
-// a Q5_K super-block's integer scales per 16 values (sc) and mins per 16 values (mn; a sub-block's twice) with its
-// float factors: w = d sc q - dmin mn, q unsigned
-inline void k_ints(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
-  uint8_t u[16];
-  k4_ints(b, u);
-  for (int g = 0; g < 16; ++g) { sc[g] = u[g / 2]; mn[g] = u[8 + g / 2]; }
-  d = fp16_to_f32(b);
-  dmin = fp16_to_f32(b + 2);
-}
+constexpr int QKR = 8;   // rows of x per pass over a QK format's weight row (a pass holds one int32 sum per row)
 
 // a row's super-block: isum = sum_g sc_g (q . qx over g), msum = sum_g mn_g sum16_g
 inline float k_term(float dx, float d, int32_t isum, float dmin, int32_t msum) {
@@ -51,19 +42,19 @@ void row_dot_k_scalar(const uint8_t* w, const QK* const* x, int64_t nblocks, flo
   float acc[R] = {};
   int16_t sc[16], mn[16];
   float d, dmin;
-  Sub sub;
+  uint8_t q[32];
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const uint8_t* b = w + blk * F::BYTES;
-    k_ints(b, sc, mn, d, dmin);
+    k_ints<T>(b, sc, mn, d, dmin);
     for (int j0 = 0; j0 < 8; j0 += QKJ) {   // the sub-blocks of one activation scale
       int32_t isum[R] = {}, msum[R] = {};
       for (int j = j0; j < j0 + QKJ; ++j) {
-        unpack_scalar<T>(b, j, sub);
+        k_quants<T>(b, j, q);
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = x[r][blk].q + 32 * j;
           for (int h = 0; h < 2; ++h) {
             int32_t s = 0;
-            for (int i = 16 * h; i < 16 * h + 16; ++i) s += int32_t(sub.q[i]) * xq[i];
+            for (int i = 16 * h; i < 16 * h + 16; ++i) s += int32_t(q[i]) * xq[i];
             isum[r] += s * sc[2 * j + h];
           }
         }
@@ -88,10 +79,41 @@ inline __m256i madd_add(__m256i acc, __m256i p, __m256i s) {
 #endif
 }
 
-// the SIMD header of a Q5_K super-block: its integer scales, mins per 16 values as int16 lanes (mn), and d and dmin
-// as in k_ints; scale(j) is sub-block j's scale in every int16 lane
+// the SIMD header of a super-block on QK activations: its integer scales, its mins per 16 values as int16 lanes
+// (mn), and d and dmin as in k_ints; scale(j): the scales of sub-block j's int16 pair sums (lanes 0-7 its values
+// 0-15, lanes 8-15 its values 16-31). Q2_K, Q3_K: sc[h] holds scales 8 h .. 8 h + 7 as int16 in both 128-bit
+// halves, so that one in-lane shuffle gives a sub-block's two.
+template <int T>
 struct KHeader {
-  __m256i sc, mn;   // sc: the 8 scales as int16, in both 128-bit halves
+  static_assert(T == Q2_K || T == Q3_K);
+  __m256i sc[2], mn;
+  float d, dmin;
+  explicit KHeader(const uint8_t* b) {
+    __m256i all;   // the 16 scales in order
+    if constexpr (T == Q2_K) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), lo4 = _mm_set1_epi8(0xF);
+      all = _mm256_cvtepu8_epi16(_mm_and_si128(v, lo4));
+      mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), lo4));
+      d = fp16_to_f32(b + 80);
+      dmin = fp16_to_f32(b + 82);
+    } else {
+      all = mn = _mm256_cvtepi8_epi16(q3k_scales_simd(b));
+      d = fp16_to_f32(b + 108);
+      dmin = 4.f * d;
+    }
+    sc[0] = _mm256_permute2x128_si256(all, all, 0x00);
+    sc[1] = _mm256_permute2x128_si256(all, all, 0x11);
+  }
+  __m256i scale(int j) const {   // int16 2 (j % 4) in the low half, 2 (j % 4) + 1 in the high one
+    const char a = char(4 * (j % 4)), b = char(a + 1), c = char(a + 2), e = char(a + 3);
+    return _mm256_shuffle_epi8(sc[j / 4], _mm256_setr_epi8(a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b,
+                                                           c, e, c, e, c, e, c, e, c, e, c, e, c, e, c, e));
+  }
+};
+// Q5_K: one scale per sub-block; sc holds the 8 as int16 in both 128-bit halves
+template <>
+struct KHeader<Q5_K> {
+  __m256i sc, mn;
   float d, dmin;
   explicit KHeader(const uint8_t* b) {
     const __m128i v = k4_ints_simd(b);   // 8 scales, then 8 mins
@@ -112,12 +134,13 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
   for (int r = 0; r < R; ++r) vacc[r] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const uint8_t* b = w + blk * F::BYTES;
-    const KHeader h(b);
+    const KHeader<T> h(b);
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
     #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      // unsigned q (< 32) times signed qx (|qx| <= 127): each pair's sum fits int16 (vpmaddubsw saturates)
+      // unsigned q (< 32) times signed qx (|qx| <= 127): each pair's sum fits int16 (vpmaddubsw saturates); the
+      // pairs weighted by their scales (Q3_K's signed)
       const __m256i q = quants<T>(b, j), s = h.scale(j);
       for (int r = 0; r < R; ++r) {
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][blk].q + 32 * j));
@@ -142,7 +165,7 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
 #endif
 
 // out[r] = dot(weight row w, x row r) over the row's nblocks weight blocks, for R rows; A: the activations (QK
-// for Q5_K, QX otherwise: octets of 8 blocks)
+// for Q2_K, Q3_K and Q5_K, QX otherwise: octets of 8 blocks)
 template <int T, int R, typename A>
 inline void dot_rows(const uint8_t* w, const A* const* x, int64_t nblocks, float* out) {
   if constexpr (std::is_same_v<A, QK>) {
@@ -383,7 +406,7 @@ void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const void* xv,
   }
 }
 
-// the activations quantized for a segment of this type (Acts: QK for Q5_K, QX otherwise)
+// the activations quantized for a segment of this type (Acts: QK for Q2_K, Q3_K and Q5_K, QX otherwise)
 template <typename Y>
 bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, const QX* qx, const QK* qk, int64_t M,
                   int64_t K, Y* y, int64_t ys) {
@@ -394,13 +417,15 @@ bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, 
     case OCTETS | Q5_1: matmul_rows<Q5_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case OCTETS | Q4_K: matmul_rows<Q4_K>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case OCTETS | Q8_0: matmul_rows<Q8_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case Q2_K: matmul_rows<Q2_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
+    case Q3_K: matmul_rows<Q3_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case Q5_K: matmul_rows<Q5_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case OCTETS | Q6_K: matmul_rows<Q6_K>(w, N, row_bytes, qx, M, K, y, ys); return true;
     default: return false;
   }
 }
 
-inline bool takes_qk(int64_t type) { return type == Q5_K; }   // the one format on QK activations
+inline bool takes_qk(int64_t type) { return type == Q2_K || type == Q3_K || type == Q5_K; }   // on_qk's
 
 // the quantized activations of one call, reused across calls (one engine thread calls at a time per library)
 thread_local std::vector<QX> qx_buffer;

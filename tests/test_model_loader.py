@@ -393,3 +393,60 @@ def test_the_metadata_reader_steps_over_the_vocabulary_and_keeps_everything_else
         cut.write_bytes(f.read(merges.offset + sum(p.nbytes for p in merges.parts) // 2))
     with pytest.raises(ModelLoadError, match="cannot read GGUF file .*runs past the end.*corrupt, truncated"):
         gguf_loader.open_gguf(str(cut))
+
+
+def _mapped_rss(path: str) -> int:
+    """Bytes of `path`'s mappings resident in this process (/proc/self/smaps)."""
+    import os
+    real, total, inside = os.path.realpath(path), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:   # a mapping's header line
+                inside = len(fields) >= 6 and fields[5] == real
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def test_a_gguf_load_drops_the_file_pages_behind_it(gguf_path, monkeypatch):
+    # the model's copy of each weight and the file's pages never both count in full: pages more than LAG behind
+    # the tensor being read leave the resident set as the load goes (they stay in the page cache)
+    from kvserve.model import gguf_loader
+    monkeypatch.setattr(gguf_loader._PagesBehind, "LAG", 8 << 20)
+    reader = gguf_loader.open_gguf(gguf_path)
+    cfg = gguf_loader.gguf_model_config(reader)
+    largest = max(int(t.n_bytes) for t in reader.tensors)
+    peak = 0
+    for _, t in gguf_loader.iter_gguf_weights(reader, cfg, keep_quantized=True):
+        (t.data if hasattr(t, "data") else t).sum()   # reads every page of the tensor
+        peak = max(peak, _mapped_rss(gguf_path))
+    size = sum(int(t.n_bytes) for t in reader.tensors)
+    assert peak <= (8 << 20) + largest + (4 << 20) < size / 2, (peak, largest, size)
+
+
+def test_quantized_modules_are_assembled_as_their_shards_arrive(tmp_path):
+    # a module's quantized weight is built once its last shard is read, not after the whole file; a tensor that
+    # comes again for a module already built is refused
+    from kvserve.model.gguf_loader import gguf_model_config, iter_gguf_weights, open_gguf
+    from kvserve.model.registry import build_model
+    hf = save_tiny_model("llama", tmp_path / "hf")
+    reader = open_gguf(str(write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype="Q8_0")))
+    cfg = gguf_model_config(reader)
+    weights = list(iter_gguf_weights(reader, cfg, keep_quantized=True))
+    model = build_model(cfg)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    last = max(i for i, (n, _) in enumerate(weights) if n.startswith("model.layers.0.self_attn.") and
+               n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")))
+    built_at = []
+
+    def stream():
+        for i, item in enumerate(weights):
+            if qkv.packed is not None and qkv.packed.quant is not None and not built_at:
+                built_at.append(i)
+            yield item
+    model.load_weights(stream())
+    assert built_at == [last + 1]
+    again = [w for w in weights if w[0] == "model.layers.0.mlp.down_proj.weight"]
+    with pytest.raises(ModelLoadError, match="appears twice"):
+        build_model(cfg).load_weights(weights + again)

@@ -193,7 +193,9 @@ def iter_gguf_weights(reader, cfg: ModelConfig,
     """Yield (HF name, float32 tensor) for every GGUF tensor, dequantized and in HF layout; with keep_quantized,
     the matrices in a format the quantized kernels multiply come as QuantizedTensor (rows in HF order)."""
     is_llama = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    behind = _PagesBehind(reader)
     for t in reader.tensors:
+        behind.release(int(t.data_offset))
         if t.name == _ROPE_FREQS:
             continue  # folded into cfg.rope_scaling
         name = hf_name(t.name)
@@ -208,6 +210,30 @@ def iter_gguf_weights(reader, cfg: ModelConfig,
             weight = unpermute_qk(weight, heads)
         # F32 tensors come back as read-only views of the mapped file; torch wants writable memory
         yield name, torch.from_numpy(np.require(weight, requirements=["C", "W"]))
+
+
+class _PagesBehind:
+    """Drops the mapped file's pages well behind the tensor being read from this process's resident set as a load
+    goes (release_file_pages drops the rest at its end): the model's copies of the weights and the file's pages
+    then never both count in full, and a load peaks near the loaded model's size instead of about twice it. A
+    page a consumer still holds (a fused projection's earlier shards wait for its last) just faults back in from
+    the page cache when read."""
+
+    LAG = 64 << 20   # bytes kept mapped behind the tensor being read: a layer's fused shards, as a rule
+
+    def __init__(self, reader):
+        self.mmap = getattr(getattr(reader, "mapping", None), "_mmap", None)
+        self.done = 0
+
+    def release(self, offset: int) -> None:
+        end = (offset - self.LAG) // mmap.PAGESIZE * mmap.PAGESIZE
+        if self.mmap is None or end <= self.done:
+            return
+        try:
+            self.mmap.madvise(mmap.MADV_DONTNEED, self.done, end - self.done)
+            self.done = end
+        except (AttributeError, OSError, ValueError):   # no madvise here, or a closed mapping
+            self.mmap = None
 
 
 def _quantized(t, heads: int | None) -> QuantizedTensor:

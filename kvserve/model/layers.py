@@ -365,6 +365,7 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
     loaded: set[tuple[str, str | None]] = set()
     quantized: dict[str, dict[str | None, QuantizedTensor]] = {}   # module name -> its quantized shards
     dense: set[str] = set()   # modules with a dense weight shard
+    assembled: set[str] = set()   # modules whose quantized weight is built
     for name, tensor in weights:
         if skip(name):
             continue
@@ -373,15 +374,23 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
         dest = params[target]
         if shard is not None:
             dest = modules[owner].shard(dest, shard)
+        if owner in assembled and target.endswith(".weight"):   # its weight is already the quantized one
+            raise ModelLoadError(f"checkpoint tensor {name!r} appears twice")
         if isinstance(tensor, QuantizedTensor):
             _check_shape(name, dest, tensor.shape)
-            quantized.setdefault(owner, {})[shard] = tensor
+            shards = quantized.setdefault(owner, {})
+            shards[shard] = tensor
+            module = modules[owner]
+            whole = set(module.shard_sizes) == set(shards) if isinstance(module, MergedLinear) else shard is None
+            if whole and owner not in dense:   # assembled as soon as it can be: the file's pages behind go
+                _keep_quantized(module, quantized.pop(owner), False)
+                assembled.add(owner)
         else:
             _copy_checked(name, dest, tensor)
             if target.endswith(".weight"):
                 dense.add(owner)
         loaded.add((target, shard))
-    while quantized:   # popped as assembled: each module's shards are freed once copied into its weight
+    while quantized:   # the rest (some shards dense, or missing): popped as assembled, each freed once copied
         owner, shards = quantized.popitem()
         _keep_quantized(modules[owner], shards, owner in dense)
         del shards

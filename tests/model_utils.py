@@ -204,7 +204,34 @@ def quantize_q3_k(a):
     return np.concatenate(out, axis=1).reshape(a.shape[0], -1)
 
 
-LOW_BIT_K_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k}
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def quantize_iq4_xs(a):
+    """IQ4_XS blocks of a float matrix [rows, K % 256 == 0]: per 32 values a 6-bit signed scale of the super-block's
+    d, each value the nearest of IQ4_NL_VALUES times it (a 4-bit index). A plain rounding quantizer, as
+    quantize_q2_k."""
+    import numpy as np
+    x = a.astype(np.float32).reshape(-1, 8, 32)
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    scale = -peak / 127   # the largest magnitude maps to -127
+    top = np.take_along_axis(scale, np.abs(scale).argmax(-1)[..., None], -1)
+    d = (-top / 32).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(np.divide(scale, d, out=np.zeros_like(scale), where=d != 0)), -32, 31)
+    step = (d * sc)[..., None]
+    y = np.divide(x, step, out=np.zeros_like(x), where=step != 0)
+    idx = np.abs(y[..., None] - np.array(IQ4_NL_VALUES, np.float32)).argmin(-1).astype(np.uint8)   # [n, 8, 32]
+    qs = (idx[..., :16] | idx[..., 16:] << 4).reshape(-1, 128)
+    ls = (sc + 32).astype(np.uint16)
+    scales_l = (ls[:, 0::2] & 0xF | (ls[:, 1::2] & 0xF) << 4).astype(np.uint8)
+    scales_h = np.zeros(ls.shape[0], np.uint16)
+    for j in range(8):
+        scales_h |= (ls[:, j] >> 4) << (2 * j)
+    out = [d.astype(np.float16).view(np.uint8), scales_h[:, None].view(np.uint8), scales_l, qs]
+    return np.concatenate(out, axis=1).reshape(a.shape[0], -1)
+
+
+LOW_BIT_K_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "IQ4_XS": quantize_iq4_xs}
 
 
 class FailingForward:

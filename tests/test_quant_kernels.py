@@ -14,8 +14,13 @@ from kvserve.model.quantization import (INT8_GROUP, KERNEL_FORMATS, FORMAT_IDS, 
 
 # byte offsets of each format's fp16 fields (scales and mins): random bytes there would be NaN or huge
 _FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-                "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
-QK_FORMATS = ("Q2_K", "Q3_K", "Q5_K")   # x quantized per 128 values for these, per 32 for the others
+                "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,)}
+QK_FORMATS = ("Q2_K", "Q3_K", "Q5_K", "IQ4_XS")   # x quantized per 128 values for these, per 32 for the others
+
+
+def superblocks(fmt: str) -> bool:
+    """A format of 256-value blocks (the K-quants, IQ4_XS): rows of whole ones."""
+    return KERNEL_FORMATS[FORMAT_IDS[fmt]][1] == 256
 
 
 def random_quantized(fmt: str, rows: int, cols: int, seed: int = 0) -> QuantizedTensor:
@@ -25,8 +30,8 @@ def random_quantized(fmt: str, rows: int, cols: int, seed: int = 0) -> Quantized
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(rows, cols // per_block, nbytes), dtype=np.uint8)
     for off in _FP16_FIELDS[fmt]:
-        scale = 0.05 if fmt.endswith("K") else 0.2   # K-quants multiply by 6/8-bit sub-scales
-        d = (rng.uniform(-1, 1, size=blocks.shape[:2]) * scale / (32 if fmt.endswith("K") else 8))
+        scale = 0.05 if superblocks(fmt) else 0.2   # K-quants and IQ4_XS multiply by 6/8-bit sub-scales
+        d = (rng.uniform(-1, 1, size=blocks.shape[:2]) * scale / (32 if superblocks(fmt) else 8))
         blocks[:, :, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
     return QuantizedTensor(tid, torch.from_numpy(blocks.reshape(rows, -1)), cols)
 
@@ -50,7 +55,7 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Te
 @pytest.mark.parametrize("fmt", sorted(FORMAT_IDS))
 @pytest.mark.parametrize("variant", ["native", "portable"])
 def test_every_format_against_dequantized_matmul(fmt, variant):
-    k = 512 if fmt.endswith("K") else 352   # 32-value formats: 11 blocks, a whole octet and a partial one
+    k = 512 if superblocks(fmt) else 352   # 32-value formats: 11 blocks, a whole octet and a partial one
     with kernels.variant(variant) as lib:
         if lib is None:
             pytest.skip("no C++ kernels")
@@ -65,7 +70,7 @@ def test_every_format_against_dequantized_matmul(fmt, variant):
 
 
 @pytest.mark.parametrize("fmt,k", [("Q4_K", 256), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 256),
-                                     ("Q2_K", 512), ("Q3_K", 512)]
+                                     ("Q2_K", 512), ("Q3_K", 512), ("IQ4_XS", 512)]
                          + [(f, k) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") for k in (352, 512)])
 def test_rows_of_a_step_are_independent(fmt, k):
     # a row's result does not depend on which other rows share its step (row tiles of 8, remainders) nor on the
@@ -107,12 +112,13 @@ def test_rows_sharing_their_last_group_keep_their_own_results(fmt, blocks):
         assert torch.equal(quantized_matmul(x[r:r + 1], w), whole[r:r + 1])
 
 
-@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                 "Q8_0"])
 def test_native_and_portable_agree_on_the_integer_sums(fmt):
     # same quantized activations and exact integer dot products: only float rounding differs, on the scale of the
     # terms summed (a result near cancellation differs relatively more), over many random inputs; 32-value
     # formats: 11 blocks, an octet and a partial one
-    k = 512 if fmt.endswith("K") else 352
+    k = 512 if superblocks(fmt) else 352
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(4))
     outs = []
     for variant in ("native", "portable"):
@@ -171,7 +177,7 @@ def test_bf16_activations_and_strided_rows():
 
 @pytest.mark.parametrize("fmt", sorted(FORMAT_IDS))
 def test_embedding_rows_equal_gguf_dequantization(fmt):
-    k = 256 if fmt.endswith("K") else 64
+    k = 256 if superblocks(fmt) else 64
     table = random_quantized(fmt, 50, k, seed=5)
     ids = torch.tensor([0, 49, 7, 7, 13])
     rows = embedding_rows(table, ids, torch.float32)
@@ -221,7 +227,7 @@ def test_octet_layout_is_the_files_blocks_regrouped(fmt):
     # regrouped (32-value formats: 11 blocks, a group of 8 and a partial one of 3), each K-quant super-block's quants
     # chunk-major (its scales in place; 2 super-blocks), dequantized and embedded as the file's blocks; a slice of
     # such a segment (restrict_vocab's head) is not regrouped twice; the kernels refuse the file's order
-    k = 512 if fmt.endswith("K") else 352
+    k = 512 if superblocks(fmt) else 352
     raw = random_quantized(fmt, 20, k, seed=6)
     w = QuantizedWeight([raw])
     seg = w.segments[0]

@@ -126,12 +126,13 @@ def test_perplexity_scores_the_second_half_of_each_chunk():
     assert count == 3 and nll == 5 + 6 + 7
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_XS"])
 def test_tiny_llama_gguf_kept_quantized_matches_its_dequantized_self(tmp_path, qtype):
     # llama files permute q/k rows: the kept blocks are unpermuted by rows, as the dequantized weights are; the
-    # K-quants' rows are whole super-blocks of 256 (Q2_K, Q3_K: tests/model_utils.py's quantizers)
+    # K-quants' and IQ4_XS's rows are whole super-blocks of 256 (Q2_K, Q3_K, IQ4_XS: tests/model_utils.py's
+    # quantizers)
     hf = save_tiny_model("llama", tmp_path / "hf", **({"hidden_size": 256, "intermediate_size": 512}
-                                                      if qtype.endswith("K") else {}))
+                                                      if qtype.endswith(("K", "XS")) else {}))
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype=qtype))
     kept, dense = load(path, "gguf"), load(path, "none")
     assert kept.model.layers[0].self_attn.qkv_proj.quantized.formats() == [qtype]

@@ -1,10 +1,10 @@
 // GGUF-quantized weights kept in their block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q2_K, Q3_K,
-// Q4_K, Q5_K, Q6_K: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of the 32-value formats,
-// Q4_K and Q6_K, and rows dequantized for embedding lookups. The matmul over them is quant_matmul.cpp's. For those
-// formats, as llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below);
-// each block (sub-block) of W is unpacked in registers to 32 small integers q with a float scale s (and a min m for
-// the formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32 products come
-// from integer dot products:
+// Q4_K, Q5_K, Q6_K, IQ4_XS: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of the 32-value
+// formats, Q4_K and Q6_K, and rows dequantized for embedding lookups. The matmul over them is quant_matmul.cpp's.
+// For those formats, as llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale
+// (QX below); each block (sub-block) of W is unpacked in registers to 32 small integers q with a float scale s (and
+// a min m for the formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32
+// products come from integer dot products:
 //   sum_i w_i x_i ~= s dx k sum_i q_i qx_i + m dx sum_i qx_i.
 // The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; Q8_0: vpdpbusd with AVX-512 VNNI) and
 // the scalar one agree up to float rounding (their float steps differ). A step reads each quantized row once for
@@ -26,7 +26,7 @@ namespace {
 
 // ggml type ids (gguf's GGMLQuantizationType), and kvserve's own INT8 (quant_int8.cpp; no ggml type)
 enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-             INT8 = 200 };
+             IQ4_XS = 23, INT8 = 200 };
 
 // eight 32-value blocks of a quantized activation row, block b: x_i ~= d[b] q_i, sum[b] = d[b] * sum_i q_i. The
 // quants are chunk-major: q[c][4 b + i] is value 4 c + i of block b, so that one 32-byte load holds 4 values of
@@ -164,15 +164,17 @@ template <> struct Format<Q5_1> { static constexpr int SUBS = 1, BYTES = 24; sta
 template <> struct Format<Q8_0> { static constexpr int SUBS = 1, BYTES = 34; static constexpr bool MIN = false; };
 template <> struct Format<Q2_K> { static constexpr int SUBS = 8, BYTES = 84; static constexpr bool MIN = true; };
 template <> struct Format<Q3_K> { static constexpr int SUBS = 8, BYTES = 110; static constexpr bool MIN = true; };
+template <> struct Format<IQ4_XS> { static constexpr int SUBS = 8, BYTES = 136; static constexpr bool MIN = false; };
 template <> struct Format<Q4_K> { static constexpr int SUBS = 8, BYTES = 144; static constexpr bool MIN = true; };
 template <> struct Format<Q5_K> { static constexpr int SUBS = 8, BYTES = 176; static constexpr bool MIN = true; };
 template <> struct Format<Q6_K> { static constexpr int SUBS = 8, BYTES = 210; static constexpr bool MIN = false; };
 
-// The K-quants the kernels read in the file's order, on 256-value activation blocks (quant_matmul.cpp's QK): Q2_K,
-// Q3_K and Q5_K. A super-block is 8 sub-blocks of 32 unsigned q and, per 16 values g, an integer scale sc[g] and
-// min mn[g] with two float factors: w = d sc q - dmin mn. Q2_K: q 2 bits, sc and mn 4 bits each; Q3_K: q 3 bits
-// (its value is q - 4, so mn = sc and dmin = 4 d), sc 6 bits less 32; Q5_K: q 5 bits, Q4_K's 6-bit scales and mins
-// (one per 32 values, so each twice).
+// The super-block formats the kernels read in the file's order, on 256-value activation blocks (quant_matmul.cpp's
+// QK): Q2_K, Q3_K, Q5_K and IQ4_XS. A super-block is 8 sub-blocks of 32 q and, per 16 values g, an integer scale
+// sc[g] and min mn[g] with two float factors: w = d sc q - dmin mn. Q2_K: q 2 bits, sc and mn 4 bits each; Q3_K: q
+// 3 bits (its value is q - 4, so mn = sc and dmin = 4 d), sc 6 bits less 32; Q5_K: q 5 bits, Q4_K's 6-bit scales
+// and mins (one per 32 values, so each twice); IQ4_XS: q signed (k_signed), the entry of IQ4_NL_VALUES a 4-bit
+// index picks, sc 6 bits less 32 per 32 values, no mins.
 template <int T> void k_ints(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin);
 template <> void k_ints<Q2_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
   for (int g = 0; g < 16; ++g) { sc[g] = b[g] & 0xF; mn[g] = b[g] >> 4; }
@@ -199,6 +201,19 @@ template <> void k_ints<Q3_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float&
   d = fp16_to_f32(b + 108);
   dmin = 4.f * d;
 }
+// IQ4_XS's 8 6-bit scales (less 32): the low 4 bits of scale j in nibble j % 2 of byte 4 + j / 2, the high 2 in
+// bits 2 j of the 16-bit word at 2
+inline void iq4xs_scales(const uint8_t* b, int8_t* out) {
+  for (int j = 0; j < 8; ++j)
+    out[j] = int8_t((((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((b[2 + j / 4] >> (2 * (j % 4))) & 3) << 4)) - 32);
+}
+template <> void k_ints<IQ4_XS>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
+  int8_t s[8];
+  iq4xs_scales(b, s);
+  for (int g = 0; g < 16; ++g) { sc[g] = s[g / 2]; mn[g] = 0; }
+  d = fp16_to_f32(b);
+  dmin = 0.f;
+}
 template <> void k_ints<Q5_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
   uint8_t u[16];
   k4_ints(b, u);
@@ -206,20 +221,28 @@ template <> void k_ints<Q5_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float&
   d = fp16_to_f32(b);
   dmin = fp16_to_f32(b + 2);
 }
-// sub-block j's 32 unsigned q, scalar. Q2_K and Q3_K: value 32 j + i's 2 low bits at bit 2 (j % 4) of quant byte
-// 32 (j / 4) + i (Q3_K: its third bit, bit j of hmask byte i); Q5_K: Q4_K's nibbles and bit j of qh byte i
-template <int T> void k_quants(const uint8_t* b, int j, uint8_t* q);
-template <> void k_quants<Q2_K>(const uint8_t* b, int j, uint8_t* q) {
+// ggml's IQ4_NL / IQ4_XS values, by 4-bit index
+alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                                                 89, 113};
+// sub-block j's 32 q, scalar. Q2_K and Q3_K: value 32 j + i's 2 low bits at bit 2 (j % 4) of quant byte
+// 32 (j / 4) + i (Q3_K: its third bit, bit j of hmask byte i); Q5_K: Q4_K's nibbles and bit j of qh byte i;
+// IQ4_XS: the value of the index in nibble i / 16 of byte 8 + 16 j + i % 16
+template <int T> void k_quants(const uint8_t* b, int j, int16_t* q);
+template <> void k_quants<Q2_K>(const uint8_t* b, int j, int16_t* q) {
   for (int i = 0; i < 32; ++i) q[i] = (b[16 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3;
 }
-template <> void k_quants<Q3_K>(const uint8_t* b, int j, uint8_t* q) {
+template <> void k_quants<Q3_K>(const uint8_t* b, int j, int16_t* q) {
   for (int i = 0; i < 32; ++i) q[i] = ((b[32 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3) | (((b[i] >> j) & 1) << 2);
 }
-template <> void k_quants<Q5_K>(const uint8_t* b, int j, uint8_t* q) {
+template <> void k_quants<Q5_K>(const uint8_t* b, int j, int16_t* q) {
   const uint8_t* qs = b + 48 + 32 * (j / 2);
-  for (int i = 0; i < 32; ++i) q[i] = uint8_t((j % 2 ? qs[i] >> 4 : qs[i] & 0xF) | (((b[16 + i] >> j) & 1) << 4));
+  for (int i = 0; i < 32; ++i) q[i] = int16_t((j % 2 ? qs[i] >> 4 : qs[i] & 0xF) | (((b[16 + i] >> j) & 1) << 4));
 }
-template <int T> constexpr bool on_qk() { return T == Q2_K || T == Q3_K || T == Q5_K; }
+template <> void k_quants<IQ4_XS>(const uint8_t* b, int j, int16_t* q) {
+  for (int i = 0; i < 32; ++i) q[i] = IQ4_NL_VALUES[(b[8 + 16 * j + i % 16] >> (4 * (i / 16))) & 0xF];
+}
+template <int T> constexpr bool on_qk() { return T == Q2_K || T == Q3_K || T == Q5_K || T == IQ4_XS; }
+template <int T> constexpr bool k_signed() { return T == IQ4_XS; }   // its q signed bytes (quants), else unsigned
 
 // The 32-value formats' fields and where they sit in a block: the 4- and 5-bit formats' quants as unsigned bytes
 // with a min or offset (w = s q + m; Q4_0: m = -8 s, Q5_0: m = -16 s), Q8_0's as signed bytes
@@ -515,6 +538,10 @@ inline __m128i q3k_scales_simd(const uint8_t* b) {
   const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(u[2]), _mm_setr_epi32(0, 2, 4, 6)),
                                    _mm_set1_epi32(0x03030303));
   return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
+}
+template <> __m256i quants<IQ4_XS>(const uint8_t* b, int j) {   // signed: the table's values by in-lane lookup
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
+  return _mm256_shuffle_epi8(table, nibbles(b + 8 + 16 * j));
 }
 template <> __m256i quants<Q5_K>(const uint8_t* b, int j) {
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
@@ -958,9 +985,11 @@ void dequant_k_row(const uint8_t* w, int64_t nsub, Y* out) {
     const uint8_t* b = w + blk * Format<T>::BYTES;
     k_ints<T>(b, sc, mn, d, dmin);
     for (int j = 0; j < 8; ++j) {
-      alignas(32) uint8_t q[32];
+      int16_t q[32];
 #ifdef KV_HAVE_QAVX2
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q), quants<T>(b, j));
+      alignas(32) uint8_t u[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u), quants<T>(b, j));
+      for (int i = 0; i < 32; ++i) q[i] = k_signed<T>() ? int8_t(u[i]) : u[i];
 #else
       k_quants<T>(b, j, q);
 #endif
@@ -1001,6 +1030,7 @@ bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
     case Q2_K: dequant_k_row<Q2_K>(w, nsub, out); return true;
     case Q3_K: dequant_k_row<Q3_K>(w, nsub, out); return true;
     case Q5_K: dequant_k_row<Q5_K>(w, nsub, out); return true;
+    case IQ4_XS: dequant_k_row<IQ4_XS>(w, nsub, out); return true;
     case Q6_K: dequant_row<Q6_K>(w, nsub, out); return true;
     default: return false;
   }

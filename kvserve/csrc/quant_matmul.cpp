@@ -1,11 +1,11 @@
 // The quantized matmul itself (kvserve_quant_matmul), over the formats and unpacking of quant.cpp. The activations
 // are quantized first, per row, to int8 with one float scale per 32 values for the 32-value formats, Q4_K and Q6_K
-// (QX: quant.cpp's octets), per 128 for Q2_K, Q3_K and Q5_K (QK: blocks of 256 like llama.cpp's block_q8_K, with
-// two scales where it has one: a scale per 256 put Qwen2.5-Coder-1.5B's perplexity 1-1.5% above the dequantized
-// model's with Q5_K, per 128 within 0.5%). Such a super-block's products then stay integer over each activation
-// scale's 4 sub-blocks: each sub-block's int8 dot products (vpmaddubsw) are weighted by its integer scales per 16
-// values (k_ints; vpmaddwd, or AVX-512 VNNI's vpdpwssd) and summed, and its mins are the integer mins times the
-// activations' integer sums per 16 values:
+// (QX: quant.cpp's octets), per 128 for Q2_K, Q3_K, Q5_K and IQ4_XS (QK: blocks of 256 like llama.cpp's block_q8_K,
+// with two scales where it has one: a scale per 256 put Qwen2.5-Coder-1.5B's perplexity 1-1.5% above the
+// dequantized model's with Q5_K, per 128 within 0.5%). Such a super-block's products then stay integer over each
+// activation scale's 4 sub-blocks: each sub-block's int8 dot products (vpmaddubsw) are weighted by its integer
+// scales per 16 values (k_ints; vpmaddwd, or AVX-512 VNNI's vpdpwssd) and summed, and its mins are the integer mins
+// times the activations' integer sums per 16 values:
 //   sum_i w_i x_i ~= sum_h dx_h (d sum_(g in h) sc_g sum_(i in g) q_i qx_i - dmin sum_(g in h) mn_g sum_(i in g) qx_i).
 // Those integer sums are exact; the scalar and AVX2 paths agree up to float rounding (their float steps differ).
 #include "common.h"
@@ -20,7 +20,7 @@ namespace {
 
 constexpr int QKJ = 4;   // sub-blocks (of 32 values) per activation scale on QK activations: 128 values
 
-// one 256-value block of a quantized activation row for Q2_K, Q3_K and Q5_K: x_i ~= dl[i / 32] q_i, one scale per QKJ
+// one 256-value block of a quantized activation row for the on_qk formats: x_i ~= dl[i / 32] q_i, one scale per QKJ
 // sub-blocks, repeated for each; sum16[g] = sum of q over values 16 g .. 16 g + 15 (aligned: the kernels' 32-byte
 // loads of q then never straddle a cache line)
 struct alignas(64) QK {
@@ -42,7 +42,7 @@ void row_dot_k_scalar(const uint8_t* w, const QK* const* x, int64_t nblocks, flo
   float acc[R] = {};
   int16_t sc[16], mn[16];
   float d, dmin;
-  uint8_t q[32];
+  int16_t q[32];
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const uint8_t* b = w + blk * F::BYTES;
     k_ints<T>(b, sc, mn, d, dmin);
@@ -110,7 +110,10 @@ struct KHeader {
                                                            c, e, c, e, c, e, c, e, c, e, c, e, c, e, c, e));
   }
 };
-// Q5_K: one scale per sub-block; sc holds the 8 as int16 in both 128-bit halves
+// Q5_K and IQ4_XS: one scale per sub-block; sc holds the 8 as int16 in both 128-bit halves (IQ4_XS: no mins)
+inline __m256i scale_of(__m256i sc, int j) {
+  return _mm256_shuffle_epi8(sc, _mm256_set1_epi16(int16_t(0x0100 * (2 * j + 1) + 2 * j)));
+}
 template <>
 struct KHeader<Q5_K> {
   __m256i sc, mn;
@@ -123,9 +126,28 @@ struct KHeader<Q5_K> {
     d = fp16_to_f32(b);
     dmin = fp16_to_f32(b + 2);
   }
-  __m256i scale(int j) const {
-    return _mm256_shuffle_epi8(sc, _mm256_set1_epi16(int16_t(0x0100 * (2 * j + 1) + 2 * j)));
+  __m256i scale(int j) const { return scale_of(sc, j); }
+};
+template <>
+struct KHeader<IQ4_XS> {
+  __m256i sc;
+  float d;
+  explicit KHeader(const uint8_t* b) {   // iq4xs_scales on 8 bytes: the high bits spread 2 to a byte by shifts
+    uint32_t lo4;
+    uint16_t hi16;
+    std::memcpy(&lo4, b + 4, 4);
+    std::memcpy(&hi16, b + 2, 2);
+    uint64_t h = hi16;
+    h = (h | h << 24) & 0x000000FF000000FFull;
+    h = (h | h << 12) & 0x000F000F000F000Full;
+    h = (h | h << 6) & 0x0303030303030303ull;
+    const __m128i v = _mm_cvtsi32_si128(int(lo4)), m4 = _mm_set1_epi8(0xF);
+    const __m128i lo = _mm_unpacklo_epi8(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    const __m128i s = _mm_sub_epi8(_mm_or_si128(lo, _mm_cvtsi64_si128(int64_t(h << 4))), _mm_set1_epi8(32));
+    sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s));
+    d = fp16_to_f32(b);
   }
+  __m256i scale(int j) const { return scale_of(sc, j); }
 };
 template <int T, int R>
 void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float* out) {
@@ -141,10 +163,12 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
     for (int j = 0; j < 8; ++j) {
       // unsigned q (< 32) times signed qx (|qx| <= 127): each pair's sum fits int16 (vpmaddubsw saturates); the
       // pairs weighted by their scales (Q3_K's signed)
-      const __m256i q = quants<T>(b, j), s = h.scale(j);
+      // (k_signed: |q| times x carrying q's sign, as Q8_0's octets; IQ4_XS has no value 0 or -128)
+      const __m256i q = quants<T>(b, j), s = h.scale(j), qa = k_signed<T>() ? _mm256_abs_epi8(q) : q;
       for (int r = 0; r < R; ++r) {
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][blk].q + 32 * j));
-        isum[r] = madd_add(isum[r], _mm256_maddubs_epi16(q, xq), s);
+        __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][blk].q + 32 * j));
+        if constexpr (k_signed<T>()) xq = _mm256_sign_epi8(xq, q);
+        isum[r] = madd_add(isum[r], _mm256_maddubs_epi16(qa, xq), s);
       }
       if ((j + 1) % QKJ == 0)   // the last sub-block of an activation scale
         for (int r = 0; r < R; ++r) {
@@ -153,11 +177,13 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
         }
     }
     // the mins: int32 lane l holds those of sub-block l, scaled by its activation scale
-    const __m256 dm = _mm256_set1_ps(-h.dmin);
-    for (int r = 0; r < R; ++r) {
-      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][blk].sum16));
-      const __m256 dl = _mm256_mul_ps(dm, _mm256_loadu_ps(x[r][blk].dl));
-      vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h.mn, s16)), dl, vacc[r]);
+    if constexpr (Format<T>::MIN) {
+      const __m256 dm = _mm256_set1_ps(-h.dmin);
+      for (int r = 0; r < R; ++r) {
+        const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][blk].sum16));
+        const __m256 dl = _mm256_mul_ps(dm, _mm256_loadu_ps(x[r][blk].dl));
+        vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h.mn, s16)), dl, vacc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum8(vacc[r]);
@@ -165,7 +191,7 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
 #endif
 
 // out[r] = dot(weight row w, x row r) over the row's nblocks weight blocks, for R rows; A: the activations (QK
-// for Q2_K, Q3_K and Q5_K, QX otherwise: octets of 8 blocks)
+// for the on_qk formats, QX otherwise: octets of 8 blocks)
 template <int T, int R, typename A>
 inline void dot_rows(const uint8_t* w, const A* const* x, int64_t nblocks, float* out) {
   if constexpr (std::is_same_v<A, QK>) {
@@ -406,7 +432,7 @@ void matmul_rows(const uint8_t* w, int64_t N, int64_t row_bytes, const void* xv,
   }
 }
 
-// the activations quantized for a segment of this type (Acts: QK for Q2_K, Q3_K and Q5_K, QX otherwise)
+// the activations quantized for a segment of this type (Acts: QK for the on_qk formats, QX otherwise)
 template <typename Y>
 bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, const QX* qx, const QK* qk, int64_t M,
                   int64_t K, Y* y, int64_t ys) {
@@ -420,12 +446,13 @@ bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, 
     case Q2_K: matmul_rows<Q2_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case Q3_K: matmul_rows<Q3_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case Q5_K: matmul_rows<Q5_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
+    case IQ4_XS: matmul_rows<IQ4_XS>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case OCTETS | Q6_K: matmul_rows<Q6_K>(w, N, row_bytes, qx, M, K, y, ys); return true;
     default: return false;
   }
 }
 
-inline bool takes_qk(int64_t type) { return type == Q2_K || type == Q3_K || type == Q5_K; }   // on_qk's
+inline bool takes_qk(int64_t type) { return type == Q2_K || type == Q3_K || type == Q5_K || type == IQ4_XS; }
 
 // the quantized activations of one call, reused across calls (one engine thread calls at a time per library)
 thread_local std::vector<QX> qx_buffer;

@@ -5,10 +5,10 @@ output head quantized at load to int8 per output channel (INT8: one float scale 
 16 for kvserve/csrc/quant_int8.cpp's dot products; a matrix whose rows do not come in 16s takes ggml's Q8_0
 blocks of 32 values instead). Either way a quantized linear holds a QuantizedWeight (rows of ggml blocks, those of
 the OCTET_FORMATS reordered for the kernels, or INT8 groups; one segment per format: a fused q|k|v may mix Q4_K
-and Q6_K) inside its PackedWeight; the matmul is
-kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as they arrive: per token and 128 values for INT8,
-per 32 values for the 32-value formats, Q4_K and Q6_K, per 128 for Q2_K, Q3_K and Q5_K; int32 dot products), for the
-modules path and the fused layer stack alike. GGUF formats without a kernel here are dequantized at load.
+and Q6_K) inside its PackedWeight; the matmul is kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as
+they arrive: per token and 128 values for INT8, per 32 values for the 32-value formats, Q4_K and Q6_K, per 128 for
+Q2_K, Q3_K, Q5_K and IQ4_XS; int32 dot products), for the modules path and the fused layer stack alike. GGUF formats
+without a kernel here are dequantized at load.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from kvserve.errors import ModelLoadError
 # ggml type id -> (name, values per block, bytes per block): the formats kvserve/csrc/quant.cpp multiplies
 KERNEL_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
                   8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
-                  13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+                  13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 23: ("IQ4_XS", 256, 136)}
 FORMAT_IDS = {name: tid for tid, (name, _, _) in KERNEL_FORMATS.items()}
 # the formats whose rows the kernels keep in octets (quant.cpp: the same bytes, the 32-value formats' blocks
 # regrouped by 8 in each row, the quants of each Q4_K and Q6_K super-block chunk-major); their kernel type id is

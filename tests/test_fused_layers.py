@@ -86,12 +86,12 @@ def _tiny_quantized_bf16(tmp_path, qtype: str, **overrides):
     return model
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0", "Q3_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "IQ4_XS"])
 def test_fused_stack_runs_quantized_linears_bit_identical_to_the_modules(tmp_path, qtype):
     """GGUF-quantized linears enter the stack through their linear method (kvserve_quant_matmul, as the modules
-    call it): chunked prefill, a mixed step and decodes, then a split decode batch, all bit-identical (Q3_K: the
-    K-quants on 256-value activation blocks)."""
-    sizes = {"hidden_size": 256, "intermediate_size": 256} if qtype.endswith("K") else \
+    call it): chunked prefill, a mixed step and decodes, then a split decode batch, all bit-identical (Q2_K, Q3_K,
+    IQ4_XS: the formats on 256-value activation blocks)."""
+    sizes = {"hidden_size": 256, "intermediate_size": 256} if qtype.endswith(("K", "XS")) else \
         {"hidden_size": 128, "intermediate_size": 96}
     check_quantized_stack(_tiny_quantized_bf16(tmp_path, qtype, **sizes))
 

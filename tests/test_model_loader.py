@@ -417,10 +417,15 @@ def test_a_gguf_load_drops_the_file_pages_behind_it(gguf_path, monkeypatch):
     reader = gguf_loader.open_gguf(gguf_path)
     cfg = gguf_loader.gguf_model_config(reader)
     largest = max(int(t.n_bytes) for t in reader.tensors)
+    gguf_loader.release_file_pages(gguf_path)   # what earlier loads left resident (an earlier test's, or none)
+    base = _mapped_rss(gguf_path)
     peak = 0
-    for _, t in gguf_loader.iter_gguf_weights(reader, cfg, keep_quantized=True):
-        (t.data if hasattr(t, "data") else t).sum()   # reads every page of the tensor
-        peak = max(peak, _mapped_rss(gguf_path))
+    try:
+        for _, t in gguf_loader.iter_gguf_weights(reader, cfg, keep_quantized=True):
+            (t.data if hasattr(t, "data") else t).sum()   # reads every page of the tensor
+            peak = max(peak, _mapped_rss(gguf_path) - base)
+    finally:
+        gguf_loader.release_file_pages(gguf_path)
     size = sum(int(t.n_bytes) for t in reader.tensors)
     assert peak <= (8 << 20) + largest + (4 << 20) < size / 2, (peak, largest, size)
 
@@ -447,6 +452,10 @@ def test_quantized_modules_are_assembled_as_their_shards_arrive(tmp_path):
             yield item
     model.load_weights(stream())
     assert built_at == [last + 1]
-    again = [w for w in weights if w[0] == "model.layers.0.mlp.down_proj.weight"]
+    down = [w for w in weights if w[0] == "model.layers.0.mlp.down_proj.weight"]   # after its module is built
     with pytest.raises(ModelLoadError, match="appears twice"):
-        build_model(cfg).load_weights(weights + again)
+        build_model(cfg).load_weights(weights + down)
+    first_q = next(i for i, (n, _) in enumerate(weights) if n == "model.layers.0.self_attn.q_proj.weight")
+    q = weights[first_q]   # before its module is built: it would replace the first
+    with pytest.raises(ModelLoadError, match="appears twice"):
+        build_model(cfg).load_weights(weights[:first_q + 1] + [q] + weights[first_q + 1:])

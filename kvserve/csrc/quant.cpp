@@ -414,7 +414,7 @@ template <int T> constexpr int64_t octet_bytes() {
 constexpr int QMR = 8;   // rows of x per pass over a weight row (a verification step of k = 7 drafts in one)
 
 // out[r] = dot(W row w, x row r) over its nsub blocks of 32 values for R rows, scalar; the formats in_octets
-// (Q5_K: quant_matmul.cpp), packed so
+// (the on_qk ones: quant_matmul.cpp), packed so
 template <int T, int R>
 void row_dot_scalar(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
   using F = Format<T>;

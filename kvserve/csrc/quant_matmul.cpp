@@ -161,9 +161,9 @@ void row_dot_k_simd(const uint8_t* w, const QK* const* x, int64_t nblocks, float
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
     #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      // unsigned q (< 32) times signed qx (|qx| <= 127): each pair's sum fits int16 (vpmaddubsw saturates); the
-      // pairs weighted by their scales (Q3_K's signed)
-      // (k_signed: |q| times x carrying q's sign, as Q8_0's octets; IQ4_XS has no value 0 or -128)
+      // unsigned q (< 32) times signed qx (|qx| <= 127), or for k_signed |q| (<= 127) times qx carrying q's sign
+      // (as Q8_0's octets; IQ4_XS has no value 0 or -128): each pair's sum fits int16 (2 * 127 * 127; vpmaddubsw
+      // saturates); the pairs weighted by their scales (Q3_K's and IQ4_XS's signed)
       const __m256i q = quants<T>(b, j), s = h.scale(j), qa = k_signed<T>() ? _mm256_abs_epi8(q) : q;
       for (int r = 0; r < R; ++r) {
         __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][blk].q + 32 * j));

@@ -374,7 +374,8 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
         dest = params[target]
         if shard is not None:
             dest = modules[owner].shard(dest, shard)
-        if owner in assembled and target.endswith(".weight"):   # its weight is already the quantized one
+        if (owner in assembled and target.endswith(".weight")) or \
+                (isinstance(tensor, QuantizedTensor) and (target, shard) in loaded):   # would be lost, or replace
             raise ModelLoadError(f"checkpoint tensor {name!r} appears twice")
         if isinstance(tensor, QuantizedTensor):
             _check_shape(name, dest, tensor.shape)

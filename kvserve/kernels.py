@@ -38,14 +38,16 @@ from kvserve.attention import fp8, kv_layout
 logger = logging.getLogger("kvserve")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "quant_int8.cpp", "quant_matmul.cpp",
-          "lora.cpp", "layers.cpp", "shm.cpp")
+_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "quant_k.cpp", "quant_int8.cpp",
+          "quant_matmul.cpp", "lora.cpp", "layers.cpp", "shm.cpp")
 
 
 def _read_source(csrc: Path = CSRC) -> str:
     """The kernel files in `csrc` as one translation unit (common.h first, its includes dropped from the others)."""
     parts = []
     for name in _FILES:
+        if not (csrc / name).exists() and csrc != CSRC:   # an older tree's (benchmarks/quant_ab.py): fewer files
+            continue
         text = (csrc / name).read_text()
         parts.append("\n".join(line for line in text.splitlines()
                                  if line.strip() not in ('#include "common.h"', "#pragma once")))

@@ -1,14 +1,15 @@
 // GGUF-quantized weights kept in their block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q2_K, Q3_K,
 // Q4_K, Q5_K, Q6_K, IQ4_XS: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of the 32-value
-// formats, Q4_K and Q6_K, and rows dequantized for embedding lookups. The matmul over them is quant_matmul.cpp's.
-// For those formats, as llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale
-// (QX below); each block (sub-block) of W is unpacked in registers to 32 small integers q with a float scale s (and
-// a min m for the formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32
-// products come from integer dot products:
+// formats, Q4_K and Q6_K, and their rows dequantized for embedding lookups (those on 256-value activation blocks,
+// Q2_K, Q3_K, Q5_K and IQ4_XS, are quant_k.cpp's). The matmul over them is quant_matmul.cpp's. For those formats,
+// as llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below); each
+// block (sub-block) of W is unpacked in registers to 32 small integers q with a float scale s (and a min m for the
+// formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32 products come from
+// integer dot products:
 //   sum_i w_i x_i ~= s dx k sum_i q_i qx_i + m dx sum_i qx_i.
-// The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; Q8_0: vpdpbusd with AVX-512 VNNI) and
-// the scalar one agree up to float rounding (their float steps differ). A step reads each quantized row once for
-// up to QMR rows of x.
+// The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; Q8_0: vpdpbusd with AVX-512 VNNI) and the
+// scalar one agree up to float rounding (their float steps differ). A step reads each quantized row once for up to
+// QMR rows of x.
 #include "common.h"
 #if (defined(__AVX2__) || defined(__F16C__)) && !defined(KVSERVE_PORTABLE)
 #include <immintrin.h>
@@ -169,80 +170,8 @@ template <> struct Format<Q4_K> { static constexpr int SUBS = 8, BYTES = 144; st
 template <> struct Format<Q5_K> { static constexpr int SUBS = 8, BYTES = 176; static constexpr bool MIN = true; };
 template <> struct Format<Q6_K> { static constexpr int SUBS = 8, BYTES = 210; static constexpr bool MIN = false; };
 
-// The super-block formats the kernels read in the file's order, on 256-value activation blocks (quant_matmul.cpp's
-// QK): Q2_K, Q3_K, Q5_K and IQ4_XS. A super-block is 8 sub-blocks of 32 q and, per 16 values g, an integer scale
-// sc[g] and min mn[g] with two float factors: w = d sc q - dmin mn. Q2_K: q 2 bits, sc and mn 4 bits each; Q3_K: q
-// 3 bits (its value is q - 4, so mn = sc and dmin = 4 d), sc 6 bits less 32; Q5_K: q 5 bits, Q4_K's 6-bit scales
-// and mins (one per 32 values, so each twice); IQ4_XS: q signed (k_signed), the entry of IQ4_NL_VALUES a 4-bit
-// index picks, sc 6 bits less 32 per 32 values, no mins.
-template <int T> void k_ints(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin);
-template <> void k_ints<Q2_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
-  for (int g = 0; g < 16; ++g) { sc[g] = b[g] & 0xF; mn[g] = b[g] >> 4; }
-  d = fp16_to_f32(b + 80);
-  dmin = fp16_to_f32(b + 82);
-}
-// Q3_K's 16 6-bit scales from their 12 bytes: the low 4 bits of scale g in nibble g / 8 of byte g % 8, its high 2
-// in bits 2 (g / 4) of byte 8 + g % 4 (ggml's kmask unpacking)
-inline void q3k_scales(const uint8_t* b, int8_t* out) {
-  uint32_t a[4];
-  std::memcpy(a, b + 96, 12);
-  const uint32_t m2 = 0x0f0f0f0f, m1 = 0x03030303, t = a[2];
-  a[2] = ((a[0] >> 4) & m2) | (((t >> 4) & m1) << 4);
-  a[3] = ((a[1] >> 4) & m2) | (((t >> 6) & m1) << 4);
-  a[0] = (a[0] & m2) | ((t & m1) << 4);
-  a[1] = (a[1] & m2) | (((t >> 2) & m1) << 4);
-  std::memcpy(out, a, 16);
-  for (int g = 0; g < 16; ++g) out[g] = int8_t(out[g] - 32);
-}
-template <> void k_ints<Q3_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
-  int8_t s[16];
-  q3k_scales(b, s);
-  for (int g = 0; g < 16; ++g) sc[g] = mn[g] = s[g];
-  d = fp16_to_f32(b + 108);
-  dmin = 4.f * d;
-}
-// IQ4_XS's 8 6-bit scales (less 32): the low 4 bits of scale j in nibble j % 2 of byte 4 + j / 2, the high 2 in
-// bits 2 j of the 16-bit word at 2
-inline void iq4xs_scales(const uint8_t* b, int8_t* out) {
-  for (int j = 0; j < 8; ++j)
-    out[j] = int8_t((((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((b[2 + j / 4] >> (2 * (j % 4))) & 3) << 4)) - 32);
-}
-template <> void k_ints<IQ4_XS>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
-  int8_t s[8];
-  iq4xs_scales(b, s);
-  for (int g = 0; g < 16; ++g) { sc[g] = s[g / 2]; mn[g] = 0; }
-  d = fp16_to_f32(b);
-  dmin = 0.f;
-}
-template <> void k_ints<Q5_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float& d, float& dmin) {
-  uint8_t u[16];
-  k4_ints(b, u);
-  for (int g = 0; g < 16; ++g) { sc[g] = u[g / 2]; mn[g] = u[8 + g / 2]; }
-  d = fp16_to_f32(b);
-  dmin = fp16_to_f32(b + 2);
-}
-// ggml's IQ4_NL / IQ4_XS values, by 4-bit index
-alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
-                                                 89, 113};
-// sub-block j's 32 q, scalar. Q2_K and Q3_K: value 32 j + i's 2 low bits at bit 2 (j % 4) of quant byte
-// 32 (j / 4) + i (Q3_K: its third bit, bit j of hmask byte i); Q5_K: Q4_K's nibbles and bit j of qh byte i;
-// IQ4_XS: the value of the index in nibble i / 16 of byte 8 + 16 j + i % 16
-template <int T> void k_quants(const uint8_t* b, int j, int16_t* q);
-template <> void k_quants<Q2_K>(const uint8_t* b, int j, int16_t* q) {
-  for (int i = 0; i < 32; ++i) q[i] = (b[16 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3;
-}
-template <> void k_quants<Q3_K>(const uint8_t* b, int j, int16_t* q) {
-  for (int i = 0; i < 32; ++i) q[i] = ((b[32 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3) | (((b[i] >> j) & 1) << 2);
-}
-template <> void k_quants<Q5_K>(const uint8_t* b, int j, int16_t* q) {
-  const uint8_t* qs = b + 48 + 32 * (j / 2);
-  for (int i = 0; i < 32; ++i) q[i] = int16_t((j % 2 ? qs[i] >> 4 : qs[i] & 0xF) | (((b[16 + i] >> j) & 1) << 4));
-}
-template <> void k_quants<IQ4_XS>(const uint8_t* b, int j, int16_t* q) {
-  for (int i = 0; i < 32; ++i) q[i] = IQ4_NL_VALUES[(b[8 + 16 * j + i % 16] >> (4 * (i / 16))) & 0xF];
-}
+// the formats on 256-value activation blocks (quant_k.cpp)
 template <int T> constexpr bool on_qk() { return T == Q2_K || T == Q3_K || T == Q5_K || T == IQ4_XS; }
-template <int T> constexpr bool k_signed() { return T == IQ4_XS; }   // its q signed bytes (quants), else unsigned
 
 // The 32-value formats' fields and where they sit in a block: the 4- and 5-bit formats' quants as unsigned bytes
 // with a min or offset (w = s q + m; Q4_0: m = -8 s, Q5_0: m = -16 s), Q8_0's as signed bytes
@@ -414,7 +343,7 @@ template <int T> constexpr int64_t octet_bytes() {
 constexpr int QMR = 8;   // rows of x per pass over a weight row (a verification step of k = 7 drafts in one)
 
 // out[r] = dot(W row w, x row r) over its nsub blocks of 32 values for R rows, scalar; the formats in_octets
-// (the on_qk ones: quant_matmul.cpp), packed so
+// (the on_qk ones: quant_k.cpp), packed so
 template <int T, int R>
 void row_dot_scalar(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
   using F = Format<T>;
@@ -514,41 +443,6 @@ inline __m256i k_nibbles(const uint8_t* qs, int j) {   // sub-block j's 32 nibbl
 }
 template <> void header<Q4_K>(const uint8_t* b, float* s, float* m) { k4_header(b, s, m); }
 template <> __m256i quants<Q4_K>(const uint8_t* b, int j) { return k_nibbles(b + 16, j); }
-// the K-quants on QK activations (k_ints): sub-block j's q, unsigned
-inline __m256i two_bits(const uint8_t* qs, int j) {   // Q2_K, Q3_K: the low 2 bits of sub-block j's values
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 4)));
-  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * (j % 4))), _mm256_set1_epi8(3));
-}
-template <> __m256i quants<Q2_K>(const uint8_t* b, int j) { return two_bits(b + 16, j); }
-// bit j of each hmask byte to bit 2 by one 16-bit shift (right by up to 5, left by up to 2: bit 2 of each byte
-// receives a bit of its own byte)
-template <> __m256i quants<Q3_K>(const uint8_t* b, int j) {
-  const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-  const __m256i at2 = j < 2 ? _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - j))
-                            : _mm256_srl_epi16(hm, _mm_cvtsi32_si128(j - 2));
-  return _mm256_or_si256(two_bits(b + 32, j), _mm256_and_si256(at2, _mm256_set1_epi8(4)));
-}
-// q3k_scales on 4 int32 lanes: the 12 bytes as words u0 u1 u2 -> [u0 & m4 | (u2 & m2) << 4, u1 & m4 |
-// (u2 >> 2 & m2) << 4, u0 >> 4 & m4 | (u2 >> 4 & m2) << 4, u1 >> 4 & m4 | (u2 >> 6 & m2) << 4] less 32 a byte
-inline __m128i q3k_scales_simd(const uint8_t* b) {
-  int32_t u[3];
-  std::memcpy(u, b + 96, 12);   // not a 16-byte load: the block's last field ends 2 bytes after these
-  const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_setr_epi32(u[0], u[1], u[0], u[1]), _mm_setr_epi32(0, 0, 4, 4)),
-                                   _mm_set1_epi32(0x0f0f0f0f));
-  const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(u[2]), _mm_setr_epi32(0, 2, 4, 6)),
-                                   _mm_set1_epi32(0x03030303));
-  return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
-}
-template <> __m256i quants<IQ4_XS>(const uint8_t* b, int j) {   // signed: the table's values by in-lane lookup
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
-  return _mm256_shuffle_epi8(table, nibbles(b + 8 + 16 * j));
-}
-template <> __m256i quants<Q5_K>(const uint8_t* b, int j) {
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-  const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)),
-                                                        _mm256_set1_epi8(1)), 4);
-  return _mm256_or_si256(k_nibbles(b + 48, j), hi);
-}
 template <> void header<Q6_K>(const uint8_t* b, float* s, float*) {
   const float d = fp16_to_f32(b + 208);
   bytes_times(b + 192, true, d, s);
@@ -975,33 +869,6 @@ void dequant_row(const uint8_t* w, int64_t nsub, Y* out) {
 #endif
 }
 
-// a row of a K-quant on QK activations (k_ints): w = d sc q - dmin mn per 16 values
-template <int T, typename Y>
-void dequant_k_row(const uint8_t* w, int64_t nsub, Y* out) {
-  static_assert(on_qk<T>());
-  int16_t sc[16], mn[16];
-  float d, dmin;
-  for (int64_t blk = 0; blk < nsub / 8; ++blk) {
-    const uint8_t* b = w + blk * Format<T>::BYTES;
-    k_ints<T>(b, sc, mn, d, dmin);
-    for (int j = 0; j < 8; ++j) {
-      int16_t q[32];
-#ifdef KV_HAVE_QAVX2
-      alignas(32) uint8_t u[32];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(u), quants<T>(b, j));
-      for (int i = 0; i < 32; ++i) q[i] = k_signed<T>() ? int8_t(u[i]) : u[i];
-#else
-      k_quants<T>(b, j, q);
-#endif
-      Y* o = out + 32 * (8 * blk + j);
-      for (int i = 0; i < 32; ++i) {
-        const int g = 2 * j + i / 16;
-        store(o, i, d * float(sc[g]) * float(q[i]) - dmin * float(mn[g]));
-      }
-    }
-  }
-}
-
 // a packed row (OCTETS) dequantized: back in the file's order first
 template <int T, typename Y>
 void dequant_octets(const uint8_t* w, int64_t nsub, Y* out) {
@@ -1009,31 +876,6 @@ void dequant_octets(const uint8_t* w, int64_t nsub, Y* out) {
   std::vector<uint8_t> raw(nb * Format<T>::BYTES);
   repack_row<T>(w, raw.data(), nb, true);
   dequant_row<T>(raw.data(), nsub, out);
-}
-
-template <typename Y>
-bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
-  switch (type) {
-    case OCTETS | Q4_0: dequant_octets<Q4_0>(w, nsub, out); return true;
-    case OCTETS | Q4_1: dequant_octets<Q4_1>(w, nsub, out); return true;
-    case OCTETS | Q5_0: dequant_octets<Q5_0>(w, nsub, out); return true;
-    case OCTETS | Q5_1: dequant_octets<Q5_1>(w, nsub, out); return true;
-    case OCTETS | Q8_0: dequant_octets<Q8_0>(w, nsub, out); return true;
-    case OCTETS | Q4_K: dequant_octets<Q4_K>(w, nsub, out); return true;
-    case OCTETS | Q6_K: dequant_octets<Q6_K>(w, nsub, out); return true;
-    case Q4_0: dequant_row<Q4_0>(w, nsub, out); return true;
-    case Q4_1: dequant_row<Q4_1>(w, nsub, out); return true;
-    case Q5_0: dequant_row<Q5_0>(w, nsub, out); return true;
-    case Q5_1: dequant_row<Q5_1>(w, nsub, out); return true;
-    case Q8_0: dequant_row<Q8_0>(w, nsub, out); return true;
-    case Q4_K: dequant_row<Q4_K>(w, nsub, out); return true;
-    case Q2_K: dequant_k_row<Q2_K>(w, nsub, out); return true;
-    case Q3_K: dequant_k_row<Q3_K>(w, nsub, out); return true;
-    case Q5_K: dequant_k_row<Q5_K>(w, nsub, out); return true;
-    case IQ4_XS: dequant_k_row<IQ4_XS>(w, nsub, out); return true;
-    case Q6_K: dequant_row<Q6_K>(w, nsub, out); return true;
-    default: return false;
-  }
 }
 
 }  // namespace

@@ -146,7 +146,7 @@ def _add_gguf_tensor(w, name: str, a, qtype: str, raw_overrides: dict) -> None:
         w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
     else:
         q = getattr(gguf.GGMLQuantizationType, qtype)
-        blocks = LOW_BIT_K_QUANTIZERS[qtype](a) if qtype in LOW_BIT_K_QUANTIZERS else gguf.quants.quantize(a, q)
+        blocks = TEST_QUANTIZERS[qtype](a) if qtype in TEST_QUANTIZERS else gguf.quants.quantize(a, q)
         w.add_tensor(name, blocks, raw_dtype=q)
 
 
@@ -231,7 +231,21 @@ def quantize_iq4_xs(a):
     return np.concatenate(out, axis=1).reshape(a.shape[0], -1)
 
 
-LOW_BIT_K_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "IQ4_XS": quantize_iq4_xs}
+def quantize_iq4_nl(a):
+    """IQ4_NL blocks of a float matrix [rows, K % 32 == 0]: per 32 values an fp16 scale, each value the nearest of
+    IQ4_NL_VALUES times it (a 4-bit index: values i and i + 16 in byte i's low and high nibbles)."""
+    import numpy as np
+    x = a.astype(np.float32).reshape(-1, 32)
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[:, None], -1)
+    d = (-peak / 127).astype(np.float16).astype(np.float32)   # the largest magnitude maps to -127
+    y = np.divide(x, d, out=np.zeros_like(x), where=d != 0)
+    idx = np.abs(y[..., None] - np.array(IQ4_NL_VALUES, np.float32)).argmin(-1).astype(np.uint8)
+    out = [d.astype(np.float16).view(np.uint8), idx[:, :16] | idx[:, 16:] << 4]
+    return np.concatenate(out, axis=1).reshape(a.shape[0], -1)
+
+
+TEST_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "IQ4_XS": quantize_iq4_xs,
+                        "IQ4_NL": quantize_iq4_nl}
 
 
 class FailingForward:

@@ -86,7 +86,7 @@ def _tiny_quantized_bf16(tmp_path, qtype: str, **overrides):
     return model
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0", "IQ4_NL", "Q2_K", "Q3_K", "IQ4_XS"])
 def test_fused_stack_runs_quantized_linears_bit_identical_to_the_modules(tmp_path, qtype):
     """GGUF-quantized linears enter the stack through their linear method (kvserve_quant_matmul, as the modules
     call it): chunked prefill, a mixed step and decodes, then a split decode batch, all bit-identical (Q2_K, Q3_K,

@@ -14,7 +14,8 @@ from kvserve.model.quantization import (INT8_GROUP, KERNEL_FORMATS, FORMAT_IDS, 
 
 # byte offsets of each format's fp16 fields (scales and mins): random bytes there would be NaN or huge
 _FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-                "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,)}
+                "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,),
+                "IQ4_NL": (0,)}
 QK_FORMATS = ("Q2_K", "Q3_K", "Q5_K", "IQ4_XS")   # x quantized per 128 values for these, per 32 for the others
 
 
@@ -71,7 +72,7 @@ def test_every_format_against_dequantized_matmul(fmt, variant):
 
 @pytest.mark.parametrize("fmt,k", [("Q4_K", 256), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 256),
                                      ("Q2_K", 512), ("Q3_K", 512), ("IQ4_XS", 512)]
-                         + [(f, k) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") for k in (352, 512)])
+                         + [(f, k) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL") for k in (352, 512)])
 def test_rows_of_a_step_are_independent(fmt, k):
     # a row's result does not depend on which other rows share its step (row tiles of 8, remainders) nor on the
     # weight rows beside it (Q4_0, Q4_1 and Q4_K run whole octets two weight rows at a time in the row tiles after
@@ -92,7 +93,7 @@ def test_rows_of_a_step_are_independent(fmt, k):
     check_close(whole, reference(x, w), x, w.dequantize(), 128 if fmt in QK_FORMATS else 32)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"])
 @pytest.mark.parametrize("blocks", [17, 18, 20])
 def test_rows_sharing_their_last_group_keep_their_own_results(fmt, blocks):
     # a row whose last group has 1, 2 or 4 blocks runs that group in one octet with those of the next 7, 3 or 1
@@ -113,7 +114,7 @@ def test_rows_sharing_their_last_group_keep_their_own_results(fmt, blocks):
 
 
 @pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                                 "Q8_0"])
+                                 "Q8_0", "IQ4_NL"])
 def test_native_and_portable_agree_on_the_integer_sums(fmt):
     # same quantized activations and exact integer dot products: only float rounding differs, on the scale of the
     # terms summed (a result near cancellation differs relatively more), over many random inputs; 32-value
@@ -221,7 +222,7 @@ def _kernel_high_bits(fmt: str, data: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(blocks.reshape(data.shape))
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q6_K"])
 def test_octet_layout_is_the_files_blocks_regrouped(fmt):
     # QuantizedWeight keeps the 32-value formats, Q4_K and Q6_K in the kernels' octet order: each row's bytes
     # regrouped (32-value formats: 11 blocks, a group of 8 and a partial one of 3), each K-quant super-block's quants
@@ -254,7 +255,7 @@ def test_octet_layout_is_the_files_blocks_regrouped(fmt):
         quantized_matmul(x, w)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"])
 @pytest.mark.parametrize("variant", ["native", "portable"])
 def test_every_size_of_a_rows_last_group(fmt, variant):
     # a row's last group of g < 8 blocks runs as a whole one with its loads masked to its g blocks (odd g: the

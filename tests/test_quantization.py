@@ -126,7 +126,7 @@ def test_perplexity_scores_the_second_half_of_each_chunk():
     assert count == 3 and nll == 5 + 6 + 7
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL"])
 def test_tiny_llama_gguf_kept_quantized_matches_its_dequantized_self(tmp_path, qtype):
     # llama files permute q/k rows: the kept blocks are unpermuted by rows, as the dequantized weights are; the
     # K-quants' and IQ4_XS's rows are whole super-blocks of 256 (Q2_K, Q3_K, IQ4_XS: tests/model_utils.py's

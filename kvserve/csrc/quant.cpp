@@ -1,11 +1,11 @@
-// GGUF-quantized weights kept in their block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 values a block; Q2_K, Q3_K,
-// Q4_K, Q5_K, Q6_K, IQ4_XS: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of the 32-value
-// formats, Q4_K and Q6_K, and their rows dequantized for embedding lookups (those on 256-value activation blocks,
-// Q2_K, Q3_K, Q5_K and IQ4_XS, are quant_k.cpp's). The matmul over them is quant_matmul.cpp's. For those formats,
-// as llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale (QX below); each
-// block (sub-block) of W is unpacked in registers to 32 small integers q with a float scale s (and a min m for the
-// formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32 products come from
-// integer dot products:
+// GGUF-quantized weights kept in their block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: 32 values a block;
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: 256 a block in 8 sub-blocks of 32): their unpacking, the dot products of
+// the 32-value formats, Q4_K and Q6_K, and their rows dequantized for embedding lookups (those on 256-value
+// activation blocks, Q2_K, Q3_K, Q5_K and IQ4_XS, are quant_k.cpp's). The matmul over them is quant_matmul.cpp's.
+// For those formats, as llama.cpp does, x is quantized first, per row and 32 values, to int8 with one float scale
+// (QX below); each block (sub-block) of W is unpacked in registers to 32 small integers q with a float scale s (and
+// a min m for the formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32
+// products come from integer dot products:
 //   sum_i w_i x_i ~= s dx k sum_i q_i qx_i + m dx sum_i qx_i.
 // The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; Q8_0: vpdpbusd with AVX-512 VNNI) and the
 // scalar one agree up to float rounding (their float steps differ). A step reads each quantized row once for up to
@@ -27,7 +27,7 @@ namespace {
 
 // ggml type ids (gguf's GGMLQuantizationType), and kvserve's own INT8 (quant_int8.cpp; no ggml type)
 enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-             IQ4_XS = 23, INT8 = 200 };
+             IQ4_NL = 20, IQ4_XS = 23, INT8 = 200 };
 
 // eight 32-value blocks of a quantized activation row, block b: x_i ~= d[b] q_i, sum[b] = d[b] * sum_i q_i. The
 // quants are chunk-major: q[c][4 b + i] is value 4 c + i of block b, so that one 32-byte load holds 4 values of
@@ -130,6 +130,13 @@ template <> void unpack_scalar<Q5_1>(const uint8_t* b, int, Sub& o) {
   o.s = fp16_to_f32(b); o.m = fp16_to_f32(b + 2); o.isc[0] = o.isc[1] = 1;
   unpack5(b + 4, b + 8, 0, o);
 }
+// ggml's IQ4_NL / IQ4_XS values, by 4-bit index
+alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                                                 89, 113};
+template <> void unpack_scalar<IQ4_NL>(const uint8_t* b, int, Sub& o) {   // Q4_0's nibbles, the table's values
+  o.s = fp16_to_f32(b); o.m = 0; o.isc[0] = o.isc[1] = 1;
+  for (int i = 0; i < 16; ++i) { o.q[i] = IQ4_NL_VALUES[b[2 + i] & 0xF]; o.q[i + 16] = IQ4_NL_VALUES[b[2 + i] >> 4]; }
+}
 template <> void unpack_scalar<Q8_0>(const uint8_t* b, int, Sub& o) {
   o.s = fp16_to_f32(b); o.m = 0; o.isc[0] = o.isc[1] = 1;
   std::memcpy(o.q, b + 2, 32);
@@ -163,6 +170,7 @@ template <> struct Format<Q4_1> { static constexpr int SUBS = 1, BYTES = 20; sta
 template <> struct Format<Q5_0> { static constexpr int SUBS = 1, BYTES = 22; static constexpr bool MIN = false; };
 template <> struct Format<Q5_1> { static constexpr int SUBS = 1, BYTES = 24; static constexpr bool MIN = true; };
 template <> struct Format<Q8_0> { static constexpr int SUBS = 1, BYTES = 34; static constexpr bool MIN = false; };
+template <> struct Format<IQ4_NL> { static constexpr int SUBS = 1, BYTES = 18; static constexpr bool MIN = false; };
 template <> struct Format<Q2_K> { static constexpr int SUBS = 8, BYTES = 84; static constexpr bool MIN = true; };
 template <> struct Format<Q3_K> { static constexpr int SUBS = 8, BYTES = 110; static constexpr bool MIN = true; };
 template <> struct Format<IQ4_XS> { static constexpr int SUBS = 8, BYTES = 136; static constexpr bool MIN = false; };
@@ -181,6 +189,9 @@ template <> struct Layout<Q4_1> { static constexpr int QS = 4, QH = -1, M = 2, O
 template <> struct Layout<Q5_0> { static constexpr int QS = 6, QH = 2, M = -1, OFFSET = 16; };
 template <> struct Layout<Q5_1> { static constexpr int QS = 8, QH = 4, M = 2, OFFSET = 0; };
 template <> struct Layout<Q8_0> { static constexpr int QS = 2, QH = -1, M = -1, OFFSET = 0; };   // signed bytes
+template <> struct Layout<IQ4_NL> { static constexpr int QS = 2, QH = -1, M = -1, OFFSET = 0; };   // table indices
+// the 32-value formats whose values are signed bytes in the kernels' registers (Q8_0's; IQ4_NL's table values)
+template <int T> constexpr bool signed_octets() { return T == Q8_0 || T == IQ4_NL; }
 
 // The 32-value formats as the kernels keep them (kvserve_quant_repack; type id OCTETS | the ggml type): the same
 // bytes as the file's blocks, reordered within each row. A row's blocks go in groups of 8 (the last group holds
@@ -333,7 +344,7 @@ template <int T> void octet_block(const uint8_t* packed, int64_t nb, int64_t j, 
 }
 
 template <int T> constexpr bool in_octets() {
-  return T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1 || T == Q8_0 || T == Q4_K || T == Q6_K;
+  return T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1 || T == Q8_0 || T == IQ4_NL || T == Q4_K || T == Q6_K;
 }
 // the bytes of one group of 8 blocks of 32 values (Q4_K: one super-block)
 template <int T> constexpr int64_t octet_bytes() {
@@ -422,6 +433,12 @@ template <> void header<Q5_1>(const uint8_t* b, float* s, float* m) {
 }
 template <> __m256i quants<Q5_1>(const uint8_t* b, int) { return _mm256_or_si256(nibbles(b + 8), bits_to_0x10(b + 4)); }
 template <> void header<Q8_0>(const uint8_t* b, float* s, float*) { s[0] = fp16_to_f32(b); }
+template <> void header<IQ4_NL>(const uint8_t* b, float* s, float*) { s[0] = fp16_to_f32(b); }
+inline __m256i iq4nl_values(__m256i idx) {   // bytes 0..15 -> IQ4_NL_VALUES, by in-lane lookup
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(
+      IQ4_NL_VALUES))), idx);
+}
+template <> __m256i quants<IQ4_NL>(const uint8_t* b, int) { return iq4nl_values(nibbles(b + 2)); }
 template <> __m256i quants<Q8_0>(const uint8_t* b, int) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
 }
@@ -502,6 +519,8 @@ KV_ALWAYS_INLINE void octet_fields(int g, Load32 load32, Load16 load16, __m256i*
   }
   for (int c = 0; c < 4; ++c)   // byte i of lane b: value 4 c + i (low nibble) and 16 + 4 c + i (high)
     split_nibbles(load32(octet_pos<T>(g, 0, L::QS + 4 * c)), q[c], q[c + 4]);
+  if constexpr (T == IQ4_NL)   // the indices' values, signed
+    for (int c = 0; c < 8; ++c) q[c] = iq4nl_values(q[c]);
   if constexpr (L::QH >= 0) {   // bit c of byte i of a block's qh (qh_transpose): value 4 c + i's 0x10
     const __m256i h = load32(octet_pos<T>(g, 0, L::QH));
     for (int c = 0; c < 8; ++c) {   // bit c to bit 4 of each byte (16-bit shifts of <= 4 bring no other byte's)
@@ -652,8 +671,8 @@ template <int T> constexpr bool adds_min() {   // a term m * the activations' bl
 // or 4 blocks shares an octet with those of the next rows instead (tail_dot, from quant_matmul.cpp's tiles).
 template <int T, int R>
 KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const QX* const* xo, __m256* acc) {
-  __m256i isums[T == Q8_0 ? R : 1];   // Q8_0: chunk by chunk over the rows (a chunk's |w| and w held once)
-  if constexpr (T == Q8_0) {
+  __m256i isums[signed_octets<T>() ? R : 1];   // Q8_0, IQ4_NL: chunk by chunk over the rows (|w| and w held once)
+  if constexpr (signed_octets<T>()) {
     for (int r = 0; r < R; ++r) isums[r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const __m256i qa = _mm256_abs_epi8(q[c]);
@@ -665,7 +684,7 @@ KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const 
   }
   for (int r = 0; r < R; ++r) {
     __m256i isum = _mm256_setzero_si256();
-    if constexpr (T == Q8_0) {
+    if constexpr (signed_octets<T>()) {
       isum = isums[r];
     } else {
       constexpr int RUN = pair_run<T>();
@@ -883,8 +902,8 @@ void dequant_octets(const uint8_t* w, int64_t nsub, Y* out) {
 #pragma GCC pop_options
 
 extern "C" {
-// rows of a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K matrix from the file's order to the kernels' (OCTETS), or back
-// (to_raw), in place; -1 for another type
+// rows of a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K or Q6_K matrix from the file's order to the kernels'
+// (OCTETS), or back (to_raw), in place; -1 for another type
 int kvserve_quant_repack(int64_t type, uint8_t* w, int64_t rows, int64_t row_bytes, int64_t to_raw) {
   bool ok = true;
   #pragma omp parallel for if (rows * row_bytes >= (1 << 20)) reduction(&& : ok)
@@ -897,6 +916,7 @@ int kvserve_quant_repack(int64_t type, uint8_t* w, int64_t rows, int64_t row_byt
       case Q5_0: repack_row<Q5_0>(row.data(), dst, row_bytes / Format<Q5_0>::BYTES, to_raw); break;
       case Q5_1: repack_row<Q5_1>(row.data(), dst, row_bytes / Format<Q5_1>::BYTES, to_raw); break;
       case Q8_0: repack_row<Q8_0>(row.data(), dst, row_bytes / Format<Q8_0>::BYTES, to_raw); break;
+      case IQ4_NL: repack_row<IQ4_NL>(row.data(), dst, row_bytes / Format<IQ4_NL>::BYTES, to_raw); break;
       case Q4_K: repack_row<Q4_K>(row.data(), dst, row_bytes / Format<Q4_K>::BYTES, to_raw); break;
       case Q6_K: repack_row<Q6_K>(row.data(), dst, row_bytes / Format<Q6_K>::BYTES, to_raw); break;
       default: ok = false;

@@ -70,9 +70,6 @@ template <> void k_ints<Q5_K>(const uint8_t* b, int16_t* sc, int16_t* mn, float&
   d = fp16_to_f32(b);
   dmin = fp16_to_f32(b + 2);
 }
-// ggml's IQ4_NL / IQ4_XS values, by 4-bit index
-alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
-                                                 89, 113};
 // sub-block j's 32 q, scalar. Q2_K and Q3_K: value 32 j + i's 2 low bits at bit 2 (j % 4) of quant byte
 // 32 (j / 4) + i (Q3_K: its third bit, bit j of hmask byte i); Q5_K: Q4_K's nibbles and bit j of qh byte i;
 // IQ4_XS: the value of the index in nibble i / 16 of byte 8 + 16 j + i % 16
@@ -119,8 +116,7 @@ inline __m128i q3k_scales_simd(const uint8_t* b) {
   return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
 }
 template <> __m256i quants<IQ4_XS>(const uint8_t* b, int j) {   // signed: the table's values by in-lane lookup
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
-  return _mm256_shuffle_epi8(table, nibbles(b + 8 + 16 * j));
+  return iq4nl_values(nibbles(b + 8 + 16 * j));
 }
 template <> __m256i quants<Q5_K>(const uint8_t* b, int j) {
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
@@ -165,6 +161,7 @@ bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
     case OCTETS | Q5_0: dequant_octets<Q5_0>(w, nsub, out); return true;
     case OCTETS | Q5_1: dequant_octets<Q5_1>(w, nsub, out); return true;
     case OCTETS | Q8_0: dequant_octets<Q8_0>(w, nsub, out); return true;
+    case OCTETS | IQ4_NL: dequant_octets<IQ4_NL>(w, nsub, out); return true;
     case OCTETS | Q4_K: dequant_octets<Q4_K>(w, nsub, out); return true;
     case OCTETS | Q6_K: dequant_octets<Q6_K>(w, nsub, out); return true;
     case Q4_0: dequant_row<Q4_0>(w, nsub, out); return true;
@@ -172,6 +169,7 @@ bool dequant_typed(int64_t type, const uint8_t* w, int64_t nsub, Y* out) {
     case Q5_0: dequant_row<Q5_0>(w, nsub, out); return true;
     case Q5_1: dequant_row<Q5_1>(w, nsub, out); return true;
     case Q8_0: dequant_row<Q8_0>(w, nsub, out); return true;
+    case IQ4_NL: dequant_row<IQ4_NL>(w, nsub, out); return true;
     case Q4_K: dequant_row<Q4_K>(w, nsub, out); return true;
     case Q2_K: dequant_k_row<Q2_K>(w, nsub, out); return true;
     case Q3_K: dequant_k_row<Q3_K>(w, nsub, out); return true;

@@ -265,6 +265,7 @@ bool matmul_typed(int64_t type, const uint8_t* w, int64_t N, int64_t row_bytes, 
     case OCTETS | Q5_1: matmul_rows<Q5_1>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case OCTETS | Q4_K: matmul_rows<Q4_K>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case OCTETS | Q8_0: matmul_rows<Q8_0>(w, N, row_bytes, qx, M, K, y, ys); return true;
+    case OCTETS | IQ4_NL: matmul_rows<IQ4_NL>(w, N, row_bytes, qx, M, K, y, ys); return true;
     case Q2_K: matmul_rows<Q2_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case Q3_K: matmul_rows<Q3_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
     case Q5_K: matmul_rows<Q5_K>(w, N, row_bytes, qk, M, K, y, ys); return true;
@@ -336,10 +337,10 @@ int quant_matmul(const int64_t* desc, const X* x, int64_t xs, Y* y, int64_t ys, 
 extern "C" {
 // A quantized linear: desc = [num_segments, then per segment: type, data pointer, rows, bytes per row] (the type:
 // the ggml type, OCTETS | it for the formats whose rows kvserve_quant_repack put in octets: Q4_0, Q4_1, Q5_0,
-// Q5_1, Q8_0, Q4_K, Q6_K, which are refused in the file's order); the
-// segments' rows stack into the N output columns (a fused q|k|v may mix formats). y[M, N] = x[M, K] @ W^T with
-// x and y float32 (x_bf16 = 0) or bf16 (1), rows strided by xs / ys elements; K a multiple of 256 for K-quant
-// segments, of 32 otherwise; INT8 segments (quant_int8.cpp) have rows in groups of 16. Returns 0, or -1 for a
+// Q5_1, Q8_0, IQ4_NL, Q4_K, Q6_K, which are refused in the file's order); the segments' rows stack into the N
+// output columns (a fused q|k|v may mix formats). y[M, N] = x[M, K] @ W^T with x and y float32 (x_bf16 = 0) or
+// bf16 (1), rows strided by xs / ys elements; K a multiple of 256 for the segments of 256-value formats, of 32
+// otherwise; INT8 segments (quant_int8.cpp) have rows in groups of 16. Returns 0, or -1 for a
 // type it does not know or an INT8 segment of another shape (the segments before it are written).
 int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t x_bf16, void* y, int64_t ys,
                          int64_t M, int64_t K) {

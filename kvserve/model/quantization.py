@@ -25,13 +25,13 @@ from kvserve.errors import ModelLoadError
 
 # ggml type id -> (name, values per block, bytes per block): the formats kvserve/csrc/quant.cpp multiplies
 KERNEL_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
-                  8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
-                  13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 23: ("IQ4_XS", 256, 136)}
+                  8: ("Q8_0", 32, 34), 20: ("IQ4_NL", 32, 18), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+                  12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 23: ("IQ4_XS", 256, 136)}
 FORMAT_IDS = {name: tid for tid, (name, _, _) in KERNEL_FORMATS.items()}
 # the formats whose rows the kernels keep in octets (quant.cpp: the same bytes, the 32-value formats' blocks
 # regrouped by 8 in each row, the quants of each Q4_K and Q6_K super-block chunk-major); their kernel type id is
 # OCTETS | the ggml type
-OCTET_FORMATS = {2, 3, 6, 7, 8, 12, 14}
+OCTET_FORMATS = {2, 3, 6, 7, 8, 12, 14, 20}
 OCTETS = 256
 INT8 = 200   # kvserve's own type (no ggml type): int8 per output channel, packed in groups of INT8_GROUP rows
 INT8_GROUP = 16

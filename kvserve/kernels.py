@@ -46,8 +46,8 @@ def _read_source(csrc: Path = CSRC) -> str:
     """The kernel files in `csrc` as one translation unit (common.h first, its includes dropped from the others)."""
     parts = []
     for name in _FILES:
-        if not (csrc / name).exists() and csrc != CSRC:   # an older tree's (benchmarks/quant_ab.py): fewer files
-            continue
+        if not (csrc / name).exists() and csrc != CSRC and (csrc / "common.h").exists():
+            continue   # an older tree's kernels (benchmarks/quant_ab.py), from before a file was split off
         text = (csrc / name).read_text()
         parts.append("\n".join(line for line in text.splitlines()
                                  if line.strip() not in ('#include "common.h"', "#pragma once")))

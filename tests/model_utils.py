@@ -245,7 +245,7 @@ def quantize_iq4_nl(a):
 
 
 TEST_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "IQ4_XS": quantize_iq4_xs,
-                        "IQ4_NL": quantize_iq4_nl}
+                   "IQ4_NL": quantize_iq4_nl}
 
 
 class FailingForward:

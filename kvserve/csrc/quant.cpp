@@ -7,9 +7,9 @@
 // a min m for the formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32
 // products come from integer dot products:
 //   sum_i w_i x_i ~= s dx k sum_i q_i qx_i + m dx sum_i qx_i.
-// The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; Q8_0: vpdpbusd with AVX-512 VNNI) and the
-// scalar one agree up to float rounding (their float steps differ). A step reads each quantized row once for up to
-// QMR rows of x.
+// The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; Q8_0, IQ4_NL: vpdpbusd with AVX-512 VNNI)
+// and the scalar one agree up to float rounding (their float steps differ). A step reads each quantized row once for
+// up to QMR rows of x.
 #include "common.h"
 #if (defined(__AVX2__) || defined(__F16C__)) && !defined(KVSERVE_PORTABLE)
 #include <immintrin.h>
@@ -182,7 +182,8 @@ template <> struct Format<Q6_K> { static constexpr int SUBS = 8, BYTES = 210; st
 template <int T> constexpr bool on_qk() { return T == Q2_K || T == Q3_K || T == Q5_K || T == IQ4_XS; }
 
 // The 32-value formats' fields and where they sit in a block: the 4- and 5-bit formats' quants as unsigned bytes
-// with a min or offset (w = s q + m; Q4_0: m = -8 s, Q5_0: m = -16 s), Q8_0's as signed bytes
+// with a min or offset (w = s q + m; Q4_0: m = -8 s, Q5_0: m = -16 s), Q8_0's as signed bytes, IQ4_NL's as
+// indices (nibbles, as Q4_0's) into its table of signed values
 template <int T> struct Layout;
 template <> struct Layout<Q4_0> { static constexpr int QS = 2, QH = -1, M = -1, OFFSET = 8; };
 template <> struct Layout<Q4_1> { static constexpr int QS = 4, QH = -1, M = 2, OFFSET = 0; };
@@ -194,13 +195,13 @@ template <> struct Layout<IQ4_NL> { static constexpr int QS = 2, QH = -1, M = -1
 template <int T> constexpr bool signed_octets() { return T == Q8_0 || T == IQ4_NL; }
 
 // The 32-value formats as the kernels keep them (kvserve_quant_repack; type id OCTETS | the ggml type): the same
-// bytes as the file's blocks, reordered within each row. A row's blocks go in groups of 8 (the last group holds
-// the rest), and a group of g holds its blocks' fields one after another: the g scales (fp16), the g mins (Q4_1,
-// Q5_1), the g 32-bit high-bit words (Q5_0, Q5_1; each word's bits transposed, qh_transpose, so that a chunk's
-// high bits come out with one shift), then for c = 0, 1, ... the g blocks' quant bytes 4 c .. 4 c + 3
-// (4-/5-bit: c < 4, nibbles of values 4 c + i and 16 + 4 c + i; Q8_0: c < 8, values 4 c + i). One 32-byte load of
-// a full group then gives a chunk of each of the 8 blocks in the int32 lanes QX's chunk-major activations want,
-// with no shuffling at run time.
+// bytes as the file's blocks, reordered within each row. A row's blocks go in groups of 8 (the last group holds the
+// rest), and a group of g holds its blocks' fields one after another: the g scales (fp16), the g mins (Q4_1, Q5_1),
+// the g 32-bit high-bit words (Q5_0, Q5_1; each word's bits transposed, qh_transpose, so that a chunk's high bits
+// come out with one shift), then for c = 0, 1, ... the g blocks' quant bytes 4 c .. 4 c + 3 (4-/5-bit and IQ4_NL: c
+// < 4, nibbles of values 4 c + i and 16 + 4 c + i; Q8_0: c < 8, values 4 c + i). One 32-byte load of a full group
+// then gives a chunk of each of the 8 blocks in the int32 lanes QX's chunk-major activations want, with no
+// shuffling at run time.
 constexpr int64_t OCTETS = 256;
 
 // where byte k of block b of a group of g blocks sits in the group, in the kernels' order
@@ -505,10 +506,10 @@ KV_ALWAYS_INLINE void octet_scales(int g, Load16 load16, OctetScales& o) {
 }
 
 // An octet of 8 weight blocks of the 32-value formats, chunk-major as QX's quants: q[c] holds values 4 c .. 4 c + 3
-// of block b as its int32 lane b (unsigned; Q8_0 signed); o.s and o.m the blocks' scales and mins (m = -offset * s
-// where the format has an offset). The fields are read through load32(at), the 32 bytes of a field (a chunk of
-// quant bytes, the high-bit words) at offset `at` of a group of g blocks (octet_pos), and load16(at), the 8 fp16
-// scales or mins there; lane b from block b, zero where there is none.
+// of block b as its int32 lane b (unsigned; signed_octets: signed); o.s and o.m the blocks' scales and mins (m =
+// -offset * s where the format has an offset). The fields are read through load32(at), the 32 bytes of a field (a
+// chunk of quant bytes, the high-bit words) at offset `at` of a group of g blocks (octet_pos), and load16(at), the
+// 8 fp16 scales or mins there; lane b from block b, zero where there is none.
 template <int T, typename Load32, typename Load16>
 KV_ALWAYS_INLINE void octet_fields(int g, Load32 load32, Load16 load16, __m256i* q, OctetScales& o) {
   using L = Layout<T>;
@@ -651,7 +652,7 @@ inline void octet<Q6_K, true>(const uint8_t* w, int, __m256i* q, OctetScales& o)
 }
 
 template <int T> constexpr int pair_run() {   // chunks whose int16 pair sums add unwidened: |q| <= 15, 31, 63
-  static_assert(T != Q8_0);   // none: its chunks widen one by one (octet_rows)
+  static_assert(!signed_octets<T>());   // none: their chunks widen one by one (octet_rows)
   if constexpr (T == Q6_K) return 2;
   else if constexpr (T == Q4_K) return 8;
   else return Layout<T>::QH >= 0 ? 4 : 8;
@@ -664,7 +665,8 @@ template <int T> constexpr bool adds_min() {   // a term m * the activations' bl
 // R rows at once over the formats packed in octets (Q4_K, Q6_K: a super-block per octet, each sub-block's sum
 // weighted by its integer scale, Q6_K's per 16-value half). Each group of 8 blocks: each block's integer dot
 // product lands in its own int32 lane (int16 pair sums added before widening: 4-bit values over all 8 chunks,
-// 5-bit over 4, Q6_K's 6-bit over 2, Q8_0's none: |w| times x carrying w's sign, widened chunk by chunk; Q6_K's
+// 5-bit over 4, Q6_K's 6-bit over 2, Q8_0's and IQ4_NL's none: |w| times x carrying w's sign, widened chunk by
+// chunk; Q6_K's
 // offset of 32 then taken off with the activations' integer sums per half), then one float step per group and
 // row: acc += float(dot) * s * dx + m * sum of x. A partial last group (the 32-value formats; a K-quant row is
 // whole super-blocks) runs as a full one whose missing blocks have zero scales, mins and activations; one of 1, 2

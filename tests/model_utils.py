@@ -178,18 +178,40 @@ def quantize_q2_k(a):
     return np.concatenate(out, axis=1).reshape(a.shape[0], -1)
 
 
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _peak(x):
+    """The value of largest magnitude along the last axis (its sign kept)."""
+    import numpy as np
+    return np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+
+
+def _signed_scales(x, nmax: int):
+    """Groups x [n, G, size] of super-blocks: each group's scale (its peak maps to -nmax) as a 6-bit signed
+    integer sc of the super-block's fp16 d (its largest scale maps to -32). Returns d [n, 1], sc [n, G] and the
+    groups' steps d sc [n, G, 1]."""
+    import numpy as np
+    scale = -_peak(x) / nmax
+    d = (-_peak(scale)[:, None] / 32).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(np.divide(scale, d, out=np.zeros_like(scale), where=d != 0)), -32, 31)
+    return d, sc, (d * sc)[..., None]
+
+
+def _iq4_index(x, step):
+    """The 4-bit index of the IQ4_NL_VALUES entry nearest each x / step (0 where step is 0)."""
+    import numpy as np
+    y = np.divide(x, step, out=np.zeros_like(x), where=step != 0)
+    return np.abs(y[..., None] - np.array(IQ4_NL_VALUES, np.float32)).argmin(-1).astype(np.uint8)
+
+
 def quantize_q3_k(a):
     """Q3_K blocks of a float matrix [rows, K % 256 == 0]: per 16 values a 6-bit signed scale of the super-block's
     d, w = d sc q, q in -4..3 stored as q + 4 (its 2 low bits as Q2_K's, its third in hmask bit v / 32 of byte
     v % 32). A plain rounding quantizer, as quantize_q2_k."""
     import numpy as np
     x = a.astype(np.float32).reshape(-1, 16, 16)
-    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
-    scale = -peak / 4   # the largest magnitude maps to -4
-    top = np.take_along_axis(scale, np.abs(scale).argmax(-1)[..., None], -1)
-    d = (-top / 32).astype(np.float16).astype(np.float32)
-    sc = np.clip(np.round(np.divide(scale, d, out=np.zeros_like(scale), where=d != 0)), -32, 31)
-    step = (d * sc)[..., None]
+    d, sc, step = _signed_scales(x, 4)   # a group's largest magnitude maps to -4
     q = np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), -4, 3).astype(np.int64) + 4
     v = q.reshape(-1, 256)
     hmask = np.zeros((v.shape[0], 32), np.uint8)
@@ -204,23 +226,14 @@ def quantize_q3_k(a):
     return np.concatenate(out, axis=1).reshape(a.shape[0], -1)
 
 
-IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-
-
 def quantize_iq4_xs(a):
     """IQ4_XS blocks of a float matrix [rows, K % 256 == 0]: per 32 values a 6-bit signed scale of the super-block's
     d, each value the nearest of IQ4_NL_VALUES times it (a 4-bit index). A plain rounding quantizer, as
     quantize_q2_k."""
     import numpy as np
     x = a.astype(np.float32).reshape(-1, 8, 32)
-    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
-    scale = -peak / 127   # the largest magnitude maps to -127
-    top = np.take_along_axis(scale, np.abs(scale).argmax(-1)[..., None], -1)
-    d = (-top / 32).astype(np.float16).astype(np.float32)
-    sc = np.clip(np.round(np.divide(scale, d, out=np.zeros_like(scale), where=d != 0)), -32, 31)
-    step = (d * sc)[..., None]
-    y = np.divide(x, step, out=np.zeros_like(x), where=step != 0)
-    idx = np.abs(y[..., None] - np.array(IQ4_NL_VALUES, np.float32)).argmin(-1).astype(np.uint8)   # [n, 8, 32]
+    d, sc, step = _signed_scales(x, 127)   # a group's largest magnitude maps to -127
+    idx = _iq4_index(x, step)   # [n, 8, 32]
     qs = (idx[..., :16] | idx[..., 16:] << 4).reshape(-1, 128)
     ls = (sc + 32).astype(np.uint16)
     scales_l = (ls[:, 0::2] & 0xF | (ls[:, 1::2] & 0xF) << 4).astype(np.uint8)
@@ -236,10 +249,8 @@ def quantize_iq4_nl(a):
     IQ4_NL_VALUES times it (a 4-bit index: values i and i + 16 in byte i's low and high nibbles)."""
     import numpy as np
     x = a.astype(np.float32).reshape(-1, 32)
-    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[:, None], -1)
-    d = (-peak / 127).astype(np.float16).astype(np.float32)   # the largest magnitude maps to -127
-    y = np.divide(x, d, out=np.zeros_like(x), where=d != 0)
-    idx = np.abs(y[..., None] - np.array(IQ4_NL_VALUES, np.float32)).argmin(-1).astype(np.uint8)
+    d = (-_peak(x)[:, None] / 127).astype(np.float16).astype(np.float32)   # the largest magnitude maps to -127
+    idx = _iq4_index(x, d)
     out = [d.astype(np.float16).view(np.uint8), idx[:, :16] | idx[:, 16:] << 4]
     return np.concatenate(out, axis=1).reshape(a.shape[0], -1)
 

@@ -664,11 +664,10 @@ template <int T> constexpr bool adds_min() {   // a term m * the activations' bl
 
 // R rows at once over the formats packed in octets (Q4_K, Q6_K: a super-block per octet, each sub-block's sum
 // weighted by its integer scale, Q6_K's per 16-value half). Each group of 8 blocks: each block's integer dot
-// product lands in its own int32 lane (int16 pair sums added before widening: 4-bit values over all 8 chunks,
-// 5-bit over 4, Q6_K's 6-bit over 2, Q8_0's and IQ4_NL's none: |w| times x carrying w's sign, widened chunk by
-// chunk; Q6_K's
-// offset of 32 then taken off with the activations' integer sums per half), then one float step per group and
-// row: acc += float(dot) * s * dx + m * sum of x. A partial last group (the 32-value formats; a K-quant row is
+// product lands in its own int32 lane (int16 pair sums added before widening: 4-bit values over all 8 chunks, 5-bit
+// over 4, Q6_K's 6-bit over 2, Q8_0's and IQ4_NL's none: |w| times x carrying w's sign, widened chunk by chunk;
+// Q6_K's offset of 32 then taken off with the activations' integer sums per half), then one float step per group
+// and row: acc += float(dot) * s * dx + m * sum of x. A partial last group (the 32-value formats; a K-quant row is
 // whole super-blocks) runs as a full one whose missing blocks have zero scales, mins and activations; one of 1, 2
 // or 4 blocks shares an octet with those of the next rows instead (tail_dot, from quant_matmul.cpp's tiles).
 template <int T, int R>

@@ -381,10 +381,9 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
             _check_shape(name, dest, tensor.shape)
             shards = quantized.setdefault(owner, {})
             shards[shard] = tensor
-            module = modules[owner]
-            whole = set(module.shard_sizes) == set(shards) if isinstance(module, MergedLinear) else shard is None
-            if whole and owner not in dense:   # assembled as soon as it can be: the file's pages behind go
-                _keep_quantized(module, quantized.pop(owner), False)
+            if _has_all_shards(modules[owner], shards) and owner not in dense:
+                # assembled as soon as it can be: the file's pages behind go
+                _keep_quantized(modules[owner], quantized.pop(owner), False)
                 assembled.add(owner)
         else:
             _copy_checked(name, dest, tensor)
@@ -416,15 +415,16 @@ def _route(name: str, packed: dict[str, tuple[str, str]], params: dict) -> tuple
     raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter in the model")
 
 
+def _has_all_shards(module: nn.Module, shards: dict) -> bool:
+    """Whether `shards` holds every shard of `module` (a fused MergedLinear's each; another module's one)."""
+    return set(module.shard_sizes) == set(shards) if isinstance(module, MergedLinear) else True
+
+
 def _keep_quantized(module: nn.Module, shards: dict[str | None, QuantizedTensor], mixed: bool) -> None:
     """Give `module` its quantized weight (its plain one made shape-only), or dequantize the shards into its plain
     weight where some shards are dense or the module cannot hold a quantized weight."""
-    if isinstance(module, MergedLinear):
-        order = list(module.shard_sizes)
-        complete = set(order) == set(shards)
-    else:
-        order, complete = [None], True
-    if mixed or not complete or not isinstance(module, (Linear, VocabEmbedding)):
+    order = list(module.shard_sizes) if isinstance(module, MergedLinear) else [None]
+    if mixed or not _has_all_shards(module, shards) or not isinstance(module, (Linear, VocabEmbedding)):
         for shard, qt in shards.items():
             dest = module.weight if shard is None else module.shard(module.weight, shard)
             with torch.no_grad():

@@ -7,15 +7,18 @@
 // a min m for the formats that have one: w = s q + m; the K-quants' integer scales k: w = s k q + m), and the 32
 // products come from integer dot products:
 //   sum_i w_i x_i ~= s dx k sum_i q_i qx_i + m dx sum_i qx_i.
-// The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; Q8_0, IQ4_NL: vpdpbusd with AVX-512 VNNI)
-// and the scalar one agree up to float rounding (their float steps differ). A step reads each quantized row once for
-// up to QMR rows of x.
+// The integer sums are exact, so the AVX2 path (vpmaddubsw and vpmaddwd; vpdpbusd where AVX-512 VNNI has it, the
+// same integers and the same float steps, so the same bits) and the scalar one agree up to float rounding (their
+// float steps differ). A step reads each quantized row once for up to QMR rows of x.
 #include "common.h"
 #if (defined(__AVX2__) || defined(__F16C__)) && !defined(KVSERVE_PORTABLE)
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVSERVE_PORTABLE)
 #define KV_HAVE_QAVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KV_HAVE_QVNNI 1   // AVX-512 VNNI's dot products (vpdpbusd, vpdpwssd) on the AVX2 path's 256-bit registers
+#endif
 #endif
 
 // Each row's sums in a fixed order, whatever the row tile it shares (a request's result must not depend on its
@@ -391,7 +394,7 @@ void row_dot_scalar(const uint8_t* w, const QX* const* x, int64_t nsub, float* o
 // acc + 8 int32 sums of 4 products each of unsigned u and signed s bytes (no saturation: |u s| <= 128 * 127, so
 // a pair's sum stays in int16)
 inline __m256i dot_u8s8_add(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef KV_HAVE_QVNNI
   return _mm256_dpbusd_epi32(acc, u, s);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
@@ -657,6 +660,11 @@ template <int T> constexpr int pair_run() {   // chunks whose int16 pair sums ad
   else if constexpr (T == Q4_K) return 8;
   else return Layout<T>::QH >= 0 ? 4 : 8;
 }
+template <int T> constexpr bool int_scales() { return Format<T>::SUBS == 8; }   // Q4_K's, Q6_K's k16 (not 1)
+#ifdef KV_HAVE_QVNNI
+// k16's integer scales (a lane's two int16 hold the same one) as int32 lanes
+inline __m256i k16_to_32(__m256i k16) { return _mm256_srai_epi32(_mm256_slli_epi32(k16, 16), 16); }
+#endif
 template <int T> constexpr bool adds_min() {   // a term m * the activations' block sum (a min, or an offset's)
   if constexpr (Format<T>::SUBS == 8) return Format<T>::MIN;
   else return Format<T>::MIN || Layout<T>::OFFSET != 0;
@@ -683,11 +691,28 @@ KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const 
       }
     }
   }
+#ifdef KV_HAVE_QVNNI
+  __m256i k32[2];   // the K-quants' integer scales as int32 lanes (Q6_K: per half; Q4_K: the same in both)
+  if constexpr (int_scales<T>())
+    for (int h = 0; h < 2; ++h) k32[h] = k16_to_32(sc.k16[h]);
+#endif
   for (int r = 0; r < R; ++r) {
     __m256i isum = _mm256_setzero_si256();
     if constexpr (signed_octets<T>()) {
       isum = isums[r];
     } else {
+#ifdef KV_HAVE_QVNNI   // exact int32 sums by vpdpbusd, two chains (values 0-15, 16-31), then the integer scales
+      __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int c = 0; c < 4; ++c)
+        for (int h = 0; h < 2; ++h)
+          half[h] = _mm256_dpbusd_epi32(half[h], q[c + 4 * h],
+                                        _mm256_load_si256(reinterpret_cast<const __m256i*>(xo[r]->q[c + 4 * h])));
+      if constexpr (T == Q6_K)
+        isum = _mm256_add_epi32(_mm256_mullo_epi32(half[0], k32[0]), _mm256_mullo_epi32(half[1], k32[1]));
+      else
+        isum = int_scales<T>() ? _mm256_mullo_epi32(_mm256_add_epi32(half[0], half[1]), k32[0])
+                               : _mm256_add_epi32(half[0], half[1]);
+#else
       constexpr int RUN = pair_run<T>();
       for (int c0 = 0; c0 < 8; c0 += RUN) {
         __m256i s16 = _mm256_setzero_si256();
@@ -697,6 +722,7 @@ KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const 
         }
         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, sc.k16[c0 / 4]));
       }
+#endif
     }
     if constexpr (T == Q6_K) {
       const __m256i halves = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo[r]->halves));
@@ -778,21 +804,31 @@ void row_dot_pair(const uint8_t* wa, const uint8_t* wb, const QX* const* x, int6
         const QX& xo = x[r][o];
         const __m256i xl = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.q[c]));
         const __m256i xh = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo.q[c + 4]));
+#ifdef KV_HAVE_QVNNI   // int32 sums
+        sa[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(sa[r], al, xl), ah, xh);
+        sb[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(sb[r], bl, xl), bh, xh);
+#else   // int16 pair sums
         sa[r] = _mm256_add_epi16(_mm256_add_epi16(sa[r], _mm256_maddubs_epi16(al, xl)), _mm256_maddubs_epi16(ah, xh));
         sb[r] = _mm256_add_epi16(_mm256_add_epi16(sb[r], _mm256_maddubs_epi16(bl, xl)), _mm256_maddubs_epi16(bh, xh));
+#endif
         __asm__ volatile("" : "+x"(sa[r]), "+x"(sb[r]));   // keeps GCC from hoisting every product (and spilling)
       }
     }
     OctetScales fa, fb;
     pair_scales<T>(ga, fa);
     pair_scales<T>(gb, fb);
+#ifdef KV_HAVE_QVNNI
+    const auto ints = [](__m256i s, const OctetScales& f) {   // the sums times the integer scales (Q4_K)
+      return int_scales<T>() ? _mm256_mullo_epi32(s, k16_to_32(f.k16[0])) : s;
+    };
+#else
+    const auto ints = [](__m256i s, const OctetScales& f) { return _mm256_madd_epi16(s, f.k16[0]); };
+#endif
     for (int r = 0; r < R; ++r) {
       const QX& xo = x[r][o];
       const __m256 d = _mm256_load_ps(xo.d), sum = _mm256_load_ps(xo.sum);
-      acca[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sa[r], fa.k16[0])), _mm256_mul_ps(fa.s, d),
-                                acca[r]);
-      accb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sb[r], fb.k16[0])), _mm256_mul_ps(fb.s, d),
-                                accb[r]);
+      acca[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints(sa[r], fa)), _mm256_mul_ps(fa.s, d), acca[r]);
+      accb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints(sb[r], fb)), _mm256_mul_ps(fb.s, d), accb[r]);
       if constexpr (adds_min<T>()) {
         acca[r] = _mm256_fmadd_ps(fa.m, sum, acca[r]);
         accb[r] = _mm256_fmadd_ps(fb.m, sum, accb[r]);
@@ -929,7 +965,7 @@ int kvserve_quant_repack(int64_t type, uint8_t* w, int64_t rows, int64_t row_byt
 // 1 when the quantized matmuls are vectorized (AVX2; AVX-512 VNNI's vpdpbusd where present)
 int kvserve_quant_simd() {
 #ifdef KV_HAVE_QAVX2
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef KV_HAVE_QVNNI
   return 2;
 #else
   return 1;

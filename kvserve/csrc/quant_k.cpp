@@ -234,7 +234,7 @@ void row_dot_k_scalar(const uint8_t* w, const QK* const* x, int64_t nblocks, flo
 #ifdef KV_HAVE_QAVX2
 // acc + the int16 pairs of p times those of s, summed per int32 lane (AVX-512 VNNI: one vpdpwssd)
 inline __m256i madd_add(__m256i acc, __m256i p, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef KV_HAVE_QVNNI
   return _mm256_dpwssd_epi32(acc, p, s);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));

@@ -63,9 +63,10 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-o
 # linked apart from the compile and without -ffast-math: gcc would link crtfastmath.o, whose constructor sets
 # flush-to-zero for the whole process (torch included) the moment the library loads
 _LINK_FLAGS = ["-shared", "-fopenmp"]
-# native: everything this CPU supports; portable: the plain C++ paths every x86/ARM CPU runs (what a CPU without
-# AVX-512 gets anyway); none: no C++ at all (no compiler), every op in torch
-VARIANTS = {"native": (), "portable": ("-DKVSERVE_PORTABLE",), "none": None}
+# native: everything this CPU supports; no-avx512: the same without AVX-512 (what an AVX2 CPU runs; tests compare
+# the two bit for bit where they differ); portable: the plain C++ paths every x86/ARM CPU runs; none: no C++ at all
+# (no compiler), every op in torch
+VARIANTS = {"native": (), "no-avx512": ("-mno-avx512f",), "portable": ("-DKVSERVE_PORTABLE",), "none": None}
 _variant = "native"
 _libs: dict[str, ctypes.CDLL | None] = {}
 _failures: dict[str, str] = {}   # variant -> why it could not be built

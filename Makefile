@@ -37,8 +37,8 @@ $(KERNELS): $(STAMP) $(wildcard kvserve/csrc/*)
 	$(PY) -m kvserve.kernels
 	touch $(KERNELS)
 
-# make test also builds the portable variant the tests compare against, beside the native one (one compiler
-# process each: on two cores the pair takes about as long as one)
+# make test also builds the variants the tests compare against, beside the native one: the portable one, and on a
+# CPU with AVX-512 the one without (one compiler process each: on two cores a pair takes about as long as one)
 $(TEST_KERNELS): $(STAMP) $(wildcard kvserve/csrc/*)
 	$(PY) -m kvserve.kernels --with-portable
 	touch $(KERNELS) $(TEST_KERNELS)

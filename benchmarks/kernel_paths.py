@@ -1,7 +1,8 @@
 """What each kernel path costs on this CPU: the same engine and workload on every kernel variant, side by side.
 
-Variants (kvserve/kernels.py): native (what this CPU supports), portable (the plain C++ build a CPU without
-AVX-512 runs) and none (no compiler: plain torch). For each dtype given, every variant runs the same random
+Variants (kvserve/kernels.py): native (what this CPU supports), no-avx512 (on a CPU with AVX-512: the native
+build without it, what an AVX2 CPU runs), portable (the plain C++ build) and none (no compiler: plain torch). For
+each dtype given, every variant runs the same random
 workload offline (output tok/s, greedy, ignore_eos) and one request alone (TPOT), in one process, repeats
 interleaved so the machine's drift hits every variant alike.
 
@@ -40,13 +41,15 @@ def measure(dtype: str, variant: str, work: list[dict], single_len: int) -> dict
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", nargs="+", default=["float32"])
-    p.add_argument("--variants", nargs="+", default=list(kernels.VARIANTS))
+    p.add_argument("--variants", nargs="+", default=None, help="default: every variant that differs here")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
+    if args.variants is None:   # no-avx512 is the native build where the CPU has no AVX-512
+        args.variants = [v for v in kernels.VARIANTS if v != "no-avx512" or kernels.status().avx512]
     work = random_workload(args.num_prompts, (args.input_len, args.input_len), (args.output_len, args.output_len),
                            0, 49152)
     runs: dict[tuple[str, str], list[dict]] = {}

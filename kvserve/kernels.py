@@ -9,8 +9,9 @@ compiler and the CPU (the code is built for -march=native).
 
 What runs depends on the CPU, and the engine logs it at start (`summary()`): AVX-512 gives the vectorized
 attention; AVX-512 BF16 adds the tiled bf16 KV layout, the packed bf16 matmuls and the fused layer stack (the
-fast path, and why the engine picks bf16 there). Elsewhere the portable C++ build runs the attention, and with no
-compiler (or a failed build) everything is plain torch. Every path computes the same model: the tests run the
+fast path, and why the engine picks bf16 there). AVX2 has an attention kernel of its own and runs the fused layer
+stack for quantized models; elsewhere the portable C++ build runs the attention, and with no compiler (or a failed
+build) everything is plain torch. Every path computes the same model: the tests run the
 engine on each (`variant()`).
 """
 from __future__ import annotations
@@ -314,24 +315,28 @@ def is_degraded(device: torch.device, fused_stack: bool = False) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvserve.kernels [--with-portable]`: build the kernels now (make setup does) and say what this CPU
-    runs; --with-portable also builds the portable variant (which the tests compare against), at the same time:
-    each build is one compiler process, so on two cores the pair takes about as long as one."""
+    runs; --with-portable also builds the variants the tests compare against, at the same time: the portable one,
+    and on a CPU with AVX-512 the no-avx512 one (each build is one compiler process, so on two cores a pair takes
+    about as long as one)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = sys.argv[1:] if argv is None else argv
     if args not in ([], ["--with-portable"]):
         print("usage: python -m kvserve.kernels [--with-portable]", file=sys.stderr)
         return 2
-    portable = None
-    if args:   # a daemon: Ctrl-C does not wait for it
-        portable = threading.Thread(target=load_variant, args=("portable",), daemon=True)
-        portable.start()
+    threads = {}
+    if args:   # daemons: Ctrl-C does not wait for them
+        threads["portable"] = threading.Thread(target=load_variant, args=("portable",), daemon=True)
+        threads["portable"].start()
     st = status()
-    if portable is not None:
-        portable.join()
-        if not _libs.get("portable"):
-            print(f"kvserve kernels, portable variant: not built: {_failures.get('portable', 'the build raised')}")
-            return 1 if st.built else 0   # without a compiler neither builds: the engine runs plain torch
-        print("kvserve kernels, portable variant: built")
+    if args and st.avx512:   # the native build without AVX-512, while the portable one still compiles
+        threads["no-avx512"] = threading.Thread(target=load_variant, args=("no-avx512",), daemon=True)
+        threads["no-avx512"].start()
+    for name, thread in threads.items():
+        thread.join()
+        if not _libs.get(name):
+            print(f"kvserve kernels, {name} variant: not built: {_failures.get(name, 'the build raised')}")
+            return 1 if st.built else 0   # without a compiler nothing builds: the engine runs plain torch
+        print(f"kvserve kernels, {name} variant: built")
     if st.built:
         print(f"kvserve kernels: built ({'AVX-512' if st.avx512 else 'AVX2' if st.avx2 else 'portable, no AVX2'}"
               f"{', AVX-512 BF16' if st.bf16 else ', no AVX-512 BF16'})")

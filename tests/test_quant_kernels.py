@@ -139,19 +139,21 @@ def test_native_and_portable_agree_on_the_integer_sums(fmt):
 def test_avx512_vnni_and_avx2_builds_agree_bit_for_bit(fmt):
     # AVX-512 VNNI's dot products (vpdpbusd, vpdpwssd) make the AVX2 path's integers, and the same float steps
     # follow: the native build and the one without AVX-512 give the same bits, at every row tile (1-8 rows from
-    # memory, the later tiles of 9 and 17 rows from cache: the 4-bit formats' paired rows where octets are whole)
+    # memory, the later tiles of 10-17 rows from cache: the 4-bit formats' paired rows where octets are whole)
     native = kernels.load_variant("native")
     if native is None or native.kvserve_quant_simd() != 2:
         pytest.skip("no AVX-512 VNNI on this CPU: its native build is the AVX2 one")
-    shapes = (512,) if superblocks(fmt) else (352, 512)   # 32-value formats: a partial octet, and whole ones
-    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(5))
+    # 32-value formats: 11 blocks (a partial octet), 16 (whole ones), 17, 18, 20 (last groups of 1, 2, 4 blocks
+    # shared across rows)
+    shapes = (512,) if superblocks(fmt) else (352, 512, 544, 576, 640)
+    x = torch.randn(17, 640, generator=torch.Generator().manual_seed(5))
     outs = {}
     for variant in ("native", "no-avx512"):
         with kernels.variant(variant) as lib:
             assert lib is not None and lib.kvserve_quant_simd() == (2 if variant == "native" else 1)
             for k in shapes:
                 w = QuantizedWeight([random_quantized(fmt, 33, k, seed=k)])   # bound to the variant's kernels
-                for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):
+                for rows in (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 17):
                     outs.setdefault((k, rows), []).append(quantized_matmul(x[:rows, :k], w))
     for (k, rows), (a, b) in outs.items():
         assert torch.equal(a, b), (k, rows, (a - b).abs().max())

@@ -599,7 +599,8 @@ inline void nibble_chunks(const uint8_t* p, __m256i* q) {
 }
 
 // a Q4_K super-block (OCTETS) as an octet of its 8 sub-blocks: q and m as above, s = d in every lane, and k16 the
-// sub-blocks' integer scales (lane b: sub-block b's in every int16 of the lane), by which vpmaddwd weights their sums
+// sub-blocks' integer scales (lane b: sub-block b's in every int16 of the lane), by which vpmaddwd (AVX2) or vpmulld
+// (k16_to_32's, AVX-512 VNNI) weights their sums
 // k4_ints on 4 int32 lanes, for a Q4_K / Q5_K super-block at b: its 12 bytes of scales and mins as words u0 u1 u2
 // -> [scales 0-3, scales 4-7, mins 0-3, mins 4-7] = [u0 & 63, (u2 & 15) | (u0 >> 6 & 3) << 4, u1 & 63,
 // (u2 >> 4 & 15) | (u1 >> 6 & 3) << 4]
@@ -674,6 +675,7 @@ template <int T> constexpr bool adds_min() {   // a term m * the activations' bl
 // weighted by its integer scale, Q6_K's per 16-value half). Each group of 8 blocks: each block's integer dot
 // product lands in its own int32 lane (int16 pair sums added before widening: 4-bit values over all 8 chunks, 5-bit
 // over 4, Q6_K's 6-bit over 2, Q8_0's and IQ4_NL's none: |w| times x carrying w's sign, widened chunk by chunk;
+// with AVX-512 VNNI every format's sums go straight to int32 by vpdpbusd, then times the integer scales by vpmulld;
 // Q6_K's offset of 32 then taken off with the activations' integer sums per half), then one float step per group
 // and row: acc += float(dot) * s * dx + m * sum of x. A partial last group (the 32-value formats; a K-quant row is
 // whole super-blocks) runs as a full one whose missing blocks have zero scales, mins and activations; one of 1, 2

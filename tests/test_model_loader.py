@@ -409,6 +409,24 @@ def _mapped_rss(path: str) -> int:
     return total
 
 
+def test_a_safetensors_load_lets_the_pages_it_read_go(tmp_path, monkeypatch):
+    # the tensors are views of a mapping of the file: opened again every REOPEN_BYTES, the mappings of tensors
+    # already consumed go with them, so the file's resident pages stay within REOPEN_BYTES + a tensor
+    from kvserve.model import loader
+    monkeypatch.setattr(loader, "REOPEN_BYTES", 2 << 20)
+    tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(512, 512, generator=torch.Generator().manual_seed(i))
+               for i in range(16)}   # 1 MiB each
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    file = str(tmp_path / "model.safetensors")
+    peak, seen = 0, {}
+    for name, t in loader.iter_safetensors(str(tmp_path)):
+        seen[name] = float(t.sum())   # reads every page of the tensor
+        del t
+        peak = max(peak, _mapped_rss(file))
+    assert seen == {name: float(t.sum()) for name, t in tensors.items()}
+    assert peak <= (2 << 20) + (1 << 20) + (1 << 20) < (16 << 20) // 2, peak
+
+
 def test_a_gguf_load_drops_the_file_pages_behind_it(gguf_path, monkeypatch):
     # the model's copy of each weight and the file's pages never both count in full: pages more than LAG behind
     # the tensor being read leave the resident set as the load goes (they stay in the page cache)

@@ -210,13 +210,29 @@ def safetensors_files(model_dir: str) -> list[Path]:
     return files
 
 
+REOPEN_BYTES = 256 << 20   # tensor bytes read from one mapping of a safetensors file before it is opened again
+
+
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) from every safetensors shard, one tensor in memory at a time."""
+    """Stream (name, tensor) from every safetensors shard, one tensor at a time. The tensors are views of a mapping
+    of the file, whose pages count in the resident set once read and for as long as the mapping lives: the file is
+    opened again after every REOPEN_BYTES of tensors, so the mapping of those already consumed (quantized by
+    --quantization int8, copied into the model) goes with them, and a load does not hold the whole file resident
+    beside what it built from it."""
     from safetensors import SafetensorError, safe_open
     for file in safetensors_files(model_dir):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+                names = list(f.keys())
+            done = 0
+            while done < len(names):
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    read = 0
+                    while done < len(names) and read < REOPEN_BYTES:
+                        tensor = f.get_tensor(names[done])
+                        read += tensor.nbytes
+                        done += 1
+                        yield names[done - 1], tensor
+                        del tensor   # the mapping goes once the consumer drops it too
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read safetensors file {file}: {e}") from e

@@ -71,6 +71,37 @@ def test_float32_serving_keeps_one_copy_of_the_weights():
         assert torch.equal(got, want), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepack_with_release_drops_each_plain_weight_as_its_pack_is_made(dtype, monkeypatch):
+    """The engine's packing never holds all plain weights and all packs at once: when weight i is packed, the
+    weights before it are gone already; the packs multiply as those made with the plain weights kept do."""
+    from kvserve.model import layers
+    if not layers.can_prepack(torch.empty(4, 8, dtype=dtype)):
+        pytest.skip(f"no packed path for {dtype} here")
+
+    def model() -> torch.nn.Module:
+        m = torch.nn.Sequential(*[layers.Linear(64, 32) for _ in range(5)]).to(dtype)
+        for i, lin in enumerate(m):
+            lin.weight.copy_(torch.randn(32, 64, generator=torch.Generator().manual_seed(i)))
+        return m
+    kept, released = model(), model()
+    assert layers.prepack_linears(kept)[0] == 5 and not any(lin.weight.is_meta for lin in kept)
+    plain_at_each_pack = []
+    spied = (kernels, "pack_weight") if kept[0].packed.kernel is not None else (layers, "_onednn_pack")
+    pack = getattr(*spied)
+
+    def spy(*args):
+        plain_at_each_pack.append(sum(not lin.weight.is_meta for lin in released))
+        return pack(*args)
+    monkeypatch.setattr(*spied, spy)
+    assert layers.prepack_linears(released, release=True)[0] == 5
+    assert plain_at_each_pack == [5, 4, 3, 2, 1]
+    assert all(lin.weight.is_meta for lin in released)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9)).to(dtype)
+    for a, b in zip(kept, released):
+        assert torch.equal(a(x), b(x))
+
+
 @needs_kernels
 @pytest.mark.parametrize("out_features", [100, 48])
 def test_matmul_kernels_are_as_close_to_float32_as_f_linear(out_features):

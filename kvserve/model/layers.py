@@ -103,19 +103,28 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
 
 
-def prepack_weights(weights: list[torch.Tensor], onednn: bool = False) -> list[PackedWeight]:
+def prepack_weights(weights: list[torch.Tensor], onednn: bool = False,
+                    on_packed: Callable[[int, PackedWeight], None] | None = None) -> list[PackedWeight]:
     """Pack weights [N, K] once (they must not change afterwards). The C++ kernels' copies share one huge-page
     buffer: decode steps read it from start to end. onednn=True packs for oneDNN even where the kernels exist
-    (benchmarks compare the two)."""
+    (benchmarks compare the two). on_packed(i, pack) is called as soon as weights[i] is packed (prepack_linears
+    drops the plain weight there, and its entry in `weights`)."""
     lib = _kernel_lib()
-    if onednn or lib is None or any(w.shape[1] % 2 or w.dtype != torch.bfloat16 for w in weights):
-        return [PackedWeight(w.shape[0], onednn=_onednn_pack(w)) for w in weights]
-    sizes = [kernels.packed_numel(*w.shape) for w in weights]
-    buf = kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16)
+    onednn = onednn or lib is None or any(w.shape[1] % 2 or w.dtype != torch.bfloat16 for w in weights)
+    if not onednn:
+        sizes = [kernels.packed_numel(*w.shape) for w in weights]
+        parts = kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16).split(sizes)
     packs = []
-    for w, part in zip(weights, buf.split(sizes)):
-        kernels.pack_weight(lib, w, part)
-        packs.append(PackedWeight(w.shape[0], kernel=part, kernel_ptr=part.data_ptr(), lib=lib))
+    for i in range(len(weights)):
+        w = weights[i]
+        if onednn:
+            packs.append(PackedWeight(w.shape[0], onednn=_onednn_pack(w)))
+        else:
+            kernels.pack_weight(lib, w, parts[i])
+            packs.append(PackedWeight(w.shape[0], kernel=parts[i], kernel_ptr=parts[i].data_ptr(), lib=lib))
+        del w
+        if on_packed is not None:
+            on_packed(i, packs[-1])
     return packs
 
 
@@ -137,16 +146,24 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     return y if bias is None else y + bias
 
 
-def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = ()) -> tuple[int, list[PackedWeight]]:
+def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = (),
+                    release: bool = False) -> tuple[int, list[PackedWeight]]:
     """Give every bf16 CPU Linear a packed weight (quantized ones keep theirs); returns how many, and the packs of
-    the `extra` weights."""
+    the `extra` weights. release: each Linear's plain weight is dropped as soon as its pack is made, where the pack
+    can give it back (release_unpacked_weights' rule), so that the plain weights and the packs never both take
+    the whole model's memory."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is None]
     weights = [m.weight for m in linears] + list(extra)
     if not weights or not can_prepack(weights[0]):
         return 0, []
-    packs = prepack_weights(weights)
-    for m, pack in zip(linears, packs):
-        m.packed = pack
+
+    def packed(i: int, pack: PackedWeight) -> None:
+        if i < len(linears):
+            linears[i].packed = pack
+            if release:
+                _release_plain_weight(linears[i])
+                weights[i] = None
+    packs = prepack_weights(weights, on_packed=packed)
     return len(linears), packs[len(linears):]
 
 
@@ -166,12 +183,15 @@ def release_unpacked_weights(model: nn.Module) -> int:
     """Drop the plain weight of every Linear that has a C++-kernel or a float32 oneDNN pack (the serving path reads
     only the pack), leaving a shape-only meta tensor; returns the bytes freed. A Linear whose pack is then removed
     raises, and restore_unpacked_weights() brings the weights back (benchmarks that switch packing off)."""
-    freed = 0
-    for m in model.modules():
-        if isinstance(m, Linear) and _can_unpack(m.packed, m.weight.dtype) and not m.weight.is_meta:
-            freed += m.weight.numel() * m.weight.element_size()
-            m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"),
-                                    requires_grad=False)
+    return sum(_release_plain_weight(m) for m in model.modules() if isinstance(m, Linear))
+
+
+def _release_plain_weight(m: Linear) -> int:
+    """release_unpacked_weights for one Linear: the bytes freed."""
+    if not _can_unpack(m.packed, m.weight.dtype) or m.weight.is_meta:
+        return 0
+    freed = m.weight.numel() * m.weight.element_size()
+    m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"), requires_grad=False)
     return freed
 
 

@@ -172,11 +172,12 @@ class LlamaForCausalLM(InferenceModule):
         self.tp = comm
         self.tp_vocab = (vocab_per_rank, vocab_size)
 
-    def prepack(self) -> int:
-        """Pack the matmul weights for the CPU's bf16 kernels (after loading; no-op elsewhere)."""
+    def prepack(self, release: bool = False) -> int:
+        """Pack the matmul weights for the CPU's bf16 kernels (after loading; no-op elsewhere); release: drop each
+        plain weight as its pack is made (prepack_linears)."""
         embed = self.model.embed_tokens
         tied = [embed.weight] if self.lm_head is None and embed.quantized is None else []
-        num, extra = prepack_linears(self, tied)
+        num, extra = prepack_linears(self, tied, release=release)
         if extra:
             self.packed_lm_head = extra[0]
         return num

@@ -17,7 +17,7 @@ from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.message import StepMessage
 from kvserve.errors import EngineDeadError, InvalidRequestError
-from kvserve.model.layers import release_unpacked_weights
+from kvserve.model.layers import Linear, release_unpacked_weights
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
 from kvserve.sample.metadata import SampledDrafts
@@ -39,6 +39,12 @@ class StepInputs:
 
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def _plain_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the plain (not meta) weights of the model's Linears."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, Linear) and not m.weight.is_meta)
 
 
 def _return_freed_memory() -> None:
@@ -68,9 +74,12 @@ class ModelRunner:
         self.released_weight_bytes = 0
         for m in self.models:
             if device.type == "cpu" and hasattr(m, "prepack"):
-                m.prepack()   # bf16 weights packed for the C++ matmul kernels (or oneDNN): kvserve/csrc/gemv.cpp
-                # serving reads only the packs: their plain copies would hold the weights' size again in memory
-                self.released_weight_bytes += release_unpacked_weights(m)
+                # bf16 weights packed for the C++ matmul kernels (or oneDNN): kvserve/csrc/gemv.cpp. Serving reads
+                # only the packs: each plain weight is dropped as soon as its pack is made (never all of both)
+                plain = _plain_weight_bytes(m)
+                m.prepack(release=True)
+                release_unpacked_weights(m)
+                self.released_weight_bytes += plain - _plain_weight_bytes(m)
         if device.type == "cpu":
             _return_freed_memory()
         self.lora = None   # the engine's LoRAManager when LoRA is enabled (kvserve/lora)

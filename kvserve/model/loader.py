@@ -141,7 +141,7 @@ def _load_gguf_weights(path: str, dtype: torch.dtype, keep_quantized: bool = Fal
         cfg = gguf_loader.gguf_model_config(reader)
         return cfg, gguf_loader.iter_gguf_weights(reader, cfg, keep_quantized=keep_quantized)
     cache = weight_cache.cache_path(path, dtype)
-    hit = weight_cache.read(cache, lazy=not write_cache) if cache is not None else None
+    hit = weight_cache.read(cache) if cache is not None else None
     if hit is not None:
         return hit
     reader = gguf_loader.open_gguf(path)
@@ -214,25 +214,31 @@ REOPEN_BYTES = 256 << 20   # tensor bytes read from one mapping of a safetensors
 
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) from every safetensors shard, one tensor at a time. The tensors are views of a mapping
-    of the file, whose pages count in the resident set once read and for as long as the mapping lives: the file is
-    opened again after every REOPEN_BYTES of tensors, so the mapping of those already consumed (quantized by
-    --quantization int8, copied into the model) goes with them, and a load does not hold the whole file resident
-    beside what it built from it."""
-    from safetensors import SafetensorError, safe_open
+    """Stream (name, tensor) from every safetensors shard, one tensor at a time (iter_safetensors_file)."""
+    from safetensors import SafetensorError
     for file in safetensors_files(model_dir):
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                names = list(f.keys())
-            done = 0
-            while done < len(names):
-                with safe_open(str(file), framework="pt", device="cpu") as f:
-                    read = 0
-                    while done < len(names) and read < REOPEN_BYTES:
-                        tensor = f.get_tensor(names[done])
-                        read += tensor.nbytes
-                        done += 1
-                        yield names[done - 1], tensor
-                        del tensor   # the mapping goes once the consumer drops it too
+            yield from iter_safetensors_file(file)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read safetensors file {file}: {e}") from e
+
+
+def iter_safetensors_file(file: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one safetensors file in its order. The tensors are views of a mapping of the file, whose
+    pages count in the resident set once read and for as long as the mapping lives: the file is opened again after
+    every REOPEN_BYTES of tensors, so the mapping of those already consumed (quantized by --quantization int8,
+    copied into the model) goes with them, and a load does not hold the whole file resident beside what it built
+    from it."""
+    from safetensors import safe_open
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        names = list(f.keys())
+    done = 0
+    while done < len(names):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            read = 0
+            while done < len(names) and read < REOPEN_BYTES:
+                tensor = f.get_tensor(names[done])
+                read += tensor.nbytes
+                done += 1
+                yield names[done - 1], tensor
+                del tensor   # the mapping goes once the consumer drops it too

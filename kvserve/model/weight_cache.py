@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -41,29 +41,23 @@ def cache_path(gguf_path: str, dtype: torch.dtype) -> Path | None:
     return cache_root() / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.safetensors"
 
 
-def read(path: Path, lazy: bool = False) -> tuple[ModelConfig, Iterable[tuple[str, torch.Tensor]]] | None:
-    """The cached config and (name, tensor) pairs, or None when there is no usable entry (a damaged one is
-    removed). lazy: the tensors read one at a time as they are iterated (a tensor-parallel rank keeps only its
-    slice of each), else all at once."""
+def read(path: Path) -> tuple[ModelConfig, Iterable[tuple[str, torch.Tensor]]] | None:
+    """The cached config and (name, tensor) pairs, read one at a time as they are iterated (the file's pages leave
+    the resident set as the load goes: loader.iter_safetensors_file), or None when there is no usable entry (a
+    damaged one is removed)."""
     if not path.exists():
         return None
     from safetensors import safe_open
+    from kvserve.model.loader import iter_safetensors_file
     try:
         with safe_open(str(path), "pt") as f:
             fields = json.loads(f.metadata()[_CONFIG_KEY])
-            weights = _iter_tensors(path) if lazy else {name: f.get_tensor(name) for name in f.keys()}.items()
-        return ModelConfig(**fields), weights
+            f.keys()   # a damaged header fails here, before the load begins
+        return ModelConfig(**fields), iter_safetensors_file(path)
     except Exception as e:  # never fatal: the GGUF is still there
         logger.warning("kvserve: ignoring a damaged weight cache %s (%s)", path, e)
         path.unlink(missing_ok=True)
         return None
-
-
-def _iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-    with safe_open(str(path), "pt") as f:
-        for name in f.keys():
-            yield name, f.get_tensor(name)
 
 
 def write(path: Path, cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

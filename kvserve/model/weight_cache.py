@@ -50,9 +50,8 @@ def read(path: Path) -> tuple[ModelConfig, Iterable[tuple[str, torch.Tensor]]] |
     from safetensors import safe_open
     from kvserve.model.loader import iter_safetensors_file
     try:
-        with safe_open(str(path), "pt") as f:
+        with safe_open(str(path), "pt") as f:   # a damaged header fails here, before the load begins
             fields = json.loads(f.metadata()[_CONFIG_KEY])
-            f.keys()   # a damaged header fails here, before the load begins
         return ModelConfig(**fields), iter_safetensors_file(path)
     except Exception as e:  # never fatal: the GGUF is still there
         logger.warning("kvserve: ignoring a damaged weight cache %s (%s)", path, e)

@@ -17,7 +17,7 @@ from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.message import StepMessage
 from kvserve.errors import EngineDeadError, InvalidRequestError
-from kvserve.model.layers import Linear, release_unpacked_weights
+from kvserve.model.layers import Linear
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
 from kvserve.sample.metadata import SampledDrafts
@@ -78,7 +78,6 @@ class ModelRunner:
                 # only the packs: each plain weight is dropped as soon as its pack is made (never all of both)
                 plain = _plain_weight_bytes(m)
                 m.prepack(release=True)
-                release_unpacked_weights(m)
                 self.released_weight_bytes += plain - _plain_weight_bytes(m)
         if device.type == "cpu":
             _return_freed_memory()

@@ -36,7 +36,8 @@ enum QType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K =
 // quants are chunk-major: q[c][4 b + i] is value 4 c + i of block b, so that one 32-byte load holds 4 values of
 // each of the 8 blocks and the kernels' int32 lanes are the blocks (one float step serves 8 blocks). A row's last
 // QX, when K / 32 is not a multiple of 8, has zeros (q, d, sum and halves) for the blocks past the row's end.
-// halves[2 b + h] = the sum of q over values 16 h .. 16 h + 15 of block b (Q6_K has a scale per 16 values).
+// halves[2 b + h] = the sum of q over values 16 h .. 16 h + 15 of block b (Q6_K has a scale per 16 values; with
+// VNNI, Q8_0 and IQ4_NL take off their offset of 128 by the block's sum, both halves).
 struct alignas(32) QX {
   int8_t q[8][32];
   float d[8];
@@ -392,13 +393,9 @@ void row_dot_scalar(const uint8_t* w, const QX* const* x, int64_t nsub, float* o
 
 #ifdef KV_HAVE_QAVX2
 // acc + 8 int32 sums of 4 products each of unsigned u and signed s bytes (no saturation: |u s| <= 128 * 127, so
-// a pair's sum stays in int16)
+// a pair's sum stays in int16); the AVX2 path's (with VNNI the signed formats take vpdpbusd as unsigned ones)
 inline __m256i dot_u8s8_add(__m256i acc, __m256i u, __m256i s) {
-#ifdef KV_HAVE_QVNNI
-  return _mm256_dpbusd_epi32(acc, u, s);
-#else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
 }
 
 // 16 bytes of nibbles -> 32 bytes: low nibbles then high nibbles (ggml's order within a 32-value block)
@@ -676,14 +673,21 @@ template <int T> constexpr bool adds_min() {   // a term m * the activations' bl
 // product lands in its own int32 lane (int16 pair sums added before widening: 4-bit values over all 8 chunks, 5-bit
 // over 4, Q6_K's 6-bit over 2, Q8_0's and IQ4_NL's none: |w| times x carrying w's sign, widened chunk by chunk;
 // with AVX-512 VNNI every format's sums go straight to int32 by vpdpbusd, then times the integer scales by vpmulld;
-// Q6_K's offset of 32 then taken off with the activations' integer sums per half), then one float step per group
+// Q6_K's offset of 32 then taken off with the activations' integer sums per half; Q8_0 and IQ4_NL go in as the
+// unsigned w + 128, shared by the rows, and 128 times the block's integer sum of x is taken off: the same integer,
+// in half the instructions of the sign trick), then one float step per group
 // and row: acc += float(dot) * s * dx + m * sum of x. A partial last group (the 32-value formats; a K-quant row is
 // whole super-blocks) runs as a full one whose missing blocks have zero scales, mins and activations; one of 1, 2
 // or 4 blocks shares an octet with those of the next rows instead (tail_dot, from quant_matmul.cpp's tiles).
 template <int T, int R>
 KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const QX* const* xo, __m256* acc) {
-  __m256i isums[signed_octets<T>() ? R : 1];   // Q8_0, IQ4_NL: chunk by chunk over the rows (|w| and w held once)
-  if constexpr (signed_octets<T>()) {
+#ifdef KV_HAVE_QVNNI
+  constexpr bool SIGNED_AVX2 = false;   // signed weights as w + 128 (below)
+#else
+  constexpr bool SIGNED_AVX2 = signed_octets<T>();
+#endif
+  __m256i isums[SIGNED_AVX2 ? R : 1];   // Q8_0, IQ4_NL: chunk by chunk over the rows (|w| and w held once)
+  if constexpr (SIGNED_AVX2) {
     for (int r = 0; r < R; ++r) isums[r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const __m256i qa = _mm256_abs_epi8(q[c]);
@@ -697,19 +701,26 @@ KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const 
   __m256i k32[2];   // the K-quants' integer scales as int32 lanes (Q6_K: per half; Q4_K: the same in both)
   if constexpr (int_scales<T>())
     for (int h = 0; h < 2; ++h) k32[h] = k16_to_32(sc.k16[h]);
+  __m256i qu[signed_octets<T>() ? 8 : 1];   // Q8_0, IQ4_NL: w + 128 as unsigned bytes
+  if constexpr (signed_octets<T>())
+    for (int c = 0; c < 8; ++c) qu[c] = _mm256_xor_si256(q[c], _mm256_set1_epi8(char(0x80)));
 #endif
   for (int r = 0; r < R; ++r) {
     __m256i isum = _mm256_setzero_si256();
-    if constexpr (signed_octets<T>()) {
+    if constexpr (SIGNED_AVX2) {
       isum = isums[r];
     } else {
 #ifdef KV_HAVE_QVNNI   // exact int32 sums by vpdpbusd, two chains (values 0-15, 16-31), then the integer scales
       __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
       for (int c = 0; c < 4; ++c)
         for (int h = 0; h < 2; ++h)
-          half[h] = _mm256_dpbusd_epi32(half[h], q[c + 4 * h],
+          half[h] = _mm256_dpbusd_epi32(half[h], signed_octets<T>() ? qu[c + 4 * h] : q[c + 4 * h],
                                         _mm256_load_si256(reinterpret_cast<const __m256i*>(xo[r]->q[c + 4 * h])));
-      if constexpr (T == Q6_K)
+      if constexpr (signed_octets<T>()) {
+        const __m256i halves = _mm256_load_si256(reinterpret_cast<const __m256i*>(xo[r]->halves));
+        isum = _mm256_sub_epi32(_mm256_add_epi32(half[0], half[1]),
+                                _mm256_slli_epi32(_mm256_madd_epi16(halves, _mm256_set1_epi16(1)), 7));
+      } else if constexpr (T == Q6_K)
         isum = _mm256_add_epi32(_mm256_mullo_epi32(half[0], k32[0]), _mm256_mullo_epi32(half[1], k32[1]));
       else
         isum = int_scales<T>() ? _mm256_mullo_epi32(_mm256_add_epi32(half[0], half[1]), k32[0])
@@ -874,7 +885,8 @@ inline void repeat_tail(const QX& last, int t, QX& out) {
   }
   _mm256_store_ps(out.d, _mm256_permutevar8x32_ps(_mm256_load_ps(last.d), idx));
   _mm256_store_ps(out.sum, _mm256_permutevar8x32_ps(_mm256_load_ps(last.sum), idx));
-  std::memset(out.halves, 0, sizeof out.halves);   // the K-quants', which have no partial groups
+  const __m256i halves = _mm256_load_si256(reinterpret_cast<const __m256i*>(last.halves));   // lane b: block b's
+  _mm256_store_si256(reinterpret_cast<__m256i*>(out.halves), _mm256_permutevar8x32_epi32(halves, idx));
 }
 #endif
 

@@ -674,11 +674,12 @@ template <int T> constexpr bool adds_min() {   // a term m * the activations' bl
 // over 4, Q6_K's 6-bit over 2, Q8_0's and IQ4_NL's none: |w| times x carrying w's sign, widened chunk by chunk;
 // with AVX-512 VNNI every format's sums go straight to int32 by vpdpbusd, then times the integer scales by vpmulld;
 // Q6_K's offset of 32 then taken off with the activations' integer sums per half; Q8_0 and IQ4_NL go in as the
-// unsigned w + 128, shared by the rows, and 128 times the block's integer sum of x is taken off: the same integer,
-// in half the instructions of the sign trick), then one float step per group
-// and row: acc += float(dot) * s * dx + m * sum of x. A partial last group (the 32-value formats; a K-quant row is
-// whole super-blocks) runs as a full one whose missing blocks have zero scales, mins and activations; one of 1, 2
-// or 4 blocks shares an octet with those of the next rows instead (tail_dot, from quant_matmul.cpp's tiles).
+// unsigned w + 128, shared by the rows, and 128 times the block's integer sum of x is taken off: the sign trick's
+// integer wherever x is -127..127 (finite activations), one instruction a chunk and row instead of two), then one
+// float step per group and row: acc += float(dot) * s * dx + m * sum of x. A partial last group (the 32-value
+// formats; a K-quant row is whole super-blocks) runs as a full one whose missing blocks have zero scales, mins and
+// activations; one of 1, 2 or 4 blocks shares an octet with those of the next rows instead (tail_dot, from
+// quant_matmul.cpp's tiles).
 template <int T, int R>
 KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const QX* const* xo, __m256* acc) {
 #ifdef KV_HAVE_QVNNI

@@ -159,6 +159,29 @@ def test_avx512_vnni_and_avx2_builds_agree_bit_for_bit(fmt):
         assert torch.equal(a, b), (k, rows, (a - b).abs().max())
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMAT_IDS))
+def test_avx512_vnni_and_avx2_builds_agree_on_non_finite_activations(fmt):
+    # rows with a NaN, an infinity, or a block whose largest value is so small that 127 / amax overflows: their
+    # results are garbage, but the same garbage on both builds. The activations' bytes are clamped to -127..127
+    # (a NaN, or a product past the int32 range, made -128 bytes beside sums that wrapped, and the signed formats'
+    # VNNI path, which takes those sums off, then disagreed with AVX2's sign trick)
+    native = kernels.load_variant("native")
+    if native is None or native.kvserve_quant_simd() != 2:
+        pytest.skip("no AVX-512 VNNI on this CPU: its native build is the AVX2 one")
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(6))
+    x[0, 3] = float("nan")
+    x[1, 40] = float("inf")
+    x[2, 64:96] = 1e-37 * torch.sign(x[2, 64:96])
+    x[3, 130] = -float("inf")
+    outs = []
+    for variant in ("native", "no-avx512"):
+        with kernels.variant(variant):
+            w = QuantizedWeight([random_quantized(fmt, 33, 512, seed=2)])   # bound to the variant's kernels
+            outs.append(quantized_matmul(x, w))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
+    assert torch.isfinite(outs[0][4]).all()   # a finite row beside them is untouched
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
 @pytest.mark.parametrize("variant", ["native", "portable"])
 def test_activations_round_half_to_even(fmt, variant):

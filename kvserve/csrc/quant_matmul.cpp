@@ -43,11 +43,11 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QK* out) {
           v[i] = load(p, i);
           amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;   // std::max, not inlined here
         }
-        const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
+        const float id = inv_scale(amax), d = amax / 127.f;
         for (int g = 0; g < S / 16; ++g) {
           int sum = 0;
           for (int i = 16 * g; i < 16 * g + 16; ++i) {
-            const int q = int(__builtin_rintf(v[i] * id));   // to nearest even, as nearbyint
+            const int q = int(__builtin_rintf(clamp127(v[i] * id)));   // to nearest even, as nearbyint
             o.q[s0 + i] = int8_t(q);
             sum += q;
           }
@@ -58,11 +58,13 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QK* out) {
     }
 }
 
-// 32 values at p -> int8 q (to nearest even) with one scale, returned; *sum = the sum of the q. For finite values
-// the AVX2 path gives the same bytes (vcvtps2dq rounds to nearest even, as rintf in the default rounding mode).
-template <typename X>
-inline float quantize32(const X* p, int8_t* q, int* sum) {
 #ifdef KV_HAVE_AVX2
+// 32 values at p -> their int8 bytes (to nearest even: vcvtps2dq in the default rounding mode, as rintf) in *q as
+// vpacksswb leaves them: dword i holds values 4 c .. 4 c + 3 of chunk c = PACKED_CHUNK[i]. Returns the scale;
+// *sum = the sum of the bytes, *half that of values 0..15.
+constexpr int PACKED_CHUNK[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+template <typename X>
+KV_ALWAYS_INLINE float quantize32_packed(const X* p, __m256i* q, int* sum, int* half) {
   __m256 v[4], amax8 = _mm256_setzero_ps();
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int i = 0; i < 4; ++i) {
@@ -72,36 +74,61 @@ inline float quantize32(const X* p, int8_t* q, int* sum) {
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-  const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m256 id = _mm256_set1_ps(inv_scale(amax));
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   __m256i qi[4];
-  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
-  const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  *sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  for (int i = 0; i < 4; ++i)   // clamp127's order of operands
+    qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[i], id), lo), hi));
+  // lane 0: [a0+a1, a2+a3, b0+b1, b2+b3], lane 1: the same of 4..7, for a = values 0..15 (qi 0, 1), b = 16..31
+  const __m256i h = _mm256_hadd_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  const __m128i s1 = _mm_hadd_epi32(s2, s2);   // [sum of a, sum of b, ...]
+  *half = _mm_cvtsi128_si32(s1);
+  *sum = *half + _mm_extract_epi32(s1, 1);
+  *q = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
   return amax / 127.f;
+}
+
+// rows r[0..7] of dwords -> their columns, in place
+KV_ALWAYS_INLINE void transpose8_epi32(__m256i* r) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
 #else
+// 32 values at p -> int8 q (to nearest even) with one scale, returned; *sum = the sum of the q
+template <typename X>
+inline float quantize32(const X* p, int8_t* q, int* sum) {
   float v[32], amax = 0.f;
   for (int i = 0; i < 32; ++i) {
     v[i] = load(p, i);
     amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;
   }
-  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  const float id = inv_scale(amax);
   *sum = 0;
   for (int i = 0; i < 32; ++i) {
-    const int qi = int(__builtin_rintf(v[i] * id));
+    const int qi = int(__builtin_rintf(clamp127(v[i] * id)));
     q[i] = int8_t(qi);
     *sum += qi;
   }
   return amax / 127.f;
-#endif
 }
+#endif
 
 // x rows [M, K] -> octets of 32-value blocks [M, ceil(K / 256)], one scale per 32 values (QX: chunk-major, zero
-// past the row's end)
+// past the row's end: value i of block b at q[i / 4][4 b + i % 4])
 template <typename X>
 void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
   const int64_t nb = K / 32, no = (nb + QXB - 1) / QXB;
@@ -109,18 +136,31 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QX* out) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t o = 0; o < no; ++o) {
       QX& ox = out[m * no + o];
+#ifdef KV_HAVE_AVX2
+      __m256i r[QXB];   // block b's bytes, then (transposed) chunk PACKED_CHUNK[i] of every block
+#endif
       for (int b = 0; b < QXB; ++b) {
         const int64_t j = o * QXB + b;
-        int8_t q[32] = {};
         int sum = 0, half = 0;
-        const float d = j < nb ? quantize32(x + m * xs + 32 * j, q, &sum) : 0.f;
-        for (int c = 0; c < 8; ++c) std::memcpy(&ox.q[c][4 * b], q + 4 * c, 4);   // value i at q[i / 4][4 b + i % 4]
+        float d = 0.f;
+#ifdef KV_HAVE_AVX2
+        r[b] = _mm256_setzero_si256();
+        if (j < nb) d = quantize32_packed(x + m * xs + 32 * j, &r[b], &sum, &half);
+#else
+        int8_t q[32] = {};
+        if (j < nb) d = quantize32(x + m * xs + 32 * j, q, &sum);
+        for (int c = 0; c < 8; ++c) std::memcpy(&ox.q[c][4 * b], q + 4 * c, 4);
         for (int i = 0; i < 16; ++i) half += q[i];
+#endif
         ox.d[b] = d;
         ox.sum[b] = d * float(sum);
         ox.halves[2 * b] = int16_t(half);
         ox.halves[2 * b + 1] = int16_t(sum - half);
       }
+#ifdef KV_HAVE_AVX2
+      transpose8_epi32(r);
+      for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(ox.q[PACKED_CHUNK[i]]), r[i]);
+#endif
     }
 }
 

@@ -40,14 +40,16 @@ template <> KV_ALWAYS_INLINE void store<uint16_t>(uint16_t* p, int64_t i, float 
 }
 
 // The activations' int8 quantization (quant_matmul.cpp, quant_int8.cpp): a block's values times inv_scale(amax),
-// rounded to nearest even within -127..127 whatever the input (a NaN goes to -127, an infinity to +-127, as the
-// AVX2 path's max/min with NaN in the first operand): so every build and path makes the same bytes, and the integer
-// sums kept beside them match the bytes, also for garbage rows. The clamp changes no finite row's bytes.
+// rounded to nearest even within -127..127 whatever the input (a NaN goes to -127, as the AVX2 path's max/min with
+// NaN in the first operand; so does an infinity, which makes amax infinite and inv_scale 0, and its block's other
+// values 0): every build and path makes the same bytes, and the integer sums kept beside them match the bytes, also
+// for garbage rows. The clamp changes no finite row's bytes.
 KV_ALWAYS_INLINE float clamp127(float v) {
   v = v > -127.f ? v : -127.f;   // maxps / minps: the second operand where the first is NaN
   return v < 127.f ? v : 127.f;
 }
-// 127 / amax, at most FLT_MAX: the values of a block of subnormal size stay finite (and its zeros zero)
+// 127 / amax, at most FLT_MAX: a block of tiny values (amax below 127 / FLT_MAX, about 3.7e-37) stays finite, and
+// its zeros zero
 KV_ALWAYS_INLINE float inv_scale(float amax) {
   return amax > 0.f ? std::min(127.f / amax, 3.4028235e38f) : 0.f;
 }

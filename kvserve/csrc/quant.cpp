@@ -675,7 +675,7 @@ template <int T> constexpr bool adds_min() {   // a term m * the activations' bl
 // with AVX-512 VNNI every format's sums go straight to int32 by vpdpbusd, then times the integer scales by vpmulld;
 // Q6_K's offset of 32 then taken off with the activations' integer sums per half; Q8_0 and IQ4_NL go in as the
 // unsigned w + 128, shared by the rows, and 128 times the block's integer sum of x is taken off: the sign trick's
-// integer wherever x is -127..127 (finite activations), one instruction a chunk and row instead of two), then one
+// integer, x being -127..127 (clamp127, common.h), one instruction a chunk and row instead of two), then one
 // float step per group and row: acc += float(dot) * s * dx + m * sum of x. A partial last group (the 32-value
 // formats; a K-quant row is whole super-blocks) runs as a full one whose missing blocks have zero scales, mins and
 // activations; one of 1, 2 or 4 blocks shares an octet with those of the next rows instead (tail_dot, from

@@ -49,9 +49,10 @@ KV_ALWAYS_INLINE float clamp127(float v) {
   return v < 127.f ? v : 127.f;
 }
 // 127 / amax, at most FLT_MAX: a block of tiny values (amax below 127 / FLT_MAX, about 3.7e-37) stays finite, and
-// its zeros zero
+// its zeros zero (std::min's result, written out: a call of it is not inlined into the quantized kernels)
 KV_ALWAYS_INLINE float inv_scale(float amax) {
-  return amax > 0.f ? std::min(127.f / amax, 3.4028235e38f) : 0.f;
+  const float id = 127.f / amax;
+  return amax > 0.f ? (3.4028235e38f < id ? 3.4028235e38f : id) : 0.f;
 }
 
 // FP8 KV cache values (kvserve/attention/fp8.py): one byte per value, e4m3 (OCP "fn": no infinities, largest
@@ -118,8 +119,8 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
+KV_ALWAYS_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+KV_ALWAYS_INLINE __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
@@ -140,10 +141,10 @@ inline void store16_bf16(uint16_t* p, __m512 v) {
 #define KV_HAVE_AVX2 1
 
 // 8 bf16 -> 8 floats; 8 floats -> 8 bf16 rounded as f32_to_bf16 (nearest even, NaN kept NaN)
-inline __m256 load8(const uint16_t* p) {
+KV_ALWAYS_INLINE __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+KV_ALWAYS_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256i bf16_bits8(__m256 v) {   // the 8 bf16 codes, one per 32-bit lane
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));

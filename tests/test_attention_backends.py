@@ -319,6 +319,12 @@ def test_vectorized_metadata_equals_a_loop(seed):
                 assert allowed[:sl] == [p <= sl - ql + j for p in range(sl)]
 
 
+def layouts(dtype) -> tuple[bool, ...]:
+    """The pool layouts the C++ kernels take for dtype: standard (False), and tiled (True) for bf16 on CPUs with
+    AVX-512 BF16."""
+    return (False, True) if dtype == torch.bfloat16 and kernels.load().kvserve_bf16_tiles() else (False,)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_decodes_split_by_kv_head(dtype):
@@ -331,7 +337,7 @@ def test_few_decodes_split_by_kv_head(dtype):
     batch = (q, k, v, k_cache, v_cache, meta)
     exact, _, _ = run(TorchPagedAttention(), batch, 9, upcast=True)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    for tiled in (False, True) if dtype == torch.bfloat16 and kernels.load().kvserve_bf16_tiles() else (False,):
+    for tiled in layouts(dtype):
         got, _, _ = run(CpuPagedAttention(), batch, 9, tiled=tiled)
         torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
 
@@ -350,11 +356,12 @@ def test_a_verification_alone_gets_its_rows_as_in_a_bigger_step(dtype):
     q, k, v = (torch.randn(9, n * 64, generator=g).to(dtype) for n in (9, 3, 3))
     alone = (q[:6], k[:6], v[:6], k_cache, v_cache, build_attention_metadata([6], [70], tables[:1], 16))
     step = (q, k, v, k_cache, v_cache, build_attention_metadata(query_lens, seq_lens, tables, 16))
-    got, _, _ = run(CpuPagedAttention(), alone, 9)
-    assert torch.equal(got, run(CpuPagedAttention(), step, 9)[0][:6])
     exact, _, _ = run(TorchPagedAttention(), alone, 9, upcast=True)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
+    for tiled in layouts(dtype):
+        got, _, _ = run(CpuPagedAttention(), alone, 9, tiled=tiled)
+        assert torch.equal(got, run(CpuPagedAttention(), step, 9, tiled=tiled)[0][:6])
+        torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
 
 
 @needs_kernels
@@ -366,26 +373,32 @@ def test_a_tokens_row_is_the_same_in_a_decode_and_in_a_verification(dtype, heads
     """Speculative decoding's exactness rests on this: a token's attention output is the same bit for bit whether
     it is decoded alone (one query token) or verified among others (the last 6 tokens of the context: inside one
     chunk of 32 key positions, across a chunk boundary, or the whole context), whichever query rows share its work
-    item and whichever rows the kernel pairs it with; even an inf in a later token's V stays out of it."""
+    item and whichever rows the kernel pairs it with, in both layouts. In the standard layout even an inf in a later
+    token's V stays out of it; the tiled kernel multiplies the V of keys past a row's end within its last chunk by
+    a probability of 0, which is exact for finite values only, so there the values stay finite."""
     g = torch.Generator().manual_seed(5)
     nblocks = -(-ctx // block_size)
     k_cache = torch.randn(nblocks + 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(nblocks + 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
     table = torch.randperm(nblocks + 2, generator=g)[:nblocks].tolist()
     q, k, v = (torch.randn(6, n * head_dim, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads))
-    v[5, 3] = float("inf")   # the last token's V: every row of the earlier tokens must not see it
-    verify = (q, k, v, k_cache, v_cache, build_attention_metadata([6], [ctx], [table], block_size))
-    together, k_cache, v_cache = run(CpuPagedAttention(), verify, heads)   # the pools with the 6 tokens written
-    assert torch.isfinite(together[:5]).all()
-    for t in range(6):
-        upto = ctx - 5 + t
-        alone = (q[t:t + 1], k[t:t + 1], v[t:t + 1], k_cache, v_cache,
-                 build_attention_metadata([1], [upto], [table[:-(-upto // block_size)]], block_size))
-        got = run(CpuPagedAttention(), alone, heads)[0]
-        if t < 5:
-            assert torch.equal(got, together[t:t + 1])
-        else:
-            assert torch.equal(torch.isfinite(got), torch.isfinite(together[t:t + 1]))
+    # the tiled layout where these shapes take it (its tiles hold 16 keys of a block)
+    for tiled in layouts(dtype) if block_size % 16 == 0 else (False,):
+        v_step = v.clone()
+        if not tiled:
+            v_step[5, 3] = float("inf")   # the last token's V: every row of the earlier tokens must not see it
+        verify = (q, k, v_step, k_cache, v_cache, build_attention_metadata([6], [ctx], [table], block_size))
+        together, k_std, v_std = run(CpuPagedAttention(), verify, heads, tiled=tiled)   # pools with the 6 tokens
+        assert torch.isfinite(together[:5]).all()
+        for t in range(6):
+            upto = ctx - 5 + t
+            alone = (q[t:t + 1], k[t:t + 1], v_step[t:t + 1], k_std, v_std,
+                     build_attention_metadata([1], [upto], [table[:-(-upto // block_size)]], block_size))
+            got = run(CpuPagedAttention(), alone, heads, tiled=tiled)[0]
+            if t < 5 or tiled:
+                assert torch.equal(got, together[t:t + 1])
+            else:
+                assert torch.equal(torch.isfinite(got), torch.isfinite(together[t:t + 1]))
 
 
 def test_kernel_backend_leaves_groups_wider_than_a_work_item_to_torch():

@@ -630,10 +630,10 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
   }
   count_items();
   const int64_t threads = omp_get_max_threads();
-  if (!tiled && first[B] < 2 * threads) {
+  if (first[B] < 2 * threads) {
     // few items (one sequence verifying drafts, a short chunk): shorter query tiles, so that the threads get
     // about as many each (3 kv heads on 2 threads would leave one thread a third of the work). A row's result
-    // does not depend on its tile: its keys go in the same chunks.
+    // does not depend on its tile: its keys go in the same chunks, in every kernel.
     for (int64_t b = 0; b < B; ++b) {
       const int64_t q_len = query_start[b + 1] - query_start[b];
       const int64_t per_seq = (2 * threads + B - 1) / B, groups = Hkv / ngs[b];

@@ -7,7 +7,8 @@ blocks of 16.
   python benchmarks/attention_kernel.py [--repeats 20] [--num-threads N] [--layers 30]
 
 Steps: "decode 64" (64 sequences, one new token each, contexts 64..768 as in W1), "decode 1" (one sequence,
-context 400), "prefill" (4 fresh prompts of 128..512 tokens). Each call is one layer's attention, and the calls
+context 400), "verify 6" (one sequence verifying 5 drafts: 6 query tokens, context 400), "prefill" (4 fresh
+prompts of 128..512 tokens). Each call is one layer's attention, and the calls
 cycle over --layers layers' pools, so with 30 (the model's) the K/V come from DRAM as in the engine, with 1 from
 the caches. The table shows the best ms per call, the ratio to the standard layout's kernel, and for decode the
 KV bytes read per second.
@@ -75,6 +76,7 @@ def main() -> None:
     ctx = rng.integers(64, 769, size=64).tolist()
     prompts = rng.integers(128, 513, size=4).tolist()
     steps = {"decode 64": make_step([1] * 64, ctx, args.layers), "decode 1": make_step([1], [400], args.layers),
+             "verify 6": make_step([6], [400], args.layers),
              "prefill": make_step(prompts, prompts, min(args.layers, 4))}
     cpu = CpuPagedAttention()
     runs = {"tiled": (cpu, "tiled"), "standard": (cpu, "standard"), "torch": (TorchPagedAttention(), "standard")}

@@ -612,7 +612,8 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
   // A work item is (sequence, query tile, kv heads). With many sequences an item takes all kv heads, so it
   // reads whole contiguous KV rows; with few (single-stream decode) it takes one kv head, for parallelism.
   // The tiled kernel decides per sequence: all kv heads when every row of the sequence fits one item
-  // (decodes, short chunks), else one kv head per item with the longest token tiles (prefill).
+  // (decodes, short chunks), else one kv head per item with the longest token tiles (prefill; shorter ones
+  // where the step has few items, below).
   const int64_t total_q = query_start[B];
   const bool many = B >= 4 * omp_get_max_threads();
   const int64_t ng_all = simd && (many || total_q > 4 * B) ? Hkv : 1;
@@ -633,7 +634,9 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
   if (first[B] < 2 * threads) {
     // few items (one sequence verifying drafts, a short chunk): shorter query tiles, so that the threads get
     // about as many each (3 kv heads on 2 threads would leave one thread a third of the work). A row's result
-    // does not depend on its tile: its keys go in the same chunks, in every kernel.
+    // does not depend on its tile: its keys go in the same chunks. In the tiled kernel that holds for finite
+    // K/V: it multiplies the V of a later row's keys in a row's last chunk by a probability of 0, so an inf or
+    // NaN there reaches the rows that share its tile.
     for (int64_t b = 0; b < B; ++b) {
       const int64_t q_len = query_start[b + 1] - query_start[b];
       const int64_t per_seq = (2 * threads + B - 1) / B, groups = Hkv / ngs[b];

@@ -48,6 +48,17 @@ KV_ALWAYS_INLINE float clamp127(float v) {
   v = v > -127.f ? v : -127.f;   // maxps / minps: the second operand where the first is NaN
   return v < 127.f ? v : 127.f;
 }
+// v[0..n) = the n values at p as floats; returns their largest magnitude, a NaN passed over (as maxps with the NaN
+// in the second operand)
+template <typename X>
+KV_ALWAYS_INLINE float load_amax(const X* p, int n, float* v) {
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) {
+    v[i] = load(p, i);
+    amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;   // std::max, which is not inlined here
+  }
+  return amax;
+}
 // 127 / amax, at most FLT_MAX: a block of tiny values (amax below 127 / FLT_MAX, about 3.7e-37) stays finite, and
 // its zeros zero (std::min's result, written out: a call of it is not inlined into the quantized kernels)
 KV_ALWAYS_INLINE float inv_scale(float amax) {

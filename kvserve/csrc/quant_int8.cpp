@@ -43,14 +43,12 @@ void i8_quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, uint8_t* q, 
   #pragma omp parallel for if (M * K >= 65536)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < ng; ++g) {
-      const X* p = x + m * xs + g * IG;
-      float amax = 0.f;
-      for (int64_t k = 0; k < IG; ++k)
-        amax = amax < __builtin_fabsf(load(p, k)) ? __builtin_fabsf(load(p, k)) : amax;
+      float v[128];   // IG values
+      const float amax = load_amax(x + m * xs + g * IG, int(IG), v);
       const float id = inv_scale(amax);
       d[m * ng + g] = amax * (1.f / 127.f);   // what -ffast-math makes of amax / 127 anyway, written out
       uint8_t* o = q + m * K + g * IG;
-      for (int64_t k = 0; k < IG; ++k) o[k] = uint8_t(int(__builtin_rintf(clamp127(load(p, k) * id))) + I8_BIAS);
+      for (int64_t k = 0; k < IG; ++k) o[k] = uint8_t(int(__builtin_rintf(clamp127(v[k] * id))) + I8_BIAS);
     }
 }
 

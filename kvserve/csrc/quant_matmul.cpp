@@ -38,11 +38,8 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, QK* out) {
       QK& o = out[m * nb + b];
       for (int s0 = 0; s0 < 256; s0 += S) {
         const X* p = x + m * xs + 256 * b + s0;
-        float v[S], amax = 0.f;
-        for (int i = 0; i < S; ++i) {
-          v[i] = load(p, i);
-          amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;   // std::max, not inlined here
-        }
+        float v[S];
+        const float amax = load_amax(p, S, v);
         const float id = inv_scale(amax), d = amax / 127.f;
         for (int g = 0; g < S / 16; ++g) {
           int sum = 0;
@@ -111,11 +108,8 @@ KV_ALWAYS_INLINE void transpose8_epi32(__m256i* r) {
 // 32 values at p -> int8 q (to nearest even) with one scale, returned; *sum = the sum of the q
 template <typename X>
 inline float quantize32(const X* p, int8_t* q, int* sum) {
-  float v[32], amax = 0.f;
-  for (int i = 0; i < 32; ++i) {
-    v[i] = load(p, i);
-    amax = amax < __builtin_fabsf(v[i]) ? __builtin_fabsf(v[i]) : amax;
-  }
+  float v[32];
+  const float amax = load_amax(p, 32, v);
   const float id = inv_scale(amax);
   *sum = 0;
   for (int i = 0; i < 32; ++i) {

@@ -73,13 +73,16 @@ def test_every_format_against_dequantized_matmul(fmt, variant):
 
 @pytest.mark.parametrize("fmt,k", [("Q4_K", 256), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 256),
                                      ("Q2_K", 512), ("Q3_K", 512), ("IQ4_XS", 512)]
-                         + [(f, k) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL") for k in (352, 512)])
+                         + [(f, k) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL") for k in (352, 512)]
+                         + [("Q4_K", 8960), ("Q6_K", 8960), ("Q4_1", 8032), ("Q8_0", 8000)])
 def test_rows_of_a_step_are_independent(fmt, k):
     # a row's result does not depend on which other rows share its step (row tiles of 8, remainders) nor on the
     # weight rows beside it (Q4_0, Q4_1 and Q4_K run whole octets two weight rows at a time in the row tiles after
     # the first, x rows in passes of up to 4: here tiles of 8, 8 and 3 rows; an odd weight row runs alone); for the
     # 32-value formats 11 blocks (an octet and a partial one) or 16; steps of 10, 13, 14 and 19 rows pair 2 rows
-    # of x, 3 + 2, 3 + 3, and 4 + 4 then 3
+    # of x, 3 + 2, 3 + 3, and 4 + 4 then 3. Long rows (K of 8000-8960, as Qwen2.5-Coder-1.5B's ffn_down): 3 rows of
+    # x or more overflow L1, and the rows read one at a time go in runs of octets (quant_matmul.cpp's rows_in_runs;
+    # 8032: a partial last octet in the last run; 8000: a last group of 2 blocks shared across rows)
     raw = random_quantized(fmt, 21, k)
     w = QuantizedWeight([raw])
     x = torch.randn(19, k)

@@ -752,17 +752,19 @@ KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const 
 // behind, and several rows streamed from memory ran markedly slower than with it (docs/benchmarks.md). One row of
 // x keeps the hardware's, which measured no worse.
 constexpr int64_t PREFETCH_AHEAD = 2048;
-template <int T, int R>
-void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
+// acc[r] += octets o0 .. o1 - 1 of the dot of weight row w (nsub blocks) and x row r, in float lanes (not summed
+// across: a row's octets taken in runs, as quant_matmul.cpp's rows_in_runs, sum to the same bits as in one pass);
+// with R > 1 the weights `ahead` bytes on are prefetched, with `hint`
+template <int T, int R, int hint = _MM_HINT_T0>
+KV_ALWAYS_INLINE void octets_dot(const uint8_t* w, const QX* const* x, int64_t nsub, int64_t o0, int64_t o1,
+                                 __m256* acc, int64_t ahead = PREFETCH_AHEAD) {
   static_assert(in_octets<T>());
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t o = 0; o * QXB < nsub; ++o) {
+  for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* group = w + o * octet_bytes<T>();
     if constexpr (R > 1)   // prefetches never fault: those past the matrix's end are harmless
       for (int64_t at = 0; at < octet_bytes<T>(); at += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(group) + PREFETCH_AHEAD + at),
-                     _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(group) + ahead + at),
+                     static_cast<decltype(_MM_HINT_T0)>(hint));
     __m256i q[8];
     OctetScales sc;
     if constexpr (Format<T>::SUBS == 8) {   // whole super-blocks
@@ -776,6 +778,12 @@ void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out
     for (int r = 0; r < R; ++r) xo[r] = x[r] + o;
     octet_rows<T, R>(q, sc, xo, acc);
   }
+}
+template <int T, int R>
+void row_dot_simd(const uint8_t* w, const QX* const* x, int64_t nsub, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  octets_dot<T, R>(w, x, nsub, 0, (nsub + QXB - 1) / QXB, acc);
   for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 

@@ -80,7 +80,7 @@ def test_rows_of_a_step_are_independent(fmt, k):
     # weight rows beside it (Q4_0, Q4_1 and Q4_K run whole octets two weight rows at a time in the row tiles after
     # the first, x rows in passes of up to 4: here tiles of 8, 8 and 3 rows; an odd weight row runs alone); for the
     # 32-value formats 11 blocks (an octet and a partial one) or 16; steps of 10, 13, 14 and 19 rows pair 2 rows
-    # of x, 3 + 2, 3 + 3, and 4 + 4 then 3. Long rows (K of 8000-8960, as Qwen2.5-Coder-1.5B's ffn_down): 3 rows of
+    # of x, 3 + 2, 3 + 3, and 4 + 4 then 3. Long rows (K of 8000-8960, as Qwen2.5-Coder-1.5B's ffn_down): 2 rows of
     # x or more overflow L1, and the rows read one at a time go in runs of octets (quant_matmul.cpp's rows_in_runs;
     # 8032: a partial last octet in the last run; 8000: a last group of 2 blocks shared across rows)
     raw = random_quantized(fmt, 21, k)

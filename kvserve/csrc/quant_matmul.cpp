@@ -180,19 +180,20 @@ template <int T> inline int shared_tail(int64_t nblocks) {
 }
 
 #ifdef KV_HAVE_QAVX2
-// R rows of x go in runs of octets once their activations exceed L1_ACTS bytes; a run reads RUN_BYTES of them
-constexpr int64_t L1_ACTS = 32768, RUN_BYTES = 12288;
+// R rows of x go in runs of octets once their activations exceed L1_ACTS bytes, a little over half of a 32 KiB L1
+// (which the weights' stream shares); a run reads RUN_BYTES of them
+constexpr int64_t L1_ACTS = 18432, RUN_BYTES = 12288;
 template <int R> constexpr int64_t run_octets() {
   return std::max<int64_t>(1, RUN_BYTES / (R * int64_t(sizeof(QX))));
 }
 
 // rows_over's single rows (those read from memory, and Q6_K's) when their R rows of x overflow L1 (Qwen2.5-Coder-
-// 1.5B's ffn_down, 8960 inputs: 12 KiB a row of x): the rows go a run of run_octets at a time, every weight row
-// through each run, so that the run's activations stay in L1 while the rows pass. Each (weight row, row of x) keeps
-// its float lanes between runs, so its octets add in the same order and the result is the same bits as in one pass
-// (octets_dot). The runs' jumps between rows defeat the hardware's prefetchers: each run prefetches, into L2, the
-// same bytes QNB rows on, the next unit's, which the same thread takes next (into L1, or 2 KiB ahead in the row as
-// one pass does, measured 0.7-0.9x slower from memory).
+// 1.5B's ffn_down, 8960 inputs: 12 KiB a row of x, from 2 rows on): the rows go a run of run_octets at a time, every
+// weight row through each run, so that the run's activations stay in L1 while the rows pass. Each (weight row, row
+// of x) keeps its float lanes between runs, so its octets add in the same order and the result is the same bits as
+// in one pass (octets_dot). The runs' jumps between rows defeat the hardware's prefetchers: each run prefetches,
+// into L2, the same bytes QNB rows on, the next unit's, which the same thread takes next (into L1, or 2 KiB ahead in
+// the row as one pass does, measured 0.7-0.9x slower from memory).
 template <int T, int R>
 void rows_in_runs(const uint8_t* w, int64_t count, int64_t row_bytes, const QX* const* xr, int64_t nblocks,
                   float (*out)[QKR]) {
@@ -226,7 +227,7 @@ KV_ALWAYS_INLINE void rows_over(const uint8_t* w, int64_t count, int64_t row_byt
 #ifdef KV_HAVE_QAVX2
   const bool pairs = in_pairs<T>() && R > 1 && cached && nblocks % QXB == 0;
   if constexpr (std::is_same_v<A, QX> && R > 1) {
-    if (!pairs && count <= QNB && R * (nblocks + QXB - 1) / QXB * int64_t(sizeof(QX)) > L1_ACTS)
+    if (!pairs && count <= QNB && R * ((nblocks + QXB - 1) / QXB) * int64_t(sizeof(QX)) > L1_ACTS)
       return rows_in_runs<T, R>(w, count, row_bytes, xr, nblocks, out);
   }
   if constexpr (std::is_same_v<A, QX> && in_pairs<T>()) {

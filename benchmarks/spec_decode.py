@@ -13,10 +13,11 @@ Sections (greedy throughout, prefix caching off so that every repeat does the sa
           k=16 with that tree (the repeat case, an upper bound).
   draft   Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) with Qwen2.5-Coder-0.5B-Instruct as the draft model
           (`make models`; skipped without them): 2 code prompts, max_tokens 64. Configurations: off, draft k=3,
-          draft k=5, draft k=3 with draft_vocab_size 32768, ngram k=5. One engine holds both models and the
-          configurations are switched on it between runs (switch_speculation), but for the draft vocabulary, which
-          cuts the draft's head at load and gets an engine of its own. All sections run with --quantization (auto:
-          the GGUFs stay quantized) and --dtype.
+          draft k=5 (the draft's Q8_0 head requantized to Q4_0, draft_head_quantization "auto"), draft k=3 with
+          the file's head (draft_head_quantization null), draft k=3 with draft_vocab_size 32768, ngram k=5. One
+          engine holds both models and the configurations are switched on it between runs (switch_speculation),
+          but for the file's head and the draft vocabulary, set at load: each gets an engine of its own. All
+          sections run with --quantization (auto: the GGUFs stay quantized) and --dtype.
   batch   throughput of 64 concurrent requests (32 copy-heavy, 32 ordinary; max_tokens 64) on the bundled model:
           off, ngram k=5 with the default disable_by_batch_size (8) and ngram k=5 always on (None); then copy-heavy
           batches of 1-32 requests, off against ngram always on: the ratio per batch size places the threshold.
@@ -324,19 +325,22 @@ def bench_draft(args) -> tuple[dict | None, list[str]]:
         return None, [msg]
     draft_spec = lambda k: {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
     configs = {"off": None, "draft k=3": draft_spec(3), "draft k=5": draft_spec(5),
+               "draft k=3, file's head": {**draft_spec(3), "draft_head_quantization": None},
                "draft k=3, vocab 32768": {**draft_spec(3), "draft_vocab_size": 32768}, "ngram k=5": NGRAM5}
     t0 = time.perf_counter()
     llm = make_llm(str(target), draft_spec(5), args, max_model_len=1024, kv_cache_memory="256MiB")
     load_s = time.perf_counter() - t0
     draft_model = llm.llm_engine.runner.draft_model
-    # a draft vocabulary cuts the draft's head at load: that configuration gets an engine of its own
-    cut = "draft k=3, vocab 32768"
+    # a draft vocabulary cuts the draft's head at load, and the head is requantized at load (its Q8_0 to Q4_0 by
+    # default): those configurations get an engine of their own
+    own = ("draft k=3, file's head", "draft k=3, vocab 32768")
     llms = {name: llm for name in configs}
-    llms[cut] = make_llm(str(target), configs[cut], args, max_model_len=1024, kv_cache_memory="256MiB")
+    for name in own:
+        llms[name] = make_llm(str(target), configs[name], args, max_model_len=1024, kv_cache_memory="256MiB")
     prompts = chat_ids(llm, DRAFT_PROMPTS)
 
     def switch(name: str) -> None:
-        if name != cut:
+        if name not in own:
             switch_speculation(llm, configs[name], draft_model)
 
     rows = tpot_section(llms, switch, prompts, args.draft_tokens, args.draft_repeats, llm.get_tokenizer())

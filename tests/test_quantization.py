@@ -187,6 +187,21 @@ def test_int8_blocks_are_the_bytes_llama_quantize_writes():
     assert np.array_equal(ours.data.numpy(), quantize(w.numpy(), GGMLQuantizationType.Q8_0).reshape(40, -1))
 
 
+def test_q4_0_blocks_are_the_bytes_ggml_writes():
+    # quantize_q4_0 (a speculative draft's requantized head) against gguf-py's port of quantize_row_q4_0_ref
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    from kvserve.model.quantization import quantize_q4_0
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(1)) * torch.logspace(-4, 2, 40)[:, None]
+    w[0, :32] = 0                                # a zero block: d = 0
+    w[1, :32] = torch.arange(32) - 16.0          # the largest |w| is negative: d > 0
+    w[2, 32:64] = 3.0                            # ties for the largest |w|; w / d + 8.5 lands on whole numbers
+    w[2, 40] = -3.0
+    ours = quantize_q4_0(w)
+    assert ours.format == "Q4_0" and ours.shape == (40, 96)
+    assert np.array_equal(ours.data.numpy(), quantize(w.numpy(), GGMLQuantizationType.Q4_0).reshape(40, -1))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_int8_on_an_hf_checkpoint_matches_the_float_model(tmp_path, family):
     """Every linear, the output head and the embedding become INT8 (Qwen2's q/k/v biases added after);

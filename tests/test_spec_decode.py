@@ -193,6 +193,8 @@ def test_adaptive_draft_length_follows_the_accepted_runs(adaptive, reference):
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_vocab_size": 100}, "draft_model only"),
     ({"model": "x", "num_speculative_tokens": 3, "draft_vocab_size": 0}, "integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 3, "adaptive_draft_length": "yes"}, "adaptive_draft_length"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_head_quantization": "q4_0"}, "draft_model only"),
+    ({"model": "x", "num_speculative_tokens": 3, "draft_head_quantization": "q8"}, "draft_head_quantization must"),
 ])
 def test_bad_configs_are_refused_at_start(spec, match):
     with pytest.raises(InvalidRequestError, match=match) as e:
@@ -275,22 +277,28 @@ def test_draft_vocabulary_of_its_first_ids_keeps_the_output(tiny_pair, gguf_path
         make_llm({**spec, "draft_vocab_size": 97}, model=target, tokenizer=gguf_path)
 
 
-@pytest.mark.parametrize("weights", ["float32", "bfloat16", "Q8_0", "int8"])
-@pytest.mark.parametrize("tied", [False, True])
-def test_restricted_head_gives_the_first_columns_of_the_logits(tmp_path, weights, tied):
+def tiny_head_config(tmp_path, weights: str, tied: bool):
+    """A tiny llama's EngineConfig with its weights as named (float32, bfloat16, Q8_0: a GGUF, int8), and its
+    hidden size."""
     from kvserve.config import EngineConfig
-    from kvserve.model import load_model
-    from kvserve.model.layers import release_unpacked_weights
     from model_utils import write_tiny_gguf
     hf = save_tiny_model("llama", tmp_path / "hf", tie_word_embeddings=tied)
     if weights == "Q8_0":
-        config = EngineConfig(model=str(write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype="Q8_0")), device="cpu")
-    else:
-        config = EngineConfig(model=str(tmp_path / "hf"), device="cpu", tokenizer=str(tmp_path / "hf"),
-                              dtype="float32" if weights == "int8" else weights,
-                              quantization="int8" if weights == "int8" else "none")
+        return EngineConfig(model=str(write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype="Q8_0")), device="cpu"), \
+            hf.config.hidden_size
+    return EngineConfig(model=str(tmp_path / "hf"), device="cpu", tokenizer=str(tmp_path / "hf"),
+                        dtype="float32" if weights == "int8" else weights,
+                        quantization="int8" if weights == "int8" else "none"), hf.config.hidden_size
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "Q8_0", "int8"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_restricted_head_gives_the_first_columns_of_the_logits(tmp_path, weights, tied):
+    from kvserve.model import load_model
+    from kvserve.model.layers import release_unpacked_weights
+    config, hidden_size = tiny_head_config(tmp_path, weights, tied)
     full_model, model = load_model(config)[0], load_model(config)[0]
-    hidden = torch.randn(5, hf.config.hidden_size, dtype=model.model.norm.weight.dtype)
+    hidden = torch.randn(5, hidden_size, dtype=model.model.norm.weight.dtype)
     model.restrict_vocab(40)
     for m in (full_model, model):   # as the engine serves them: packed, plain copies released
         m.prepack()
@@ -305,6 +313,62 @@ def test_restricted_head_gives_the_first_columns_of_the_logits(tmp_path, weights
         torch.testing.assert_close(part, full[:, :cols], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="restrict_vocab"):
         model.restrict_vocab(257)
+
+
+@pytest.mark.parametrize("weights", ["float32", "Q8_0", "int8"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_head_requantized_to_q4_0_is_ggmls_q4_0_of_its_rows(tmp_path, weights, tied):
+    # quantize_head_q4_0 (draft_head_quantization): the head's blocks are ggml's Q4_0 (gguf-py's quantizer) of the
+    # stored head's rows, dequantized, the cut ones after restrict_vocab (int8: 48, its group of 16); a tied
+    # model's embedding lookups keep the table as stored
+    import gguf
+    from kvserve.model import load_model
+    config, _ = tiny_head_config(tmp_path, weights, tied)
+    model = load_model(config)[0]
+    src = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+    stored = src.weight.detach().float() if src.quantized is None else src.quantized.dequantize()
+    assert model.head_format() == {"float32": None, "Q8_0": "Q8_0", "int8": "INT8"}[weights]
+    ids = torch.tensor([3, 17, 200])
+    looked_up = model.model.embed_tokens(ids).clone()
+    model.restrict_vocab(40)
+    model.quantize_head_q4_0()
+    assert model.head_format() == "Q4_0"
+    rows = 48 if weights == "int8" else 40
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    want = gguf.quants.dequantize(gguf.quants.quantize(stored[:rows].numpy(), q4), q4)
+    assert np.array_equal(model.lm_head.quantized.dequantize().numpy(), want)
+    assert torch.equal(model.model.embed_tokens(ids), looked_up)
+    model.prepack()
+    hidden = torch.randn(5, model.config.hidden_size, dtype=model.model.norm.weight.dtype)
+    logits = model.compute_logits(hidden)
+    exact = hidden.double() @ torch.from_numpy(want).double().T
+    assert logits.shape == (5, rows) and (logits.double() - exact).norm() < 0.02 * exact.norm()
+
+
+def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, gguf_path, tmp_path):
+    # draft_head_quantization: "q4_0" requantizes a dense draft's head, "auto" a Q8_0 GGUF draft's and leaves a
+    # dense one's, null keeps the Q8_0 one; the output stays the target's. A hidden size that Q4_0's blocks of 32
+    # do not divide is refused at start
+    from transformers import AutoModelForCausalLM
+    from model_utils import write_tiny_gguf
+    target, draft = tiny_pair
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft)
+    hf_draft.config.head_dim = hf_draft.config.hidden_size // hf_draft.config.num_attention_heads
+    q8 = str(write_tiny_gguf(tmp_path / "draft.gguf", hf_draft, arch="qwen2", qtype="Q8_0"))
+    prompts, params = tiny_prompts(), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = tokens(make_llm(model=target, tokenizer=gguf_path).generate(prompts, params, use_tqdm=False))
+    for path, setting, fmt in [(draft, "q4_0", "Q4_0"), (draft, "auto", None), (q8, "auto", "Q4_0"),
+                               (q8, None, "Q8_0")]:
+        spec = {"model": path, "num_speculative_tokens": 4, "disable_by_batch_size": None,
+                "draft_head_quantization": setting}
+        llm = make_llm(spec, model=target, tokenizer=gguf_path)
+        assert llm.llm_engine.runner.draft_model.head_format() == fmt
+        assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    save_tiny_model("qwen2", tmp_path / "narrow", num_hidden_layers=1, vocab_size=96, hidden_size=48)
+    with pytest.raises(InvalidRequestError, match="multiple of 32"):
+        make_llm({"model": str(tmp_path / "narrow"), "num_speculative_tokens": 2, "draft_head_quantization": "q4_0"},
+                 model=target, tokenizer=gguf_path)
 
 
 def two_sample_chi_square(a: list[int], b: list[int]) -> tuple[float, float]:

@@ -217,6 +217,16 @@ class LLMEngine:
                                       "speculative_config")
         if spec.draft_vocab_size is not None:
             draft.restrict_vocab(spec.draft_vocab_size)
+        stored = draft.head_format()
+        if spec.draft_head_quantization == "q4_0" or (spec.draft_head_quantization == "auto"
+                                                      and stored in ("Q8_0", "INT8")):
+            try:
+                draft.quantize_head_q4_0()
+            except ValueError as e:
+                raise InvalidRequestError(f"speculative_config: draft_head_quantization: {e}",
+                                          "speculative_config") from None
+            logger.info("kvserve: the draft model's output matrix requantized from %s to Q4_0 "
+                        "(speculative_config draft_head_quantization)", stored or "its plain weights")
         return draft
 
     # ----- requests -----

@@ -13,7 +13,7 @@ from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding
                                   rotate_heads_inplace)
 from kvserve.model.fused import FusedLayers, binding_key, build_fused_layers, is_same_binding
 from kvserve.model.model_config import ModelConfig
-from kvserve.model.quantization import INT8, INT8_GROUP, QuantizedWeight
+from kvserve.model.quantization import INT8, INT8_GROUP, Q4_0, QuantizedTensor, QuantizedWeight, quantize_q4_0
 from kvserve.module import InferenceModule
 
 # HF checkpoint projection name -> (our fused module, shard id)
@@ -21,6 +21,7 @@ PACKED_MODULES = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
 }
+_HEAD_ROWS = 8192   # output rows requantized at a time (quantize_head_q4_0): their float32 copy stays small
 
 
 class LlamaAttention(InferenceModule):
@@ -182,11 +183,24 @@ class LlamaForCausalLM(InferenceModule):
             self.packed_lm_head = extra[0]
         return num
 
+    def _output_matrix(self) -> Linear | VocabEmbedding:
+        """The module whose rows give the logits: the head, or the embedding table of a tied model."""
+        return self.lm_head if self.lm_head is not None else self.model.embed_tokens
+
+    def _set_quantized_head(self, quant: QuantizedWeight, dtype: torch.dtype) -> None:
+        """A head of its own (untying a tied model's) that multiplies `quant`; its weight is shape-only."""
+        n, k = quant.out_features, self.config.hidden_size
+        head = Linear(k, n)
+        head.packed = PackedWeight(n, quant=quant)
+        head.weight = nn.Parameter(torch.empty(n, k, dtype=dtype, device="meta"), requires_grad=False)
+        self.lm_head = head
+        self.packed_lm_head = None
+
     def restrict_vocab(self, n: int) -> None:
         """Logits for the first n token ids only (a speculative draft model's proposals): the output matrix keeps
         its first n rows, in its own format (a GGUF head stays quantized; an int8 head's rows come in groups of 16,
         so n rounds up to the group). Call after loading, before prepack()."""
-        src = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        src = self._output_matrix()
         quant = src.quantized
         rows = quant.out_features if quant is not None else src.weight.shape[0]
         if not 1 <= n <= rows or self.tp is not None:
@@ -194,16 +208,38 @@ class LlamaForCausalLM(InferenceModule):
                              (" on a tensor-parallel shard" if self.tp is not None else ""))
         if quant is not None and len(quant.segments) == 1 and quant.segments[0].ggml_type == INT8:
             n = min(-(-n // INT8_GROUP) * INT8_GROUP, quant.out_features)
-        head = Linear(self.config.hidden_size, n)
         if quant is None:
+            head = Linear(self.config.hidden_size, n)
             head.weight = nn.Parameter(src.weight[:n].clone(), requires_grad=False)
+            self.lm_head = head
+            self.packed_lm_head = None
         else:
             part = quant.segments[0]   # an output matrix or embedding table is one segment
-            head.packed = PackedWeight(n, quant=QuantizedWeight([replace(part, data=part.data[:n])]))
-            head.weight = nn.Parameter(torch.empty(n, self.config.hidden_size, dtype=src.weight.dtype, device="meta"),
-                                       requires_grad=False)
-        self.lm_head = head
-        self.packed_lm_head = None
+            self._set_quantized_head(QuantizedWeight([replace(part, data=part.data[:n])]), src.weight.dtype)
+
+    def head_format(self) -> str | None:
+        """The output matrix's quantized format (Q8_0, Q6_K, INT8, ...); None where it is a plain weight."""
+        quant = self._output_matrix().quantized
+        return None if quant is None else "+".join(quant.formats())
+
+    def quantize_head_q4_0(self) -> None:
+        """The output matrix requantized to Q4_0 (quantize_q4_0), from its quantized rows or its plain weight, a
+        chunk of rows at a time: a speculative draft's head, whose logits only choose what verification checks.
+        Call after loading (and restrict_vocab), before prepack()."""
+        src = self._output_matrix()
+        quant, k = src.quantized, self.config.hidden_size
+        if k % 32 or self.tp is not None:
+            raise ValueError(f"quantize_head_q4_0 of a hidden size of {k} (a multiple of 32 is needed)"
+                             if k % 32 else "quantize_head_q4_0 on a tensor-parallel shard")
+        rows = quant.out_features if quant is not None else src.weight.shape[0]
+        part = None if quant is None else quant.segments[0]   # an output matrix or embedding table is one segment
+        chunks = []
+        for r0 in range(0, rows, _HEAD_ROWS):
+            dense = (src.weight[r0:r0 + _HEAD_ROWS] if part is None
+                     else replace(part, data=part.data[r0:r0 + _HEAD_ROWS]).dequantize())
+            chunks.append(quantize_q4_0(dense).data)
+        self._set_quantized_head(QuantizedWeight([QuantizedTensor(Q4_0, torch.cat(chunks), k, "int8")]),
+                                 src.weight.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; unknown or missing names raise ModelLoadError."""

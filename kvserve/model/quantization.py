@@ -243,6 +243,25 @@ def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
     return QuantizedTensor(Q8_0, out.view(n, -1), k, "int8")
 
 
+Q4_0 = FORMAT_IDS["Q4_0"]
+
+
+def quantize_q4_0(w: torch.Tensor) -> QuantizedTensor:
+    """W [N, K] (K a multiple of 32) as Q4_0 rows, the bytes ggml's quantize_row_q4_0_ref writes: per 32 values
+    of a row, m = the value of largest |w| (the first of ties), d = m / -8, q = min(15, trunc(w / d + 8.5)) packed
+    two to a byte (values i and i + 16 in byte i, low nibble first), d stored as float16."""
+    n, k = w.shape
+    out = torch.empty(n, k // 32, 18, dtype=torch.uint8)   # per block: float16 d, then 16 bytes of nibbles
+    for r0 in range(0, n, _Q8_ROWS):   # in row chunks: the float32 temporaries stay small
+        x = w[r0:r0 + _Q8_ROWS].detach().float().reshape(-1, k // 32, 32)
+        d = x.gather(-1, x.abs().argmax(-1, keepdim=True)) / -8
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        q = (x * inv + 8.5).trunc().clamp(0, 15).to(torch.uint8)
+        out[r0:r0 + _Q8_ROWS, :, :2] = d.to(torch.float16).view(torch.uint8)
+        out[r0:r0 + _Q8_ROWS, :, 2:] = q[..., :16] | (q[..., 16:] << 4)
+    return QuantizedTensor(Q4_0, out.view(n, -1), k, "int8")
+
+
 def _int8_target(name: str) -> bool:
     return (name.startswith("model.layers.") and name.endswith("_proj.weight")) or name in (
         "model.embed_tokens.weight", "lm_head.weight")

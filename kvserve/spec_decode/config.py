@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from kvserve.errors import InvalidRequestError
 
 METHODS = ("ngram", "suffix", "draft_model")
+HEAD_QUANTIZATIONS = ("auto", "q4_0", None)
 PARAM = "speculative_config"
 
 
@@ -20,6 +21,10 @@ class SpeculativeConfig:
     # draft_model: the draft proposes among the first N token ids only (a BPE vocabulary puts its frequent tokens
     # first), computing logits for those rows of its output matrix; verification keeps the output exact
     draft_vocab_size: int | None = None
+    # draft_model: the draft's output matrix requantized to Q4_0 at load ("q4_0"), or kept as stored (None);
+    # "auto": requantized where it is stored in 8 bits (Q8_0, --quantization int8's INT8). Its logits only choose
+    # the proposals, which verification checks: the output stays exact (docs/speculative_decoding.md)
+    draft_head_quantization: str | None = "auto"
     prompt_lookup_min: int = 2           # ngram: shortest suffix n-gram looked up in the sequence
     prompt_lookup_max: int = 5           # ngram: longest
     suffix_max_tree_depth: int = 24      # suffix: longest context matched, and the trees' depth
@@ -77,6 +82,10 @@ class SpeculativeConfig:
                 bad(f"draft_vocab_size applies to method draft_model only, not {self.method}")
             if not _is_int(self.draft_vocab_size) or self.draft_vocab_size < 1:
                 bad(f"draft_vocab_size must be an integer >= 1, got {self.draft_vocab_size!r}")
+        if self.draft_head_quantization not in HEAD_QUANTIZATIONS:
+            bad(f"draft_head_quantization must be one of {HEAD_QUANTIZATIONS}, got {self.draft_head_quantization!r}")
+        if self.draft_head_quantization == "q4_0" and self.method != "draft_model":
+            bad(f"draft_head_quantization applies to method draft_model only, not {self.method}")
         if not (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
             bad("prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "

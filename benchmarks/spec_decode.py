@@ -13,8 +13,8 @@ Sections (greedy throughout, prefix caching off so that every repeat does the sa
           k=16 with that tree (the repeat case, an upper bound).
   draft   Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) with Qwen2.5-Coder-0.5B-Instruct as the draft model
           (`make models`; skipped without them): 2 code prompts, max_tokens 64. Configurations: off, draft k=3,
-          draft k=5 (the draft's Q8_0 head requantized to Q4_0, draft_head_quantization "auto"), draft k=3 with
-          the file's head (draft_head_quantization null), draft k=3 with draft_vocab_size 32768, ngram k=5. One
+          draft k=5, draft k=3 with the file's Q8_0 head (draft_head_quantization null; the others requantize it
+          to Q4_0, the default "auto"), draft k=3 with draft_vocab_size 32768, ngram k=5. One
           engine holds both models and the configurations are switched on it between runs (switch_speculation),
           but for the file's head and the draft vocabulary, set at load: each gets an engine of its own. All
           sections run with --quantization (auto: the GGUFs stay quantized) and --dtype.

@@ -147,9 +147,10 @@ def test_avx512_vnni_and_avx2_builds_agree_bit_for_bit(fmt):
     if native is None or native.kvserve_quant_simd() != 2:
         pytest.skip("no AVX-512 VNNI on this CPU: its native build is the AVX2 one")
     # 32-value formats: 11 blocks (a partial octet), 16 (whole ones), 17, 18, 20 (last groups of 1, 2, 4 blocks
-    # shared across rows)
-    shapes = (512,) if superblocks(fmt) else (352, 512, 544, 576, 640)
-    x = torch.randn(17, 640, generator=torch.Generator().manual_seed(5))
+    # shared across rows); long rows, whose rows of x from 2 on go in runs of octets (rows_in_runs): 8960 values,
+    # and 8032, 8000, 8224 (a partial last octet; last groups of 2 and 1 blocks)
+    shapes = (512, 8960) if superblocks(fmt) else (352, 512, 544, 576, 640, 8032, 8000, 8224)
+    x = torch.randn(17, 8960, generator=torch.Generator().manual_seed(5))
     outs = {}
     for variant in ("native", "no-avx512"):
         with kernels.variant(variant) as lib:

@@ -348,7 +348,7 @@ def test_head_requantized_to_q4_0_is_ggmls_q4_0_of_its_rows(tmp_path, weights, t
 def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, gguf_path, tmp_path):
     # draft_head_quantization: "q4_0" requantizes a dense draft's head, "auto" a Q8_0 GGUF draft's and leaves a
     # dense one's, null keeps the Q8_0 one; the output stays the target's. A hidden size that Q4_0's blocks of 32
-    # do not divide is refused at start
+    # do not divide is refused at start, and so is "q4_0" without the C++ kernels
     from transformers import AutoModelForCausalLM
     from model_utils import write_tiny_gguf
     target, draft = tiny_pair
@@ -366,9 +366,13 @@ def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, gguf_path, tmp_path):
         assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
         assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
     save_tiny_model("qwen2", tmp_path / "narrow", num_hidden_layers=1, vocab_size=96, hidden_size=48)
-    with pytest.raises(InvalidRequestError, match="multiple of 32"):
+    with pytest.raises(InvalidRequestError, match="hidden size 48 is not a multiple of 32"):
         make_llm({"model": str(tmp_path / "narrow"), "num_speculative_tokens": 2, "draft_head_quantization": "q4_0"},
                  model=target, tokenizer=gguf_path)
+    from kvserve import kernels
+    with kernels.variant("none"), pytest.raises(InvalidRequestError, match="needs the CPU and its C\\+\\+ kernels"):
+        make_llm({"model": draft, "num_speculative_tokens": 2, "draft_head_quantization": "q4_0"}, model=target,
+                 tokenizer=gguf_path)
 
 
 def two_sample_chi_square(a: list[int], b: list[int]) -> tuple[float, float]:

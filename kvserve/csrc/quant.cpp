@@ -747,10 +747,10 @@ KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const 
   }
 }
 
-// With several rows of x, the weight row is prefetched PREFETCH_AHEAD bytes ahead: over wide rows (Qwen2.5-Coder-
-// 1.5B's ffn_down, 8960 inputs: 12 KiB of activations per row of x), the hardware's prefetch of the weights fell
-// behind, and several rows streamed from memory ran markedly slower than with it (docs/benchmarks.md). One row of
-// x keeps the hardware's, which measured no worse.
+// With several rows of x, a weight row taken in one pass is prefetched PREFETCH_AHEAD bytes ahead: with several
+// rows the hardware's prefetch of the weights fell behind (docs/benchmarks.md, 2026-11-24, measured on rows whose
+// activations now go in runs instead: quant_matmul.cpp's rows_in_runs, which prefetches the next unit's rows into
+// L2). One row of x keeps the hardware's, which measured no worse.
 constexpr int64_t PREFETCH_AHEAD = 2048;
 // acc[r] += octets o0 .. o1 - 1 of the dot of weight row w (nsub blocks) and x row r, in float lanes (not summed
 // across: a row's octets taken in runs, as quant_matmul.cpp's rows_in_runs, sum to the same bits as in one pass);

@@ -187,13 +187,14 @@ template <int R> constexpr int64_t run_octets() {
   return std::max<int64_t>(1, RUN_BYTES / (R * int64_t(sizeof(QX))));
 }
 
-// rows_over's single rows (those read from memory, and Q6_K's) when their R rows of x overflow L1 (Qwen2.5-Coder-
-// 1.5B's ffn_down, 8960 inputs: 12 KiB a row of x, from 2 rows on): the rows go a run of run_octets at a time, every
-// weight row through each run, so that the run's activations stay in L1 while the rows pass. Each (weight row, row
-// of x) keeps its float lanes between runs, so its octets add in the same order and the result is the same bits as
-// in one pass (octets_dot). The runs' jumps between rows defeat the hardware's prefetchers: each run prefetches,
-// into L2, the same bytes QNB rows on, the next unit's, which the same thread takes next (into L1, or 2 KiB ahead in
-// the row as one pass does, measured 0.7-0.9x slower from memory).
+// rows_over's rows that are not taken in pairs, when their R rows of x overflow L1 (Qwen2.5-Coder-1.5B's ffn_down,
+// 8960 inputs: 12 KiB a row of x, from 2 rows on): the rows go a run of run_octets at a time, every weight row
+// through each run, so that the run's activations stay in L1 while the rows pass. Each (weight row, row of x) keeps
+// its float lanes between runs, so its octets add in the same order and the result is the same bits as in one pass
+// (octets_dot). The runs' jumps between rows defeat the hardware's prefetchers: each run prefetches, into L2, the
+// same bytes QNB rows on, the next unit's, which the same thread takes next within its static share of the units
+// (from a unit's first row tile, which reads it from memory; a later tile's prefetch finds it cached). A prefetch
+// into L1, or 2 KiB ahead in the row as one pass does, measured slower (docs/benchmarks.md).
 template <int T, int R>
 void rows_in_runs(const uint8_t* w, int64_t count, int64_t row_bytes, const QX* const* xr, int64_t nblocks,
                   float (*out)[QKR]) {
@@ -218,8 +219,8 @@ void rows_in_runs(const uint8_t* w, int64_t count, int64_t row_bytes, const QX* 
 // weight rows w, w + row_bytes, ... (count of them) over their first nblocks blocks against R rows of x, into out[i]:
 // rows in cache go two at a time (row_dot_pair, R split in two passes past 4) where the format and whole octets
 // allow. Rows read from memory go one at a time: a pair's two interleaved streams defeat the hardware prefetchers
-// (at 2-4 rows of x, 0.5-0.75x the speed of one row at a time over Qwen2.5-Coder-1.5B's ffn_up from DRAM); in runs
-// of octets (rows_in_runs) where their rows of x overflow L1.
+// (docs/benchmarks.md). The rows not taken in pairs go in runs of octets (rows_in_runs) where their rows of x
+// overflow L1.
 template <int T, int R, typename A>
 KV_ALWAYS_INLINE void rows_over(const uint8_t* w, int64_t count, int64_t row_bytes, const A* const* xr,
                                 int64_t nblocks, float (*out)[QKR], bool cached) {

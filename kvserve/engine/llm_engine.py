@@ -222,8 +222,8 @@ class LLMEngine:
                                                       and stored in ("Q8_0", "INT8")):
             try:
                 draft.quantize_head_q4_0()
-            except ValueError as e:
-                raise InvalidRequestError(f"speculative_config: draft_head_quantization: {e}",
+            except (ValueError, KVServeError) as e:
+                raise InvalidRequestError(f"speculative_config: draft_head_quantization q4_0: {e}",
                                           "speculative_config") from None
             logger.info("kvserve: the draft model's output matrix requantized from %s to Q4_0 "
                         "(speculative_config draft_head_quantization)", stored or "its plain weights")

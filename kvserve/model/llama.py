@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from kvserve import kernels
 from kvserve.attention import Attention
 from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding,
                                   PackedWeight, apply_rotary, load_packed_weights, packed_linear, prepack_linears,
@@ -228,9 +229,14 @@ class LlamaForCausalLM(InferenceModule):
         Call after loading (and restrict_vocab), before prepack()."""
         src = self._output_matrix()
         quant, k = src.quantized, self.config.hidden_size
-        if k % 32 or self.tp is not None:
-            raise ValueError(f"quantize_head_q4_0 of a hidden size of {k} (a multiple of 32 is needed)"
-                             if k % 32 else "quantize_head_q4_0 on a tensor-parallel shard")
+        if self.model.norm.weight.device.type != "cpu" or kernels.load() is None:
+            raise ValueError("a Q4_0 output matrix needs the CPU and its C++ kernels")
+        if k % 32:
+            raise ValueError(f"the hidden size {k} is not a multiple of 32 (Q4_0's blocks)")
+        if self.tp is not None:
+            raise ValueError("a tensor-parallel shard's output matrix is not requantized")
+        if self.head_format() == "Q4_0":
+            return
         rows = quant.out_features if quant is not None else src.weight.shape[0]
         part = None if quant is None else quant.segments[0]   # an output matrix or embedding table is one segment
         chunks = []

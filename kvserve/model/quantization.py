@@ -248,8 +248,8 @@ Q4_0 = FORMAT_IDS["Q4_0"]
 
 def quantize_q4_0(w: torch.Tensor) -> QuantizedTensor:
     """W [N, K] (K a multiple of 32) as Q4_0 rows, the bytes ggml's quantize_row_q4_0_ref writes: per 32 values
-    of a row, m = the value of largest |w| (the first of ties), d = m / -8, q = min(15, trunc(w / d + 8.5)) packed
-    two to a byte (values i and i + 16 in byte i, low nibble first), d stored as float16."""
+    of a row, m = the value of largest |w| (the first of ties), d = m / -8, q = min(15, trunc(w * (1 / d) + 8.5))
+    in float32, packed two to a byte (values i and i + 16 in byte i, low nibble first), d stored as float16."""
     n, k = w.shape
     out = torch.empty(n, k // 32, 18, dtype=torch.uint8)   # per block: float16 d, then 16 bytes of nibbles
     for r0 in range(0, n, _Q8_ROWS):   # in row chunks: the float32 temporaries stay small

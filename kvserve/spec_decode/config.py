@@ -83,7 +83,7 @@ class SpeculativeConfig:
             if not _is_int(self.draft_vocab_size) or self.draft_vocab_size < 1:
                 bad(f"draft_vocab_size must be an integer >= 1, got {self.draft_vocab_size!r}")
         if self.draft_head_quantization not in HEAD_QUANTIZATIONS:
-            bad(f"draft_head_quantization must be one of {HEAD_QUANTIZATIONS}, got {self.draft_head_quantization!r}")
+            bad(f'draft_head_quantization must be "auto", "q4_0" or null, got {self.draft_head_quantization!r}')
         if self.draft_head_quantization == "q4_0" and self.method != "draft_model":
             bad(f"draft_head_quantization applies to method draft_model only, not {self.method}")
         if not (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)

@@ -747,24 +747,20 @@ KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const 
   }
 }
 
-// With several rows of x, a weight row taken in one pass is prefetched PREFETCH_AHEAD bytes ahead: with several
-// rows the hardware's prefetch of the weights fell behind (docs/benchmarks.md, 2026-11-24, measured on rows whose
-// activations now go in runs instead: quant_matmul.cpp's rows_in_runs, which prefetches the next unit's rows into
-// L2). One row of x keeps the hardware's, which measured no worse.
-constexpr int64_t PREFETCH_AHEAD = 2048;
 // acc[r] += octets o0 .. o1 - 1 of the dot of weight row w (nsub blocks) and x row r, in float lanes (not summed
-// across: a row's octets taken in runs, as quant_matmul.cpp's rows_in_runs, sum to the same bits as in one pass);
-// with R > 1 the weights `ahead` bytes on are prefetched, with `hint`
-template <int T, int R, int hint = _MM_HINT_T0>
+// across: a row's octets taken in runs, as quant_matmul.cpp's rows_in_runs, sum to the same bits as in one pass).
+// PREFETCH: the weights `ahead` bytes on are prefetched into L2 (rows_in_runs: the next unit's); a row in one pass
+// leaves its weights to the hardware's prefetchers (a prefetch 2 KiB ahead in the row, once needed for the long
+// rows that now go in runs, no longer pays: docs/benchmarks.md)
+template <int T, int R, bool PREFETCH = false>
 KV_ALWAYS_INLINE void octets_dot(const uint8_t* w, const QX* const* x, int64_t nsub, int64_t o0, int64_t o1,
-                                 __m256* acc, int64_t ahead = PREFETCH_AHEAD) {
+                                 __m256* acc, int64_t ahead = 0) {
   static_assert(in_octets<T>());
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* group = w + o * octet_bytes<T>();
-    if constexpr (R > 1)   // prefetches never fault: those past the matrix's end are harmless
+    if constexpr (PREFETCH)   // prefetches never fault: those past the matrix's end are harmless
       for (int64_t at = 0; at < octet_bytes<T>(); at += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(group) + ahead + at),
-                     static_cast<decltype(_MM_HINT_T0)>(hint));
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(group) + ahead + at), _MM_HINT_T1);
     __m256i q[8];
     OctetScales sc;
     if constexpr (Format<T>::SUBS == 8) {   // whole super-blocks

@@ -207,7 +207,7 @@ void rows_in_runs(const uint8_t* w, int64_t count, int64_t row_bytes, const QX* 
     for (int64_t i = 0; i < count; ++i) {
       __m256 a[R];   // in registers over the run (else GCC steps through acc's memory: a store-to-load chain)
       for (int r = 0; r < R; ++r) a[r] = acc[i][r];
-      octets_dot<T, R, _MM_HINT_T1>(w + i * row_bytes, xr, nblocks, o0, o1, a, QNB * row_bytes);
+      octets_dot<T, R, true>(w + i * row_bytes, xr, nblocks, o0, o1, a, QNB * row_bytes);
       for (int r = 0; r < R; ++r) acc[i][r] = a[r];
     }
   }

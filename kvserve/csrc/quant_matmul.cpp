@@ -194,7 +194,7 @@ template <int R> constexpr int64_t run_octets() {
 // (octets_dot). The runs' jumps between rows defeat the hardware's prefetchers: each run prefetches, into L2, the
 // same bytes QNB rows on, the next unit's, which the same thread takes next within its static share of the units
 // (from a unit's first row tile, which reads it from memory; a later tile's prefetch finds it cached). A prefetch
-// into L1, or 2 KiB ahead in the row as one pass does, measured slower (docs/benchmarks.md).
+// into L1, or 2 KiB ahead in the row, measured slower (docs/benchmarks.md).
 template <int T, int R>
 void rows_in_runs(const uint8_t* w, int64_t count, int64_t row_bytes, const QX* const* xr, int64_t nblocks,
                   float (*out)[QKR]) {

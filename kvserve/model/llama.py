@@ -14,7 +14,8 @@ from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding
                                   rotate_heads_inplace)
 from kvserve.model.fused import FusedLayers, binding_key, build_fused_layers, is_same_binding
 from kvserve.model.model_config import ModelConfig
-from kvserve.model.quantization import INT8, INT8_GROUP, Q4_0, QuantizedTensor, QuantizedWeight, quantize_q4_0
+from kvserve.model.quantization import (INT8, INT8_GROUP, Q4_0, QuantizedTensor, QuantizedWeight, embedding_rows,
+                                        quantize_q4_0)
 from kvserve.module import InferenceModule
 
 # HF checkpoint projection name -> (our fused module, shard id)
@@ -240,9 +241,9 @@ class LlamaForCausalLM(InferenceModule):
         rows = quant.out_features if quant is not None else src.weight.shape[0]
         part = None if quant is None else quant.segments[0]   # an output matrix or embedding table is one segment
         chunks = []
-        for r0 in range(0, rows, _HEAD_ROWS):
+        for r0 in range(0, rows, _HEAD_ROWS):   # quantized rows dequantized by the kernels' embedding lookup
             dense = (src.weight[r0:r0 + _HEAD_ROWS] if part is None
-                     else replace(part, data=part.data[r0:r0 + _HEAD_ROWS]).dequantize())
+                     else embedding_rows(part, torch.arange(r0, min(rows, r0 + _HEAD_ROWS)), torch.float32))
             chunks.append(quantize_q4_0(dense).data)
         self._set_quantized_head(QuantizedWeight([QuantizedTensor(Q4_0, torch.cat(chunks), k, "int8")]),
                                  src.weight.dtype)

@@ -225,7 +225,7 @@ def test_tp2_with_a_draft_model_equals_no_speculation(tmp_path, gguf_path):
     """The draft model runs whole on rank 0, its KV beside rank 0's shard; copy-on-write copies its proposals make
     (n=2 samples fork a shared block) reach the other rank before its next step. Greedy output equals one process
     without speculation, under chunked prefill, preemption and prefix caching."""
-    from test_spec_decode import STRESS, save_first_layer_draft, tiny_prompts
+    from spec_utils import STRESS, save_first_layer_draft, tiny_prompts
     save_tiny_model("qwen2", tmp_path / "target", num_hidden_layers=3, vocab_size=96)
     save_first_layer_draft(tmp_path / "target", tmp_path / "draft")
     kwargs = dict(model=str(tmp_path / "target"), tokenizer=gguf_path, dtype="float32", **STRESS)

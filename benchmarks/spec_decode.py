@@ -7,10 +7,12 @@ Sections (greedy throughout, prefix caching off so that every repeat does the sa
   single  one request at a time on the bundled SmolLM2-135M: 3 copy-heavy chat prompts (edit a code snippet or a
           paragraph) and the first --single-copy-prompts (5) of the batch section's copy-heavy prompts (a few
           prompts make a fragile workload: a greedy token flipped by float rounding can turn an answer away from
-          copying), max_tokens 128. Configurations: off, ngram k=5 (lookup 2-5; and with adaptive_draft_length
-          off, every proposal k), suffix k=16 and k=8 with the global tree off (suffix_max_cached_requests 0: the
-          repeats send the same prompts, and a tree of earlier outputs would draft them from memory), and suffix
-          k=16 with that tree (the repeat case, an upper bound).
+          copying), max_tokens 128. Configurations: off, ngram k=5 (lookup 2-5) and k=7, suffix k=16 and k=8
+          with the global tree off (suffix_max_cached_requests 0: the repeats send the same prompts, and a tree of
+          earlier outputs would draft them from memory), and suffix k=16 with that tree (the repeat case, an upper
+          bound); all with drafts sized by their match (max_spec_factor 1, the default), and ngram k=5 and
+          suffix k=16 again "history-sized" (max_spec_factor null, adaptive_draft_length true: each draft as long
+          as the last verification accepted plus one).
   draft   Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) with Qwen2.5-Coder-0.5B-Instruct as the draft model
           (`make models`; skipped without them): 2 code prompts, max_tokens 64. Configurations: off, draft k=3,
           draft k=5, draft k=3 with the file's Q8_0 head (draft_head_quantization null; the others requantize it
@@ -283,9 +285,12 @@ def tpot_table(rows: dict) -> list[str]:
 # ----- sections -----
 def bench_single(args) -> tuple[dict, list[str]]:
     suffix = {"method": "suffix", "suffix_max_cached_requests": 0}
+    by_history = {"max_spec_factor": None, "adaptive_draft_length": True}
     configs = {"off": None, "ngram k=5": NGRAM5,
-               "ngram k=5, fixed length": {**NGRAM5, "adaptive_draft_length": False},
+               "ngram k=5, history-sized": {**NGRAM5, **by_history},
+               "ngram k=7": {**NGRAM5, "num_speculative_tokens": 7},
                "suffix k=16": {**suffix, "num_speculative_tokens": 16},
+               "suffix k=16, history-sized": {**suffix, "num_speculative_tokens": 16, **by_history},
                "suffix k=8": {**suffix, "num_speculative_tokens": 8},
                "suffix k=16, global tree": {"method": "suffix", "num_speculative_tokens": 16}}
     llms = {name: make_llm(None, spec, args, max_model_len=1024, kv_cache_memory="256MiB")

@@ -179,6 +179,9 @@ def test_adaptive_draft_length_follows_the_accepted_runs(adaptive, reference):
     ({"method": "ngram", "num_speculative_tokens": 3, "adaptive_draft_length": "yes"}, "adaptive_draft_length"),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_head_quantization": "q4_0"}, "draft_model only"),
     ({"model": "x", "num_speculative_tokens": 3, "draft_head_quantization": "q8"}, "draft_head_quantization must"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "max_spec_factor": 0}, "max_spec_factor"),
+    ({"method": "suffix", "num_speculative_tokens": 3, "max_spec_factor": "2"}, "max_spec_factor"),
+    ({"method": "suffix", "num_speculative_tokens": 3, "max_spec_factor": True}, "max_spec_factor"),
 ])
 def test_bad_configs_are_refused_at_start(spec, match):
     with pytest.raises(InvalidRequestError, match=match) as e:
@@ -189,6 +192,19 @@ def test_bad_configs_are_refused_at_start(spec, match):
 def test_method_is_inferred_from_the_draft_model():
     assert SpeculativeConfig.parse({"model": "x", "num_speculative_tokens": 2}).method == "draft_model"
     assert SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 2}').method == "suffix"
+
+
+def test_draft_length_defaults_by_method():
+    # the history rule (adaptive_draft_length) defaults on for a draft model only; n-gram and suffix drafts are
+    # sized by their match (max_spec_factor 1), and either may be set
+    parse = SpeculativeConfig.parse
+    assert parse({"model": "x", "num_speculative_tokens": 2}).adaptive_draft_length is True
+    for method in ("ngram", "suffix"):
+        config = parse({"method": method, "num_speculative_tokens": 2})
+        assert config.adaptive_draft_length is False and config.max_spec_factor == 1.0
+    config = parse({"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft_length": True,
+                    "max_spec_factor": None})
+    assert config.adaptive_draft_length is True and config.max_spec_factor is None
 
 
 # ----- metrics -----

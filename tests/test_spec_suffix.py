@@ -32,15 +32,20 @@ def continuations(context, corpus, max_depth):
     return counts
 
 
-def reference_draft(token_ids, corpus, limit, max_depth, min_token_prob, min_match_len):
-    """(draft, score) from the longest suffix of token_ids that `corpus` continues; ([], 0.0) when none."""
-    hi = min(len(token_ids), max(max_depth - limit, min_match_len))
+def reference_draft(token_ids, corpus, limit, max_depth, min_token_prob, min_match_len, max_spec_factor=None):
+    """(draft, score) from the longest suffix of token_ids that `corpus` continues; ([], 0.0) when none. With
+    max_spec_factor f, the match may leave the draft ceil(max_depth * f / (1 + f)) of the depth (if less than
+    limit) and the draft is at most f x the match's length."""
+    room = limit if max_spec_factor is None else min(limit, -(-max_depth * max_spec_factor // (1 + max_spec_factor)))
+    hi = min(len(token_ids), max(max_depth - int(room), min_match_len))
     for m in range(hi, min_match_len - 1, -1):
         if continuations(token_ids[-m:], corpus, max_depth):
             context = token_ids[-m:]
             break
     else:
         return [], 0.0
+    if max_spec_factor is not None:
+        limit = min(limit, int(max_spec_factor * m + 1e-9))
     draft, score, prob = [], 0.0, 1.0
     while len(draft) < limit:
         counts = continuations(context, corpus, max_depth)
@@ -56,11 +61,12 @@ def reference_draft(token_ids, corpus, limit, max_depth, min_token_prob, min_mat
     return draft, score
 
 
-def reference_propose(token_ids, finished_outputs, k, max_tokens, max_depth, min_token_prob, min_match_len):
+def reference_propose(token_ids, finished_outputs, k, max_tokens, max_depth, min_token_prob, min_match_len,
+                      max_spec_factor=None):
     limit = min(k, max_tokens)
     if limit <= 0:
         return []
-    args = (limit, max_depth, min_token_prob, min_match_len)
+    args = (limit, max_depth, min_token_prob, min_match_len, max_spec_factor)
     local, local_score = reference_draft(token_ids, [token_ids], *args)
     cached, cached_score = reference_draft(token_ids, finished_outputs, *args)
     return cached if cached_score > local_score else local
@@ -109,6 +115,26 @@ def test_max_tokens_and_num_speculative_tokens_cap_the_draft():
     assert propose_once(seq, k=8, max_tokens=3) == [3, 4, 5]
     assert propose_once(seq, k=2, max_tokens=100) == [3, 4]
     assert propose_once(seq, k=8, max_tokens=0) == []
+
+
+def test_max_spec_factor_sizes_the_draft_by_the_match():
+    # the last 2 tokens [5, 6] occurred before, the 3 tokens [9, 5, 6] did not: a 2-token match
+    seq = [1, 5, 6, 7, 8, 9, 10, 11, 2, 5, 6]
+    assert propose_once(seq, k=8) == [7, 8, 9, 10, 11, 2, 5, 6]
+    assert propose_once(seq, k=8, max_spec_factor=1.0) == [7, 8]
+    assert propose_once(seq, k=8, max_spec_factor=2.5) == [7, 8, 9, 10, 11]
+    assert propose_once(seq, k=8, max_spec_factor=0.4) == []
+    # a copy under way matches long: the factor no longer binds, k does
+    block = list(range(100, 140))
+    assert propose_once(block + block[:12], k=8, max_spec_factor=1.0) == block[12:20]
+
+
+def test_max_spec_factor_splits_the_tree_depth_between_match_and_draft():
+    block = list(range(100, 140))
+    seq = block + block[:30]
+    # depth 24 at factor 1: a match of at most 12 and a draft of at most 12, not 24 - 16 = 8 and 8
+    assert propose_once(seq, k=16, max_tree_depth=24, max_spec_factor=1.0) == (block * 2)[30:42]
+    assert propose_once(seq, k=16, max_tree_depth=24) == (block * 2)[30:46]
 
 
 def test_a_repeat_longer_than_the_tree_depth_still_drafts_in_full():
@@ -225,21 +251,23 @@ def test_bad_arguments_raise(kw, param):
 
 settings_ = settings(max_examples=200, deadline=None, derandomize=True)
 params = dict(k=st.integers(1, 6), max_depth=st.integers(2, 8), min_token_prob=st.sampled_from([0.0, 0.1, 0.3, 0.6]),
-              min_match_len=st.integers(1, 3))
+              min_match_len=st.integers(1, 3), max_spec_factor=st.sampled_from([None, 0.5, 1.0, 1.5, 3.0]))
 
 
 @settings_
 @given(seq=st.lists(st.integers(0, 3), max_size=60), steps=st.lists(st.integers(1, 7), min_size=1, max_size=30),
        max_tokens=st.integers(0, 8), **params)
 def test_incremental_request_tree_matches_brute_force(seq, steps, max_tokens, k, max_depth, min_token_prob,
-                                                      min_match_len):
+                                                      min_match_len, max_spec_factor):
     min_match_len = min(min_match_len, max_depth - 1)
-    proposer = SuffixProposer(k, max_depth, min_token_prob=min_token_prob, min_match_len=min_match_len)
+    proposer = SuffixProposer(k, max_depth, min_token_prob=min_token_prob, min_match_len=min_match_len,
+                              max_spec_factor=max_spec_factor)
     n = 0
     for step in steps:
         n = min(n + step, len(seq))
         got = proposer.propose("r", seq[:n], 0, max_tokens)
-        assert got == reference_propose(seq[:n], [], k, max_tokens, max_depth, min_token_prob, min_match_len)
+        assert got == reference_propose(seq[:n], [], k, max_tokens, max_depth, min_token_prob, min_match_len,
+                                        max_spec_factor)
     tree = proposer._requests["r"].tree
     assert tree.num_nodes == count_nodes(tree.root)
 
@@ -248,14 +276,14 @@ def test_incremental_request_tree_matches_brute_force(seq, steps, max_tokens, k,
 @given(outputs=st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=8), query=st.lists(st.integers(0, 3),
        max_size=12), max_cached=st.integers(0, 3), **params)
 def test_global_tree_with_eviction_matches_brute_force(outputs, query, max_cached, k, max_depth, min_token_prob,
-                                                       min_match_len):
+                                                       min_match_len, max_spec_factor):
     min_match_len = min(min_match_len, max_depth - 1)
-    proposer = SuffixProposer(k, max_depth, max_cached, min_token_prob, min_match_len)
+    proposer = SuffixProposer(k, max_depth, max_cached, min_token_prob, min_match_len, max_spec_factor)
     for i, output in enumerate(outputs):
         proposer.finish(f"done-{i}", [99] + output, 1)
     cached = [o for o in outputs if o][-max_cached:] if max_cached else []
     got = proposer.propose("q", query, 0, 100)
-    assert got == reference_propose(query, cached, k, 100, max_depth, min_token_prob, min_match_len)
+    assert got == reference_propose(query, cached, k, 100, max_depth, min_token_prob, min_match_len, max_spec_factor)
     tree = proposer.global_tree
     assert tree.num_nodes == count_nodes(tree.root)
     for output in cached:   # removing what is left empties the tree: no zero-count nodes linger

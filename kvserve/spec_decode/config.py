@@ -33,10 +33,14 @@ class SpeculativeConfig:
     # no drafts in a step with more running requests than this: a big batch is compute-bound, and verifying
     # k + 1 tokens per request then costs about k + 1 decodes (docs/benchmarks.md measures the threshold)
     disable_by_batch_size: int | None = 8
+    # ngram and suffix: a draft is at most this many times as long as the context it matched (vLLM's
+    # suffix_decoding_max_spec_factor); None: up to num_speculative_tokens whatever the match
+    max_spec_factor: float | None = 1.0
     # per request, at most as many drafts as the last verification accepted plus one after a rejection, one more
     # after each verification that accepted all (up to num_speculative_tokens): a run of rejections costs few
-    # verified rows where each row costs compute (docs/speculative_decoding.md)
-    adaptive_draft_length: bool = True
+    # verified rows where each row costs compute (docs/speculative_decoding.md). None: on for draft_model; off
+    # for ngram and suffix, whose drafts max_spec_factor sizes by their match
+    adaptive_draft_length: bool | None = None
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -96,8 +100,14 @@ class SpeculativeConfig:
             bad(f"suffix_max_cached_requests must be an integer >= 0, got {self.suffix_max_cached_requests!r}")
         if not isinstance(self.suffix_min_token_prob, (int, float)) or not 0 <= self.suffix_min_token_prob <= 1:
             bad(f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob!r}")
+        if self.max_spec_factor is not None and (isinstance(self.max_spec_factor, bool)
+                                                 or not isinstance(self.max_spec_factor, (int, float))
+                                                 or not 0 < self.max_spec_factor < float("inf")):
+            bad(f"max_spec_factor must be a number > 0 or null, got {self.max_spec_factor!r}")
+        if self.adaptive_draft_length is None:
+            self.adaptive_draft_length = self.method == "draft_model"
         if not isinstance(self.adaptive_draft_length, bool):
-            bad(f"adaptive_draft_length must be true or false, got {self.adaptive_draft_length!r}")
+            bad(f"adaptive_draft_length must be true, false or null, got {self.adaptive_draft_length!r}")
         if self.disable_by_batch_size is not None and (not _is_int(self.disable_by_batch_size)
                                                        or self.disable_by_batch_size < 1):
             bad(f"disable_by_batch_size must be an integer >= 1 or null, got {self.disable_by_batch_size!r}")

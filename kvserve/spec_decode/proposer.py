@@ -41,7 +41,8 @@ def build_proposer(config: SpeculativeConfig, runner):
     if config.method == "ngram":
         from kvserve.spec_decode.ngram import NgramProposer
         return TokenProposer(NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                           config.prompt_lookup_max))
+                                           config.prompt_lookup_max, config.max_spec_factor))
     from kvserve.spec_decode.suffix import SuffixProposer
     return TokenProposer(SuffixProposer(config.num_speculative_tokens, config.suffix_max_tree_depth,
-                                        config.suffix_max_cached_requests, config.suffix_min_token_prob))
+                                        config.suffix_max_cached_requests, config.suffix_min_token_prob,
+                                        max_spec_factor=config.max_spec_factor))

@@ -15,6 +15,7 @@ node). The trees are uncompressed tries, so a request's tree holds up to `max_tr
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -94,22 +95,22 @@ class SuffixTree:
         return node
 
 
-def _longest_match(find: Callable[[int], _Node | None], lo: int, hi: int) -> _Node | None:
-    """The node find(m) of the largest m in [lo, hi] that has one; find(m) is the node of the sequence's last m tokens
-    when that node has children, else None.
+def _longest_match(find: Callable[[int], _Node | None], lo: int, hi: int) -> tuple[_Node | None, int]:
+    """(find(m), m) for the largest m in [lo, hi] that has a node, else (None, 0); find(m) is the node of the
+    sequence's last m tokens when that node has children, else None.
 
     Binary search is exact: if the last m tokens occurred followed by a token, so did any shorter suffix of them (in
     the same occurrence, and within the depth limit since its path is shorter).
     """
-    best = None
+    best, length = None, 0
     while lo <= hi:
         mid = (lo + hi) // 2
         node = find(mid)
         if node is None:
             hi = mid - 1
         else:
-            best, lo = node, mid + 1
-    return best
+            best, length, lo = node, mid, mid + 1
+    return best, length
 
 
 def _continued(node: _Node | None) -> _Node | None:
@@ -162,7 +163,7 @@ class SuffixProposer:
     """Suffix-decoding drafts from a per-request suffix tree and a global tree over finished requests' outputs."""
 
     def __init__(self, num_speculative_tokens: int, max_tree_depth: int = 24, max_cached_requests: int = 1000,
-                 min_token_prob: float = 0.1, min_match_len: int = 1):
+                 min_token_prob: float = 0.1, min_match_len: int = 1, max_spec_factor: float | None = None):
         def bad(msg, param):
             raise InvalidRequestError(msg, param)
         if num_speculative_tokens < 1:
@@ -175,11 +176,14 @@ class SuffixProposer:
             bad(f"min_token_prob must be in [0, 1], got {min_token_prob}", "min_token_prob")
         if not 1 <= min_match_len < max_tree_depth:
             bad(f"min_match_len must be in [1, max_tree_depth - 1], got {min_match_len}", "min_match_len")
+        if max_spec_factor is not None and not max_spec_factor > 0:
+            bad(f"max_spec_factor must be > 0 or None, got {max_spec_factor}", "max_spec_factor")
         self.num_speculative_tokens = num_speculative_tokens
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
         self.min_token_prob = min_token_prob
         self.min_match_len = min_match_len
+        self.max_spec_factor = max_spec_factor
         self.global_tree = SuffixTree(max_tree_depth)
         self._cached_outputs: deque[list[int]] = deque()   # oldest first, evicted FIFO
         self._requests: dict[str, _RequestTree] = {}
@@ -200,20 +204,30 @@ class SuffixProposer:
         if limit <= 0:
             return []
         # A path holds at most max_tree_depth tokens, match and draft together: leave room for `limit` draft tokens
-        # (else a long repeat would match max_tree_depth - 1 tokens and draft one).
+        # (else a long repeat would match max_tree_depth - 1 tokens and draft one), or, where drafts are at most
+        # max_spec_factor x the match, for the longest draft the depth allows a match and its draft.
+        room = limit
+        if self.max_spec_factor is not None:
+            room = min(limit, math.ceil(self.max_tree_depth * self.max_spec_factor / (1 + self.max_spec_factor)))
         lo = self.min_match_len
-        hi = min(len(token_ids), max(self.max_tree_depth - limit, lo))
+        hi = min(len(token_ids), max(self.max_tree_depth - room, lo))
         if hi < lo:
             return []
         ends = req.ends
-        local = _longest_match(lambda m: _continued(ends[m - 1]), lo, hi)
-        draft, score = _draft(local, limit, self.min_token_prob)
+        draft, score = self._draft(*_longest_match(lambda m: _continued(ends[m - 1]), lo, hi), limit)
         if self.global_tree.root.children:
             found = _longest_match(lambda m: _continued(self.global_tree.find(token_ids[-m:])), lo, hi)
-            global_draft, global_score = _draft(found, limit, self.min_token_prob)
+            global_draft, global_score = self._draft(*found, limit)
             if global_score > score:
                 return global_draft
         return draft
+
+    def _draft(self, node: _Node | None, match_len: int, limit: int) -> tuple[list[int], float]:
+        """The draft from a match of `match_len` tokens: at most max_spec_factor x match_len tokens (a short match
+        is weak evidence), then as _draft."""
+        if self.max_spec_factor is not None:
+            limit = min(limit, int(self.max_spec_factor * match_len + 1e-9))
+        return _draft(node, limit, self.min_token_prob)
 
     def finish(self, request_id: str, token_ids: Sequence[int] | None, num_prompt_tokens: int) -> None:
         """The request ended: drop its own tree; when token_ids is given, add its output (token_ids[num_prompt_tokens:])

@@ -182,6 +182,7 @@ def test_adaptive_draft_length_follows_the_accepted_runs(adaptive, reference):
     ({"method": "ngram", "num_speculative_tokens": 3, "max_spec_factor": 0}, "max_spec_factor"),
     ({"method": "suffix", "num_speculative_tokens": 3, "max_spec_factor": "2"}, "max_spec_factor"),
     ({"method": "suffix", "num_speculative_tokens": 3, "max_spec_factor": True}, "max_spec_factor"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "max_spec_factor": 10 ** 400}, "max_spec_factor"),
 ])
 def test_bad_configs_are_refused_at_start(spec, match):
     with pytest.raises(InvalidRequestError, match=match) as e:
@@ -205,6 +206,8 @@ def test_draft_length_defaults_by_method():
     config = parse({"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft_length": True,
                     "max_spec_factor": None})
     assert config.adaptive_draft_length is True and config.max_spec_factor is None
+    # a config built directly gets its method's default when the engine parses it
+    assert parse(SpeculativeConfig("draft_model", 2, model="x")).adaptive_draft_length is True
 
 
 # ----- metrics -----

@@ -1,5 +1,7 @@
 """NgramProposer on the CPU: exact drafts, and against a brute-force reference (hypothesis), with and without
 max_spec_factor, which sizes a draft by how far its match reaches back."""
+import math
+
 from hypothesis import given, settings, strategies as st
 
 from kvserve.spec_decode.ngram import NgramProposer
@@ -17,11 +19,9 @@ def reference(seq, k, lo, hi, factor, max_tokens):
         starts = [i for i in range(len(seq) - n) if seq[i:i + n] == seq[len(seq) - n:]]
         if starts and k > 0:
             i = starts[-1]
-            if factor is not None:
-                m = n
-                while i - (m - n) - 1 >= 0 and seq[i - (m - n) - 1] == seq[len(seq) - m - 1]:
-                    m += 1
-                k = min(k, int(factor * m + 1e-9))
+            if factor is not None:   # the longest j for which the j tokens up to i + n equal the last j
+                m = max(j for j in range(n, i + n + 1) if seq[i + n - j:i + n] == seq[len(seq) - j:])
+                k = min(k, math.floor(factor * m + 1e-9))
             return seq[i + n:i + n + k]
     return []
 

@@ -1,5 +1,6 @@
 """SuffixProposer on the CPU: exact drafts on small sequences, and a brute-force reference that counts each
 continuation of each suffix directly (hypothesis)."""
+import math
 from collections import Counter
 
 import pytest
@@ -34,18 +35,19 @@ def continuations(context, corpus, max_depth):
 
 def reference_draft(token_ids, corpus, limit, max_depth, min_token_prob, min_match_len, max_spec_factor=None):
     """(draft, score) from the longest suffix of token_ids that `corpus` continues; ([], 0.0) when none. With
-    max_spec_factor f, the match may leave the draft ceil(max_depth * f / (1 + f)) of the depth (if less than
-    limit) and the draft is at most f x the match's length."""
-    room = limit if max_spec_factor is None else min(limit, -(-max_depth * max_spec_factor // (1 + max_spec_factor)))
-    hi = min(len(token_ids), max(max_depth - int(room), min_match_len))
+    max_spec_factor f, a draft is at most f x its match's length, and the match leaves the depth room for the
+    longest draft any match length allows."""
+    cap = (lambda m: limit) if max_spec_factor is None else (lambda m: min(limit, math.floor(max_spec_factor * m
+                                                                                              + 1e-9)))
+    room = limit if max_spec_factor is None else max(min(cap(m), max_depth - m) for m in range(1, max_depth))
+    hi = min(len(token_ids), max(max_depth - room, min_match_len))
     for m in range(hi, min_match_len - 1, -1):
         if continuations(token_ids[-m:], corpus, max_depth):
             context = token_ids[-m:]
             break
     else:
         return [], 0.0
-    if max_spec_factor is not None:
-        limit = min(limit, int(max_spec_factor * m + 1e-9))
+    limit = cap(m)
     draft, score, prob = [], 0.0, 1.0
     while len(draft) < limit:
         counts = continuations(context, corpus, max_depth)
@@ -135,6 +137,8 @@ def test_max_spec_factor_splits_the_tree_depth_between_match_and_draft():
     # depth 24 at factor 1: a match of at most 12 and a draft of at most 12, not 24 - 16 = 8 and 8
     assert propose_once(seq, k=16, max_tree_depth=24, max_spec_factor=1.0) == (block * 2)[30:42]
     assert propose_once(seq, k=16, max_tree_depth=24) == (block * 2)[30:46]
+    # factor 1.5: a match of 10 allows 15 and leaves 14; 9 allows 13
+    assert propose_once(seq, k=16, max_tree_depth=24, max_spec_factor=1.5) == (block * 2)[30:44]
 
 
 def test_a_repeat_longer_than_the_tree_depth_still_drafts_in_full():
@@ -240,6 +244,10 @@ def test_tree_counts_are_occurrences():
     (dict(min_token_prob=1.5), "min_token_prob"),
     (dict(min_match_len=0), "min_match_len"),
     (dict(min_match_len=24), "min_match_len"),
+    (dict(max_spec_factor=0), "max_spec_factor"),
+    (dict(max_spec_factor=1e308), "max_spec_factor"),
+    (dict(max_spec_factor=True), "max_spec_factor"),
+    (dict(max_spec_factor="2"), "max_spec_factor"),
 ])
 def test_bad_arguments_raise(kw, param):
     with pytest.raises(InvalidRequestError) as err:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from kvserve.errors import InvalidRequestError
 
 METHODS = ("ngram", "suffix", "draft_model")
+MAX_SPEC_FACTOR = 64   # a match of one token then allows any k (num_speculative_tokens is at most 64)
 HEAD_QUANTIZATIONS = ("auto", "q4_0", None)
 PARAM = "speculative_config"
 
@@ -45,7 +46,10 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
         """From a dict, a JSON object text or a SpeculativeConfig; None stays None (no speculation)."""
-        if value is None or isinstance(value, cls):
+        if value is None:
+            return value
+        if isinstance(value, cls):   # built directly: checked, and its method's defaults filled in, here too
+            value.validate()
             return value
         if isinstance(value, str):
             try:
@@ -102,8 +106,8 @@ class SpeculativeConfig:
             bad(f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob!r}")
         if self.max_spec_factor is not None and (isinstance(self.max_spec_factor, bool)
                                                  or not isinstance(self.max_spec_factor, (int, float))
-                                                 or not 0 < self.max_spec_factor < float("inf")):
-            bad(f"max_spec_factor must be a number > 0 or null, got {self.max_spec_factor!r}")
+                                                 or not 0 < self.max_spec_factor <= MAX_SPEC_FACTOR):
+            bad(f"max_spec_factor must be a number in (0, {MAX_SPEC_FACTOR}] or null, got {self.max_spec_factor!r}")
         if self.adaptive_draft_length is None:
             self.adaptive_draft_length = self.method == "draft_model"
         if not isinstance(self.adaptive_draft_length, bool):
@@ -119,3 +123,9 @@ class SpeculativeConfig:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def spec_len(max_spec_factor: float, match_len: int) -> int:
+    """The most draft tokens a match of `match_len` tokens allows (max_spec_factor x match_len, rounded down; the
+    epsilon keeps 0.1 x 30 at 3)."""
+    return int(max_spec_factor * match_len + 1e-9)

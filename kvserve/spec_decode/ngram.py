@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from kvserve.spec_decode.config import spec_len
+
 
 class NgramProposer:
     """Looks up the longest suffix n-gram (prompt_lookup_max down to prompt_lookup_min) earlier in the sequence.
@@ -33,7 +35,7 @@ class NgramProposer:
             if len(hits):
                 hit = int(hits[-1])   # the most recent occurrence: in edits, the nearest context is the best
                 if self.max_spec_factor is not None:
-                    k = min(k, int(self.max_spec_factor * self._match_len(seq, hit, n, k) + 1e-9))
+                    k = min(k, spec_len(self.max_spec_factor, self._match_len(seq, hit, n, k)))
                 return seq[hit + n:hit + n + k].tolist()
         return []
 

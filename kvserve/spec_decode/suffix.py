@@ -15,11 +15,11 @@ node). The trees are uncompressed tries, so a request's tree holds up to `max_tr
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvserve.errors import InvalidRequestError
+from kvserve.spec_decode.config import MAX_SPEC_FACTOR, spec_len
 
 
 class _Node:
@@ -176,8 +176,11 @@ class SuffixProposer:
             bad(f"min_token_prob must be in [0, 1], got {min_token_prob}", "min_token_prob")
         if not 1 <= min_match_len < max_tree_depth:
             bad(f"min_match_len must be in [1, max_tree_depth - 1], got {min_match_len}", "min_match_len")
-        if max_spec_factor is not None and not max_spec_factor > 0:
-            bad(f"max_spec_factor must be > 0 or None, got {max_spec_factor}", "max_spec_factor")
+        if max_spec_factor is not None and (isinstance(max_spec_factor, bool)
+                                            or not isinstance(max_spec_factor, (int, float))
+                                            or not 0 < max_spec_factor <= MAX_SPEC_FACTOR):
+            bad(f"max_spec_factor must be a number in (0, {MAX_SPEC_FACTOR}] or None, got {max_spec_factor!r}",
+                "max_spec_factor")
         self.num_speculative_tokens = num_speculative_tokens
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
@@ -205,10 +208,8 @@ class SuffixProposer:
             return []
         # A path holds at most max_tree_depth tokens, match and draft together: leave room for `limit` draft tokens
         # (else a long repeat would match max_tree_depth - 1 tokens and draft one), or, where drafts are at most
-        # max_spec_factor x the match, for the longest draft the depth allows a match and its draft.
-        room = limit
-        if self.max_spec_factor is not None:
-            room = min(limit, math.ceil(self.max_tree_depth * self.max_spec_factor / (1 + self.max_spec_factor)))
+        # max_spec_factor x the match, for the longest draft a match and its draft can share the depth with.
+        room = limit if self.max_spec_factor is None else self._room(limit)
         lo = self.min_match_len
         hi = min(len(token_ids), max(self.max_tree_depth - room, lo))
         if hi < lo:
@@ -222,11 +223,17 @@ class SuffixProposer:
                 return global_draft
         return draft
 
+    def _room(self, limit: int) -> int:
+        """The longest draft of at most `limit` tokens that any match of m tokens allows (max_spec_factor x m, and
+        the max_tree_depth - m the path has left)."""
+        return max(min(limit, spec_len(self.max_spec_factor, m), self.max_tree_depth - m)
+                   for m in range(1, self.max_tree_depth))
+
     def _draft(self, node: _Node | None, match_len: int, limit: int) -> tuple[list[int], float]:
         """The draft from a match of `match_len` tokens: at most max_spec_factor x match_len tokens (a short match
         is weak evidence), then as _draft."""
         if self.max_spec_factor is not None:
-            limit = min(limit, int(self.max_spec_factor * match_len + 1e-9))
+            limit = min(limit, spec_len(self.max_spec_factor, match_len))
         return _draft(node, limit, self.min_token_prob)
 
     def finish(self, request_id: str, token_ids: Sequence[int] | None, num_prompt_tokens: int) -> None:

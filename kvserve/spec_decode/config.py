@@ -104,9 +104,7 @@ class SpeculativeConfig:
             bad(f"suffix_max_cached_requests must be an integer >= 0, got {self.suffix_max_cached_requests!r}")
         if not isinstance(self.suffix_min_token_prob, (int, float)) or not 0 <= self.suffix_min_token_prob <= 1:
             bad(f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob!r}")
-        if self.max_spec_factor is not None and (isinstance(self.max_spec_factor, bool)
-                                                 or not isinstance(self.max_spec_factor, (int, float))
-                                                 or not 0 < self.max_spec_factor <= MAX_SPEC_FACTOR):
+        if not is_spec_factor(self.max_spec_factor):
             bad(f"max_spec_factor must be a number in (0, {MAX_SPEC_FACTOR}] or null, got {self.max_spec_factor!r}")
         if self.adaptive_draft_length is None:
             self.adaptive_draft_length = self.method == "draft_model"
@@ -123,6 +121,11 @@ class SpeculativeConfig:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_spec_factor(x) -> bool:
+    """Whether x is a valid max_spec_factor: None, or a number in (0, MAX_SPEC_FACTOR]."""
+    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= MAX_SPEC_FACTOR)
 
 
 def spec_len(max_spec_factor: float, match_len: int) -> int:

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvserve.errors import InvalidRequestError
-from kvserve.spec_decode.config import MAX_SPEC_FACTOR, spec_len
+from kvserve.spec_decode.config import MAX_SPEC_FACTOR, is_spec_factor, spec_len
 
 
 class _Node:
@@ -176,9 +176,7 @@ class SuffixProposer:
             bad(f"min_token_prob must be in [0, 1], got {min_token_prob}", "min_token_prob")
         if not 1 <= min_match_len < max_tree_depth:
             bad(f"min_match_len must be in [1, max_tree_depth - 1], got {min_match_len}", "min_match_len")
-        if max_spec_factor is not None and (isinstance(max_spec_factor, bool)
-                                            or not isinstance(max_spec_factor, (int, float))
-                                            or not 0 < max_spec_factor <= MAX_SPEC_FACTOR):
+        if not is_spec_factor(max_spec_factor):
             bad(f"max_spec_factor must be a number in (0, {MAX_SPEC_FACTOR}] or None, got {max_spec_factor!r}",
                 "max_spec_factor")
         self.num_speculative_tokens = num_speculative_tokens
@@ -187,6 +185,9 @@ class SuffixProposer:
         self.min_token_prob = min_token_prob
         self.min_match_len = min_match_len
         self.max_spec_factor = max_spec_factor
+        # per draft limit 0..k, the depth the match leaves the draft (see propose): fixed by the settings
+        self._rooms = list(range(num_speculative_tokens + 1)) if max_spec_factor is None else [
+            self._room(limit) for limit in range(num_speculative_tokens + 1)]
         self.global_tree = SuffixTree(max_tree_depth)
         self._cached_outputs: deque[list[int]] = deque()   # oldest first, evicted FIFO
         self._requests: dict[str, _RequestTree] = {}
@@ -209,7 +210,7 @@ class SuffixProposer:
         # A path holds at most max_tree_depth tokens, match and draft together: leave room for `limit` draft tokens
         # (else a long repeat would match max_tree_depth - 1 tokens and draft one), or, where drafts are at most
         # max_spec_factor x the match, for the longest draft a match and its draft can share the depth with.
-        room = limit if self.max_spec_factor is None else self._room(limit)
+        room = self._rooms[limit]
         lo = self.min_match_len
         hi = min(len(token_ids), max(self.max_tree_depth - room, lo))
         if hi < lo:

@@ -16,9 +16,11 @@ Sections (greedy throughout, prefix caching off so that every repeat does the sa
   draft   Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) with Qwen2.5-Coder-0.5B-Instruct as the draft model
           (`make models`; skipped without them): 2 code prompts, max_tokens 64. Configurations: off, draft k=3,
           draft k=5, draft k=3 with the file's Q8_0 head (draft_head_quantization null; the others requantize it
-          to Q4_0, the default "auto"), draft k=3 with draft_vocab_size 32768, ngram k=5. One
-          engine holds both models and the configurations are switched on it between runs (switch_speculation),
-          but for the file's head and the draft vocabulary, set at load: each gets an engine of its own. All
+          to Q4_0, the default "auto"), draft k=3 with the whole vocabulary (draft_vocab_size null; the others
+          cut it to the first 32768 ids, the default "auto"), ngram k=5; then off, draft k=3 and draft k=3 with
+          the whole vocabulary on 2 Chinese prompts, whose text the cut leaves out. One engine holds both models
+          and the configurations are switched on it between runs (switch_speculation), but for the file's head
+          and the whole vocabulary, set at load: each gets an engine of its own. All
           sections run with --quantization (auto: the GGUFs stay quantized) and --dtype.
   batch   throughput of 64 concurrent requests (32 copy-heavy, 32 ordinary; max_tokens 64) on the bundled model:
           off, ngram k=5 with the default disable_by_batch_size (8) and ngram k=5 always on (None); then copy-heavy
@@ -129,6 +131,8 @@ DRAFT_PROMPTS = [
     "Complete this Python function. Reply with the code only.\n\n```python\ndef binary_search(items: list[int], "
     "target: int) -> int:\n    \"\"\"Index of target in the sorted list items, or -1 when it is absent.\"\"\"\n```",
 ]
+
+CHINESE_PROMPTS = ["请用中文解释什么是二分查找，并给出一个简单的例子。", "用中文写一段关于春天的短文，大约一百字。"]
 
 
 def copy_prompts() -> list[str]:
@@ -329,16 +333,17 @@ def bench_draft(args) -> tuple[dict | None, list[str]]:
         log(msg)
         return None, [msg]
     draft_spec = lambda k: {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+    whole = "draft k=3, whole vocabulary"
     configs = {"off": None, "draft k=3": draft_spec(3), "draft k=5": draft_spec(5),
                "draft k=3, file's head": {**draft_spec(3), "draft_head_quantization": None},
-               "draft k=3, vocab 32768": {**draft_spec(3), "draft_vocab_size": 32768}, "ngram k=5": NGRAM5}
+               whole: {**draft_spec(3), "draft_vocab_size": None}, "ngram k=5": NGRAM5}
     t0 = time.perf_counter()
     llm = make_llm(str(target), draft_spec(5), args, max_model_len=1024, kv_cache_memory="256MiB")
     load_s = time.perf_counter() - t0
     draft_model = llm.llm_engine.runner.draft_model
     # a draft vocabulary cuts the draft's head at load, and the head is requantized at load (its Q8_0 to Q4_0 by
     # default): those configurations get an engine of their own
-    own = ("draft k=3, file's head", "draft k=3, vocab 32768")
+    own = ("draft k=3, file's head", whole)
     llms = {name: llm for name in configs}
     for name in own:
         llms[name] = make_llm(str(target), configs[name], args, max_model_len=1024, kv_cache_memory="256MiB")
@@ -349,13 +354,19 @@ def bench_draft(args) -> tuple[dict | None, list[str]]:
             switch_speculation(llm, configs[name], draft_model)
 
     rows = tpot_section(llms, switch, prompts, args.draft_tokens, args.draft_repeats, llm.get_tokenizer())
+    # text the cut vocabulary leaves out: requests that draft from the whole one (full_draft_vocab)
+    chinese = chat_ids(llm, CHINESE_PROMPTS)
+    zh_llms = {name: llms[name] for name in ("off", "draft k=3", whole)}
+    zh_rows = tpot_section(zh_llms, switch, chinese, args.draft_tokens, args.draft_repeats, llm.get_tokenizer())
     switch_speculation(llm, draft_spec(5), draft_model)
     res = {"target": Path(target).name, "draft": Path(draft).name, "dtype": str(llm.llm_engine.dtype),
            "max_tokens": args.draft_tokens, "repeats": args.draft_repeats, "load_s": round(load_s, 1),
-           "prompt_tokens": [len(p) for p in prompts], "configs": configs, "rows": rows}
-    lines = [f"draft model, Qwen2.5-Coder-1.5B target / 0.5B draft ({res['dtype'].removeprefix('torch.')}), "
-             f"{len(prompts)} code prompts, max_tokens {args.draft_tokens}, median of {args.draft_repeats}", "",
-             *tpot_table(rows)]
+           "prompt_tokens": [len(p) for p in prompts], "configs": configs, "rows": rows,
+           "chinese_prompt_tokens": [len(p) for p in chinese], "chinese_rows": zh_rows}
+    title = (f"draft model, Qwen2.5-Coder-1.5B target / 0.5B draft ({res['dtype'].removeprefix('torch.')}), "
+             f"max_tokens {args.draft_tokens}, median of {args.draft_repeats}")
+    lines = [f"{title}, {len(prompts)} code prompts", "", *tpot_table(rows), "",
+             f"{title}, {len(chinese)} Chinese prompts", "", *tpot_table(zh_rows)]
     return res, lines
 
 

@@ -176,6 +176,8 @@ def test_adaptive_draft_length_follows_the_accepted_runs(adaptive, reference):
     ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_vocab_size": 100}, "draft_model only"),
     ({"model": "x", "num_speculative_tokens": 3, "draft_vocab_size": 0}, "integer >= 1"),
+    ({"model": "x", "num_speculative_tokens": 3, "draft_vocab_size": "all"}, "integer >= 1"),
+    ({"model": "x", "num_speculative_tokens": 3, "draft_vocab_size": True}, "integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 3, "adaptive_draft_length": "yes"}, "adaptive_draft_length"),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_head_quantization": "q4_0"}, "draft_model only"),
     ({"model": "x", "num_speculative_tokens": 3, "draft_head_quantization": "q8"}, "draft_head_quantization must"),

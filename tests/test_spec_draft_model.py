@@ -47,27 +47,63 @@ def test_draft_model_greedy_equals_no_speculation(tiny_pair, gguf_path, config):
         tokens(make_llm(model=target, tokenizer=gguf_path).generate(prompts, seeded, use_tqdm=False))
 
 
-def test_draft_vocabulary_of_its_first_ids_keeps_the_output(tiny_pair, gguf_path):
+@pytest.mark.parametrize("config", [{}, STRESS], ids=["batched", "chunked-preempted-cached"])
+def test_draft_vocabulary_of_its_first_ids_keeps_the_output(tiny_pair, gguf_path, config):
+    # the draft proposes among ids < 48 only, but for a request with 2 output tokens at least past the cut, and 1
+    # in 32 of its output: then from the whole vocabulary
     target, draft = tiny_pair
     prompts = tiny_prompts()
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     want = tokens(make_llm(model=target, tokenizer=gguf_path).generate(prompts, params, use_tqdm=False))
-    assert any(t >= 48 for req in want for seq in req for t in seq)   # ids the draft cannot propose
+    assert any(t >= 48 for req in want for seq in req for t in seq)   # ids the cut draft cannot propose
     spec = {"model": draft, "num_speculative_tokens": 4, "disable_by_batch_size": None, "draft_vocab_size": 48}
-    llm = make_llm(spec, model=target, tokenizer=gguf_path)
-    runner, proposed = llm.llm_engine.runner, []
+    llm = make_llm(spec, model=target, tokenizer=gguf_path, **config)
+    runner, proposals = llm.llm_engine.runner, []
     propose = runner.propose_drafts
 
     def recording(reqs, max_drafts):
+        outputs = [list(req.output_token_ids) for req in reqs]
         drafts = propose(reqs, max_drafts)
-        proposed.extend(t for d in drafts for t in d)
+        proposals.extend(zip(outputs, drafts))
         return drafts
     runner.propose_drafts = recording
-    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
-    assert proposed and max(proposed) < 48
+    assert tokens(llm.generate(prompts + prompts, params, use_tqdm=False)) == want + want
+    if config:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    cut, whole = [], []
+    for out, drafts in proposals:
+        beyond = sum(t >= 48 for t in out)
+        (whole if beyond >= 2 and 32 * beyond >= len(out) else cut).append(drafts)
+    assert [d for d in cut if d] and max(t for d in cut for t in d) < 48
+    assert any(t >= 48 for d in whole for t in d)   # the whole head's proposals
     assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
     with pytest.raises(InvalidRequestError, match="exceeds the vocabulary"):
         make_llm({**spec, "draft_vocab_size": 97}, model=target, tokenizer=gguf_path)
+
+
+def test_a_request_drafts_from_the_whole_vocabulary_while_its_output_lies_past_the_cut(tiny_pair, gguf_path):
+    from kvserve.core.request import Request
+    target, draft = tiny_pair
+    spec = {"model": draft, "num_speculative_tokens": 2, "draft_vocab_size": 48}
+    runner = make_llm(spec, model=target, tokenizer=gguf_path).llm_engine.runner
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=200))
+    seen = []
+    for out in ([5, 60], [5, 60, 70], [5, 60, 70] + [7] * 61, [5, 60, 70] + [7] * 62, [5, 60, 70], [5, 60]):
+        del req.output_token_ids[:]   # also as tokens past a stop string are dropped (the last case)
+        req.output_token_ids.extend(out)
+        seen.append(runner._full_draft_vocab(req))
+    # 1 past the cut: no; 2 of 3, and 2 of 64 (1 in 32): yes; 2 of 65: no; after cuts back, counted again
+    assert seen == [False, True, True, False, True, False]
+
+
+def test_draft_vocabulary_auto_cuts_large_vocabularies_only(tiny_pair, gguf_path):
+    # "auto" (the default) cuts a vocabulary of more than 65536 tokens to its first 32768; the tiny pair's 96 stay
+    from kvserve.spec_decode.config import auto_draft_vocab
+    assert [auto_draft_vocab(n) for n in (96, 65536, 65537, 151936)] == [None, None, 32768, 32768]
+    target, draft = tiny_pair
+    llm = make_llm({"model": draft, "num_speculative_tokens": 2}, model=target, tokenizer=gguf_path)
+    assert llm.llm_engine.spec_config.draft_vocab_size == "auto"
+    assert llm.llm_engine.runner.draft_model.cut_lm_head is None
 
 
 def tiny_head_config(tmp_path, weights: str, tied: bool):
@@ -96,24 +132,27 @@ def test_restricted_head_gives_the_first_columns_of_the_logits(tmp_path, weights
     for m in (full_model, model):   # as the engine serves them: packed, plain copies released
         m.prepack()
         release_unpacked_weights(m)
-    full, part = full_model.compute_logits(hidden), model.compute_logits(hidden)
+    full, part = full_model.compute_logits(hidden), model.compute_logits(hidden, cut=True)
     cols = 48 if weights == "int8" else 40   # int8 rows come in groups of 16
     assert part.shape == (5, cols)
+    assert torch.equal(model.compute_logits(hidden), full)   # the whole head stays
     if weights in ("Q8_0", "int8"):   # kept quantized: each column by the same kernel row
-        assert model.lm_head.quantized.formats() == ["Q8_0" if weights == "Q8_0" else "INT8"]
+        assert model.cut_lm_head.quantized.formats() == ["Q8_0" if weights == "Q8_0" else "INT8"]
         assert torch.equal(part, full[:, :cols])
     else:
         torch.testing.assert_close(part, full[:, :cols], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="restrict_vocab"):
         model.restrict_vocab(257)
+    with pytest.raises(ValueError, match="before restrict_vocab"):
+        full_model.compute_logits(hidden, cut=True)
 
 
 @pytest.mark.parametrize("weights", ["float32", "Q8_0", "int8"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_head_requantized_to_q4_0_is_ggmls_q4_0_of_its_rows(tmp_path, weights, tied):
     # quantize_head_q4_0 (draft_head_quantization): the head's blocks are ggml's Q4_0 (gguf-py's quantizer) of the
-    # stored head's rows, dequantized, the cut ones after restrict_vocab (int8: 48, its group of 16); a tied
-    # model's embedding lookups keep the table as stored
+    # stored head's rows, dequantized, and restrict_vocab's cut head its first rows; a tied model's embedding
+    # lookups keep the table as stored
     import gguf
     from kvserve.model import load_model
     config, _ = tiny_head_config(tmp_path, weights, tied)
@@ -123,19 +162,21 @@ def test_head_requantized_to_q4_0_is_ggmls_q4_0_of_its_rows(tmp_path, weights, t
     assert model.head_format() == {"float32": None, "Q8_0": "Q8_0", "int8": "INT8"}[weights]
     ids = torch.tensor([3, 17, 200])
     looked_up = model.model.embed_tokens(ids).clone()
-    model.restrict_vocab(40)
     model.quantize_head_q4_0()
+    model.restrict_vocab(40)   # in Q4_0 now, an int8 head's cut is not rounded to its groups of 16
     assert model.head_format() == "Q4_0"
-    rows = 48 if weights == "int8" else 40
+    rows = 40
     q4 = gguf.GGMLQuantizationType.Q4_0
-    want = gguf.quants.dequantize(gguf.quants.quantize(stored[:rows].numpy(), q4), q4)
+    want = gguf.quants.dequantize(gguf.quants.quantize(stored.numpy(), q4), q4)
     assert np.array_equal(model.lm_head.quantized.dequantize().numpy(), want)
+    assert np.array_equal(model.cut_lm_head.quantized.dequantize().numpy(), want[:rows])
     assert torch.equal(model.model.embed_tokens(ids), looked_up)
     model.prepack()
     hidden = torch.randn(5, model.config.hidden_size, dtype=model.model.norm.weight.dtype)
     logits = model.compute_logits(hidden)
     exact = hidden.double() @ torch.from_numpy(want).double().T
-    assert logits.shape == (5, rows) and (logits.double() - exact).norm() < 0.02 * exact.norm()
+    assert logits.shape == (5, len(want)) and (logits.double() - exact).norm() < 0.02 * exact.norm()
+    assert torch.equal(model.compute_logits(hidden, cut=True), logits[:, :rows])
 
 
 def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, gguf_path, tmp_path):

@@ -27,6 +27,7 @@ from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.config import auto_draft_vocab
 from kvserve.spec_decode.proposer import build_proposer
 from kvserve.structured_output import StructuredOutputManager
 from kvserve.worker.model_runner import ModelRunner
@@ -193,8 +194,9 @@ class LLMEngine:
         """The draft model of speculative decoding, loaded as the target is; refused unless it shares the target's
         vocabulary and is smaller."""
         spec = self.spec_config
-        if spec.draft_vocab_size is not None and spec.draft_vocab_size > self.vocab_size:
-            raise InvalidRequestError(f"speculative_config: draft_vocab_size {spec.draft_vocab_size} exceeds the "
+        cut = auto_draft_vocab(self.vocab_size) if spec.draft_vocab_size == "auto" else spec.draft_vocab_size
+        if cut is not None and cut > self.vocab_size:
+            raise InvalidRequestError(f"speculative_config: draft_vocab_size {cut} exceeds the "
                                       f"vocabulary ({self.vocab_size} tokens)", "speculative_config")
         try:
             # "gguf" is the target file's: an HF draft beside a GGUF target loads dequantized
@@ -215,8 +217,6 @@ class LLMEngine:
             raise InvalidRequestError(f"speculative_config: the draft model ({num_draft:,} parameters) is not smaller "
                                       f"than the target ({num_target:,}): it would only slow decoding down",
                                       "speculative_config")
-        if spec.draft_vocab_size is not None:
-            draft.restrict_vocab(spec.draft_vocab_size)
         stored = draft.head_format()
         if spec.draft_head_quantization == "q4_0" or (spec.draft_head_quantization == "auto"
                                                       and stored in ("Q8_0", "INT8")):
@@ -227,6 +227,8 @@ class LLMEngine:
                                           "speculative_config") from None
             logger.info("kvserve: the draft model's output matrix requantized from %s to Q4_0 "
                         "(speculative_config draft_head_quantization)", stored or "its plain weights")
+        if cut is not None and cut < self.vocab_size:
+            draft.restrict_vocab(cut)
         return draft
 
     # ----- requests -----

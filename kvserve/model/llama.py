@@ -146,6 +146,7 @@ class LlamaForCausalLM(InferenceModule):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         # tied embeddings: packed by prepack(), or the quantized table itself (load_weights)
         self.packed_lm_head: PackedWeight | None = None
+        self.cut_lm_head: Linear | None = None   # the output matrix's first rows (restrict_vocab)
         self.tp = None   # tensor parallelism: the group that gathers the ranks' vocabulary slices of the logits
         self.tp_vocab = (cfg.vocab_size, cfg.vocab_size)   # (columns per rank, whole vocabulary)
 
@@ -153,9 +154,14 @@ class LlamaForCausalLM(InferenceModule):
         """input_ids, positions: [T] over all sequences of the step -> hidden states [T, hidden]."""
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden] (only the rows that sample) -> float32 logits [N, vocab]. Tensor-parallel: every rank
-        calls it with the same rows; rank 0 gets the logits, the others None."""
+    def compute_logits(self, hidden: torch.Tensor, cut: bool = False) -> torch.Tensor | None:
+        """hidden [N, hidden] (only the rows that sample) -> float32 logits [N, vocab]; cut: [N, n] from the first
+        n rows of the output matrix (restrict_vocab's). Tensor-parallel: every rank calls it with the same rows;
+        rank 0 gets the logits, the others None."""
+        if cut:
+            if self.cut_lm_head is None:
+                raise ValueError("compute_logits(cut=True) before restrict_vocab")
+            return self.cut_lm_head(hidden).float()
         if self.lm_head is not None:
             logits = self.lm_head(hidden).float()
         elif self.packed_lm_head is not None:
@@ -189,19 +195,24 @@ class LlamaForCausalLM(InferenceModule):
         """The module whose rows give the logits: the head, or the embedding table of a tied model."""
         return self.lm_head if self.lm_head is not None else self.model.embed_tokens
 
-    def _set_quantized_head(self, quant: QuantizedWeight, dtype: torch.dtype) -> None:
-        """A head of its own (untying a tied model's) that multiplies `quant`; its weight is shape-only."""
+    def _quantized_head(self, quant: QuantizedWeight, dtype: torch.dtype) -> Linear:
+        """A head that multiplies `quant`; its weight is shape-only."""
         n, k = quant.out_features, self.config.hidden_size
         head = Linear(k, n)
         head.packed = PackedWeight(n, quant=quant)
         head.weight = nn.Parameter(torch.empty(n, k, dtype=dtype, device="meta"), requires_grad=False)
-        self.lm_head = head
+        return head
+
+    def _set_quantized_head(self, quant: QuantizedWeight, dtype: torch.dtype) -> None:
+        """A head of its own (untying a tied model's) that multiplies `quant`."""
+        self.lm_head = self._quantized_head(quant, dtype)
         self.packed_lm_head = None
 
     def restrict_vocab(self, n: int) -> None:
-        """Logits for the first n token ids only (a speculative draft model's proposals): the output matrix keeps
-        its first n rows, in its own format (a GGUF head stays quantized; an int8 head's rows come in groups of 16,
-        so n rounds up to the group). Call after loading, before prepack()."""
+        """Logits for the first n token ids as well (compute_logits(cut=True): a speculative draft model's
+        proposals): a second output matrix of the first n rows (cut_lm_head), in the format of the whole one, which
+        stays (a GGUF head stays quantized; an int8 head's rows come in groups of 16, so n rounds up to the group).
+        Call after loading and quantize_head_q4_0, before prepack()."""
         src = self._output_matrix()
         quant = src.quantized
         rows = quant.out_features if quant is not None else src.weight.shape[0]
@@ -213,11 +224,10 @@ class LlamaForCausalLM(InferenceModule):
         if quant is None:
             head = Linear(self.config.hidden_size, n)
             head.weight = nn.Parameter(src.weight[:n].clone(), requires_grad=False)
-            self.lm_head = head
-            self.packed_lm_head = None
         else:
             part = quant.segments[0]   # an output matrix or embedding table is one segment
-            self._set_quantized_head(QuantizedWeight([replace(part, data=part.data[:n])]), src.weight.dtype)
+            head = self._quantized_head(QuantizedWeight([replace(part, data=part.data[:n])]), src.weight.dtype)
+        self.cut_lm_head = head
 
     def head_format(self) -> str | None:
         """The output matrix's quantized format (Q8_0, Q6_K, INT8, ...); None where it is a plain weight."""
@@ -227,7 +237,7 @@ class LlamaForCausalLM(InferenceModule):
     def quantize_head_q4_0(self) -> None:
         """The output matrix requantized to Q4_0 (quantize_q4_0), from its quantized rows or its plain weight, a
         chunk of rows at a time: a speculative draft's head, whose logits only choose what verification checks.
-        Call after loading (and restrict_vocab), before prepack()."""
+        Call after loading, before restrict_vocab and prepack()."""
         src = self._output_matrix()
         quant, k = src.quantized, self.config.hidden_size
         if self.model.norm.weight.device.type != "cpu" or kernels.load() is None:
@@ -258,6 +268,7 @@ class LlamaForCausalLM(InferenceModule):
             elif isinstance(m, VocabEmbedding):
                 m.quantized = None
         self.packed_lm_head = None
+        self.cut_lm_head = None
         load_packed_weights(self, weights, PACKED_MODULES, self._skip)
         embed = self.model.embed_tokens
         if self.lm_head is None and embed.quantized is not None:   # tied: the quantized table is the head's pack

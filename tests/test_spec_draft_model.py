@@ -58,22 +58,31 @@ def test_draft_vocabulary_of_its_first_ids_keeps_the_output(tiny_pair, gguf_path
     assert any(t >= 48 for req in want for seq in req for t in seq)   # ids the cut draft cannot propose
     spec = {"model": draft, "num_speculative_tokens": 4, "disable_by_batch_size": None, "draft_vocab_size": 48}
     llm = make_llm(spec, model=target, tokenizer=gguf_path, **config)
-    runner, proposals = llm.llm_engine.runner, []
+    runner, proposals, batches = llm.llm_engine.runner, [], []
     propose = runner.propose_drafts
+
+    def whole_rule(out: list[int]) -> bool:
+        beyond = sum(t >= 48 for t in out)
+        return beyond >= 2 and 32 * beyond >= len(out)
 
     def recording(reqs, max_drafts):
         outputs = [list(req.output_token_ids) for req in reqs]
-        drafts = propose(reqs, max_drafts)
+        try:
+            drafts = propose(reqs, max_drafts)
+        except Exception as e:   # the engine would go on without drafts: the output alone would not show it
+            batches.append(e)
+            raise
         proposals.extend(zip(outputs, drafts))
+        batches.append({whole_rule(out) for out, d in zip(outputs, drafts) if d})
         return drafts
     runner.propose_drafts = recording
     assert tokens(llm.generate(prompts + prompts, params, use_tqdm=False)) == want + want
     if config:
         assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert all(isinstance(b, set) for b in batches) and {False, True} in batches   # a batch of both kinds
     cut, whole = [], []
     for out, drafts in proposals:
-        beyond = sum(t >= 48 for t in out)
-        (whole if beyond >= 2 and 32 * beyond >= len(out) else cut).append(drafts)
+        (whole if whole_rule(out) else cut).append(drafts)
     assert [d for d in cut if d] and max(t for d in cut for t in d) < 48
     assert any(t >= 48 for d in whole for t in d)   # the whole head's proposals
     assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
@@ -94,6 +103,16 @@ def test_a_request_drafts_from_the_whole_vocabulary_while_its_output_lies_past_t
         seen.append(runner._full_draft_vocab(req))
     # 1 past the cut: no; 2 of 3, and 2 of 64 (1 in 32): yes; 2 of 65: no; after cuts back, counted again
     assert seen == [False, True, True, False, True, False]
+    # a batch of both: the whole matrix's rows, and the cut's padded with -inf
+    model = runner.draft_model
+    hidden = torch.randn(3, model.config.hidden_size, dtype=model.model.norm.weight.dtype)
+    mixed = runner._draft_logits(hidden, [True, False, True])
+    whole, cut = model.compute_logits(hidden), model.compute_logits(hidden, cut=True)
+    assert mixed.shape == (3, 96) and cut.shape == (3, 48)
+    torch.testing.assert_close(mixed[[0, 2]], whole[[0, 2]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed[1, :48], cut[1], rtol=1e-5, atol=1e-5)
+    assert torch.all(mixed[1, 48:] == -torch.inf)
+    assert runner._draft_logits(hidden, [False] * 3).shape == (3, 48)
 
 
 def test_draft_vocabulary_auto_cuts_large_vocabularies_only(tiny_pair, gguf_path):
@@ -199,6 +218,10 @@ def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, gguf_path, tmp_path):
         assert llm.llm_engine.runner.draft_model.head_format() == fmt
         assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
         assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    # a cut vocabulary is cut from the requantized head
+    spec = {"model": q8, "num_speculative_tokens": 4, "draft_vocab_size": 48}
+    cut_head = make_llm(spec, model=target, tokenizer=gguf_path).llm_engine.runner.draft_model.cut_lm_head
+    assert cut_head.quantized.formats() == ["Q4_0"] and cut_head.weight.shape[0] == 48
     save_tiny_model("qwen2", tmp_path / "narrow", num_hidden_layers=1, vocab_size=96, hidden_size=48)
     with pytest.raises(InvalidRequestError, match="hidden size 48 is not a multiple of 32"):
         make_llm({"model": str(tmp_path / "narrow"), "num_speculative_tokens": 2, "draft_head_quantization": "q4_0"},
@@ -223,19 +246,21 @@ def two_sample_chi_square(a: list[int], b: list[int]) -> tuple[float, float]:
     return float(((ca - cb) ** 2 / (ca + cb)).sum()), quantile
 
 
-def test_drafts_drawn_from_the_draft_distribution_keep_the_targets(tmp_path, gguf_path):
+@pytest.mark.parametrize("vocab", [None, 48], ids=["whole", "cut"])
+def test_drafts_drawn_from_the_draft_distribution_keep_the_targets(tmp_path, gguf_path, vocab):
     # random requests without a seed draw their drafts from the draft's q (temperature, top-p and a penalty
     # applied) and keep each with probability min(1, p/q): the tokens after the first, which verifications emit,
     # are distributed as without speculation (two-sample chi-square at each of positions 1 to 3). Weights of a
-    # larger scale than tiny_pair's give distributions far from uniform, where a wrong q shows.
+    # larger scale than tiny_pair's give distributions far from uniform, where a wrong q shows. With a cut
+    # vocabulary q is zero past the cut for requests that draft from it, in batches with whole ones.
     save_tiny_model("qwen2", tmp_path / "target", num_hidden_layers=3, vocab_size=96, initializer_range=0.25)
     save_first_layer_draft(tmp_path / "target", tmp_path / "draft")
     target, draft = str(tmp_path / "target"), str(tmp_path / "draft")
     params = SamplingParams(temperature=0.5, top_p=0.95, presence_penalty=0.5, max_tokens=4, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 33, 8, 61]}] * 3000
     off = make_llm(model=target, tokenizer=gguf_path)
-    llm = make_llm({"model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": None},
-                   model=target, tokenizer=gguf_path)
+    llm = make_llm({"model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": None,
+                    "draft_vocab_size": vocab}, model=target, tokenizer=gguf_path)
     runner, drawn = llm.llm_engine.runner, []
     propose = runner.propose_drafts
 

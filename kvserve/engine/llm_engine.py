@@ -229,6 +229,9 @@ class LLMEngine:
                         "(speculative_config draft_head_quantization)", stored or "its plain weights")
         if cut is not None and cut < self.vocab_size:
             draft.restrict_vocab(cut)
+            logger.info("kvserve: the draft model proposes among the first %d of %d token ids, the whole vocabulary "
+                        "for requests whose output lies past them (speculative_config draft_vocab_size %s)", cut,
+                        self.vocab_size, spec.draft_vocab_size)
         return draft
 
     # ----- requests -----

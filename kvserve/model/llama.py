@@ -260,6 +260,7 @@ class LlamaForCausalLM(InferenceModule):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; unknown or missing names raise ModelLoadError."""
+        self.cut_lm_head = None   # a cut of the old output matrix
         for m in self.modules():
             if isinstance(m, (Linear, VocabEmbedding)) and m.weight.is_meta:   # released or quantized: storage again
                 m.weight = torch.nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype), requires_grad=False)
@@ -268,7 +269,6 @@ class LlamaForCausalLM(InferenceModule):
             elif isinstance(m, VocabEmbedding):
                 m.quantized = None
         self.packed_lm_head = None
-        self.cut_lm_head = None
         load_packed_weights(self, weights, PACKED_MODULES, self._skip)
         embed = self.model.embed_tokens
         if self.lm_head is None and embed.quantized is not None:   # tied: the quantized table is the head's pack

@@ -28,8 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvserve.spec_decode.draft_sampling as draft_sampling   # noqa: E402
 from kvserve import SamplingParams   # noqa: E402
-from spec_decode import (DRAFT_PROMPTS, ROOT, acceptance, add_counts, chat_ids, log, make_llm,   # noqa: E402
-                         spec_counts, switch_speculation, timed_generate)
+from spec_decode import (ROOT, acceptance, add_counts, chat_ids, log, make_llm, spec_counts,   # noqa: E402
+                         switch_speculation, timed_generate)
+from spec_prompts import DRAFT_PROMPTS   # noqa: E402
 
 CONFIGS = ("off", "draft k=3, drawn drafts", "draft k=3, argmax drafts")
 

@@ -25,12 +25,21 @@ def tiny_pair(tmp_path_factory):
     return str(root / "target"), str(root / "draft")
 
 
-@pytest.mark.parametrize("config", [{}, STRESS], ids=["batched", "chunked-preempted-cached"])
-def test_draft_model_greedy_equals_no_speculation(tiny_pair, gguf_path, config):
-    target, draft = tiny_pair
+GREEDY_30 = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_pair, gguf_path):
+    """tiny_prompts() and the tiny target's greedy output for them (GREEDY_30) without speculation."""
     prompts = tiny_prompts()
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    want = tokens(make_llm(model=target, tokenizer=gguf_path).generate(prompts, params, use_tqdm=False))
+    return prompts, tokens(make_llm(model=tiny_pair[0], tokenizer=gguf_path).generate(prompts, GREEDY_30,
+                                                                                      use_tqdm=False))
+
+
+@pytest.mark.parametrize("config", [{}, STRESS], ids=["batched", "chunked-preempted-cached"])
+def test_draft_model_greedy_equals_no_speculation(tiny_pair, greedy_reference, gguf_path, config):
+    target, draft = tiny_pair
+    (prompts, want), params = greedy_reference, GREEDY_30
     spec = {"model": draft, "num_speculative_tokens": 4, "disable_by_batch_size": None}
     llm = make_llm(spec, model=target, tokenizer=gguf_path, **config)
     got = tokens(llm.generate(prompts + prompts, params, use_tqdm=False))
@@ -48,13 +57,11 @@ def test_draft_model_greedy_equals_no_speculation(tiny_pair, gguf_path, config):
 
 
 @pytest.mark.parametrize("config", [{}, STRESS], ids=["batched", "chunked-preempted-cached"])
-def test_draft_vocabulary_of_its_first_ids_keeps_the_output(tiny_pair, gguf_path, config):
+def test_draft_vocabulary_of_its_first_ids_keeps_the_output(tiny_pair, greedy_reference, gguf_path, config):
     # the draft proposes among ids < 48 only, but for a request with 2 output tokens at least past the cut, and 1
     # in 32 of its output: then from the whole vocabulary
     target, draft = tiny_pair
-    prompts = tiny_prompts()
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    want = tokens(make_llm(model=target, tokenizer=gguf_path).generate(prompts, params, use_tqdm=False))
+    (prompts, want), params = greedy_reference, GREEDY_30
     assert any(t >= 48 for req in want for seq in req for t in seq)   # ids the cut draft cannot propose
     spec = {"model": draft, "num_speculative_tokens": 4, "disable_by_batch_size": None, "draft_vocab_size": 48}
     llm = make_llm(spec, model=target, tokenizer=gguf_path, **config)
@@ -198,7 +205,7 @@ def test_head_requantized_to_q4_0_is_ggmls_q4_0_of_its_rows(tmp_path, weights, t
     assert torch.equal(model.compute_logits(hidden, cut=True), logits[:, :rows])
 
 
-def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, gguf_path, tmp_path):
+def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, greedy_reference, gguf_path, tmp_path):
     # draft_head_quantization: "q4_0" requantizes a dense draft's head, "auto" a Q8_0 GGUF draft's and leaves a
     # dense one's, null keeps the Q8_0 one; the output stays the target's. A hidden size that Q4_0's blocks of 32
     # do not divide is refused at start, and so is "q4_0" without the C++ kernels
@@ -208,8 +215,7 @@ def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, gguf_path, tmp_path):
     hf_draft = AutoModelForCausalLM.from_pretrained(draft)
     hf_draft.config.head_dim = hf_draft.config.hidden_size // hf_draft.config.num_attention_heads
     q8 = str(write_tiny_gguf(tmp_path / "draft.gguf", hf_draft, arch="qwen2", qtype="Q8_0"))
-    prompts, params = tiny_prompts(), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    want = tokens(make_llm(model=target, tokenizer=gguf_path).generate(prompts, params, use_tqdm=False))
+    (prompts, want), params = greedy_reference, GREEDY_30
     for path, setting, fmt in [(draft, "q4_0", "Q4_0"), (draft, "auto", None), (q8, "auto", "Q4_0"),
                                (q8, None, "Q8_0")]:
         spec = {"model": path, "num_speculative_tokens": 4, "disable_by_batch_size": None,

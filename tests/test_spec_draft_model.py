@@ -56,10 +56,21 @@ def test_draft_model_greedy_equals_no_speculation(tiny_pair, greedy_reference, g
         tokens(make_llm(model=target, tokenizer=gguf_path).generate(prompts, seeded, use_tqdm=False))
 
 
+def vocab_rule(prompt: list[int], out: list[int], cut: int = 48) -> tuple[set[int], bool]:
+    """The request's own ids past the cut (its prompt's and output's), and whether it drafts from the whole
+    vocabulary: once 2 of its output tokens, and 1 in 32 of them, were past the cut and new to it."""
+    own, new = {t for t in prompt if t >= cut}, 0
+    for t in out:
+        if t >= cut and t not in own:
+            own.add(t)
+            new += 1
+    return own, new >= 2 and 32 * new >= len(out)
+
+
 @pytest.mark.parametrize("config", [{}, STRESS], ids=["batched", "chunked-preempted-cached"])
 def test_draft_vocabulary_of_its_first_ids_keeps_the_output(tiny_pair, greedy_reference, gguf_path, config):
-    # the draft proposes among ids < 48 only, but for a request with 2 output tokens at least past the cut, and 1
-    # in 32 of its output: then from the whole vocabulary
+    # the draft proposes among ids < 48 and the request's own ids past them, but from the whole vocabulary for a
+    # request whose output brings new ids past the cut (vocab_rule)
     target, draft = tiny_pair
     (prompts, want), params = greedy_reference, GREEDY_30
     assert any(t >= 48 for req in want for seq in req for t in seq)   # ids the cut draft cannot propose
@@ -68,58 +79,67 @@ def test_draft_vocabulary_of_its_first_ids_keeps_the_output(tiny_pair, greedy_re
     runner, proposals, batches = llm.llm_engine.runner, [], []
     propose = runner.propose_drafts
 
-    def whole_rule(out: list[int]) -> bool:
-        beyond = sum(t >= 48 for t in out)
-        return beyond >= 2 and 32 * beyond >= len(out)
-
     def recording(reqs, max_drafts):
-        outputs = [list(req.output_token_ids) for req in reqs]
+        rules = [vocab_rule(req.prompt_token_ids, list(req.output_token_ids)) for req in reqs]
         try:
             drafts = propose(reqs, max_drafts)
         except Exception as e:   # the engine would go on without drafts: the output alone would not show it
             batches.append(e)
             raise
-        proposals.extend(zip(outputs, drafts))
-        batches.append({whole_rule(out) for out, d in zip(outputs, drafts) if d})
+        proposals.extend(zip(rules, drafts))
+        batches.append({whole for (_, whole), d in zip(rules, drafts) if d})
         return drafts
     runner.propose_drafts = recording
     assert tokens(llm.generate(prompts + prompts, params, use_tqdm=False)) == want + want
     if config:
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert all(isinstance(b, set) for b in batches) and {False, True} in batches   # a batch of both kinds
-    cut, whole = [], []
-    for out, drafts in proposals:
-        (whole if whole_rule(out) else cut).append(drafts)
-    assert [d for d in cut if d] and max(t for d in cut for t in d) < 48
-    assert any(t >= 48 for d in whole for t in d)   # the whole head's proposals
+    cut = [(own, d) for (own, whole), d in proposals if d and not whole]
+    whole = [(own, d) for (own, whole), d in proposals if d and whole]
+    assert cut and all(t < 48 or t in own for own, d in cut for t in d)
+    assert any(t >= 48 for _, d in cut for t in d)   # the request's own ids past the cut are proposed
+    assert any(t >= 48 and t not in own for own, d in whole for t in d)   # the whole head's proposals
     assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
     with pytest.raises(InvalidRequestError, match="exceeds the vocabulary"):
         make_llm({**spec, "draft_vocab_size": 97}, model=target, tokenizer=gguf_path)
 
 
-def test_a_request_drafts_from_the_whole_vocabulary_while_its_output_lies_past_the_cut(tiny_pair, gguf_path):
+def test_a_request_drafts_from_the_whole_vocabulary_while_its_output_brings_new_ids_past_the_cut(tiny_pair,
+                                                                                               gguf_path):
     from kvserve.core.request import Request
     target, draft = tiny_pair
     spec = {"model": draft, "num_speculative_tokens": 2, "draft_vocab_size": 48}
     runner = make_llm(spec, model=target, tokenizer=gguf_path).llm_engine.runner
-    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=200))
+    req = Request("r", [1, 2, 3, 80, 80, 90], SamplingParams(max_tokens=200))
     seen = []
-    for out in ([5, 60], [5, 60, 70], [5, 60, 70] + [7] * 61, [5, 60, 70] + [7] * 62, [5, 60, 70], [5, 60]):
-        del req.output_token_ids[:]   # also as tokens past a stop string are dropped (the last case)
+    for out in ([5, 60], [5, 60, 80, 90], [5, 60, 80, 90, 70], [5, 60], [5, 60, 70] + [7] * 61,
+                [5, 60, 70] + [7] * 62, [5, 60, 70], [60, 60]):
+        del req.output_token_ids[:]   # also as tokens past a stop string are dropped
         req.output_token_ids.extend(out)
-        seen.append(runner._full_draft_vocab(req))
-    # 1 past the cut: no; 2 of 3, and 2 of 64 (1 in 32): yes; 2 of 65: no; after cuts back, counted again
-    assert seen == [False, True, True, False, True, False]
-    # a batch of both: the whole matrix's rows, and the cut's padded with -inf
+        vocab = runner._draft_vocab(req)
+        seen.append(None if vocab is None else sorted(vocab.own))
+    # 60 is new, 80 and 90 the prompt's: no; 60 and 70 new, 2 of 5 (1 in 32): yes; cut back: no; 2 of 64: yes;
+    # 2 of 65: no; cut back, counted again from the prompt: yes; a new id repeated counts once: no
+    own = [60, 80, 90]
+    assert seen == [own, own, None, own, None, [60, 70, 80, 90], None, own]
+    # a batch of three: the whole matrix's row; the cut's and the request's own rows, -inf elsewhere
+    from kvserve.spec_decode.draft_vocab import DraftVocab, draft_logits
     model = runner.draft_model
     hidden = torch.randn(3, model.config.hidden_size, dtype=model.model.norm.weight.dtype)
-    mixed = runner._draft_logits(hidden, [True, False, True])
+    a, b = DraftVocab([1, 50, 60], 48), DraftVocab([2, 60, 95], 48)
+    mixed = draft_logits(model, hidden, [a, None, b])
     whole, cut = model.compute_logits(hidden), model.compute_logits(hidden, cut=True)
     assert mixed.shape == (3, 96) and cut.shape == (3, 48)
-    torch.testing.assert_close(mixed[[0, 2]], whole[[0, 2]], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mixed[1, :48], cut[1], rtol=1e-5, atol=1e-5)
-    assert torch.all(mixed[1, 48:] == -torch.inf)
-    assert runner._draft_logits(hidden, [False] * 3).shape == (3, 48)
+    torch.testing.assert_close(mixed[1], whole[1], rtol=1e-5, atol=1e-5)
+    for row, ids in ((0, [50, 60]), (2, [60, 95])):
+        torch.testing.assert_close(mixed[row, :48], cut[row], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mixed[row, ids], whole[row, ids], rtol=1e-5, atol=1e-5)
+        rest = [t for t in range(48, 96) if t not in ids]
+        assert torch.all(mixed[row, rest] == -torch.inf)
+    assert draft_logits(model, hidden, [DraftVocab([1], 48)] * 3).shape == (3, 48)   # nothing past the cut
+    alone = draft_logits(model, hidden[2:], [b])   # a request alone: its own ids, no mask needed
+    torch.testing.assert_close(alone[0, [60, 95]], mixed[2, [60, 95]], rtol=1e-5, atol=1e-5)
+    assert torch.all(alone[0, [50, 70]] == -torch.inf)
 
 
 def test_draft_vocabulary_auto_cuts_large_vocabularies_only(tiny_pair, gguf_path):
@@ -167,10 +187,19 @@ def test_restricted_head_gives_the_first_columns_of_the_logits(tmp_path, weights
         assert torch.equal(part, full[:, :cols])
     else:
         torch.testing.assert_close(part, full[:, :cols], rtol=1e-5, atol=1e-5)
+    # any rows: a cut draft's own ids past its cut (INT8: from their groups of 16)
+    for ids in ((45, 60, 255), (41,), (3, 100, 101, 200)):
+        rows = model.row_logits(hidden, ids)
+        if weights in ("Q8_0", "int8"):
+            assert torch.equal(rows, full[:, list(ids)])
+        else:
+            torch.testing.assert_close(rows, full[:, list(ids)], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="restrict_vocab"):
         model.restrict_vocab(257)
     with pytest.raises(ValueError, match="before restrict_vocab"):
         full_model.compute_logits(hidden, cut=True)
+    with pytest.raises(ValueError, match="before restrict_vocab"):
+        full_model.row_logits(hidden, (45,))
 
 
 @pytest.mark.parametrize("weights", ["float32", "Q8_0", "int8"])
@@ -203,6 +232,7 @@ def test_head_requantized_to_q4_0_is_ggmls_q4_0_of_its_rows(tmp_path, weights, t
     exact = hidden.double() @ torch.from_numpy(want).double().T
     assert logits.shape == (5, len(want)) and (logits.double() - exact).norm() < 0.02 * exact.norm()
     assert torch.equal(model.compute_logits(hidden, cut=True), logits[:, :rows])
+    assert torch.equal(model.row_logits(hidden, (40, 77, 255)), logits[:, [40, 77, 255]])
 
 
 def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, greedy_reference, gguf_path, tmp_path):

@@ -75,9 +75,9 @@ class Request:
         self.draft_kv_end = sys.maxsize
         # adaptive draft length: the most drafts the next proposal may make (None: the configured k)
         self.draft_len: int | None = None
-        # a draft model with a cut vocabulary: how many of the first draft_cut_seen output tokens lie past the cut
-        # (model_runner._full_draft_vocab)
-        self.draft_cut_beyond = self.draft_cut_seen = 0
+        # a draft model with a cut vocabulary: the request's tokens past the cut (spec_decode.draft_vocab), from its
+        # first proposal on
+        self.draft_vocab = None
         self.structured_output = None        # StructuredOutputRequest when the output is constrained
         self.num_cached_tokens = -1          # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0

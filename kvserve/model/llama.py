@@ -147,6 +147,9 @@ class LlamaForCausalLM(InferenceModule):
         # tied embeddings: packed by prepack(), or the quantized table itself (load_weights)
         self.packed_lm_head: PackedWeight | None = None
         self.cut_lm_head: Linear | None = None   # the output matrix's first rows (restrict_vocab)
+        # restrict_vocab: a dense output matrix's plain rows, kept for row_logits after prepack() releases them
+        self._plain_head: torch.Tensor | None = None
+        self._rows_head: tuple[tuple[int, ...], Linear, torch.Tensor | None] | None = None   # row_logits' last
         self.tp = None   # tensor parallelism: the group that gathers the ranks' vocabulary slices of the logits
         self.tp_vocab = (cfg.vocab_size, cfg.vocab_size)   # (columns per rank, whole vocabulary)
 
@@ -169,6 +172,38 @@ class LlamaForCausalLM(InferenceModule):
         else:
             logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
         return logits if self.tp is None else self.tp.gather_columns(logits, *self.tp_vocab)
+
+    def row_logits(self, hidden: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor:
+        """float32 logits [N, len(ids)] of the output matrix's rows `ids` only (ascending; after restrict_vocab): a
+        cut draft's tokens past its cut. A quantized matrix gives the same bits as those columns of
+        compute_logits(hidden); a dense one the same values, up to rounding."""
+        if self._rows_head is None or self._rows_head[0] != ids:
+            self._rows_head = (ids, *self._head_of_rows(ids))
+        _, head, columns = self._rows_head
+        logits = head(hidden).float()
+        return logits if columns is None else logits[:, columns]
+
+    def _head_of_rows(self, ids: tuple[int, ...]) -> tuple[Linear, torch.Tensor | None]:
+        """A Linear over rows `ids` of the output matrix, and the columns of its output that are theirs (None: all;
+        an INT8 matrix's rows come in interleaved groups of 16, so its whole groups are taken)."""
+        if self.cut_lm_head is None:
+            raise ValueError("row_logits before restrict_vocab")
+        src = self._output_matrix()
+        quant = src.quantized
+        index = torch.tensor(ids, dtype=torch.long)
+        if quant is None:
+            head = Linear(self.config.hidden_size, len(ids))
+            head.weight = nn.Parameter(self._plain_head[index.to(self._plain_head.device)], requires_grad=False)
+            return head, None
+        part = quant.segments[0]   # an output matrix or embedding table is one segment
+        if part.ggml_type != INT8:
+            return self._quantized_head(QuantizedWeight([replace(part, data=part.data[index])]), src.weight.dtype), \
+                None
+        groups = torch.unique(index // INT8_GROUP)
+        rows = (groups[:, None] * INT8_GROUP + torch.arange(INT8_GROUP)).reshape(-1)
+        columns = torch.searchsorted(groups, index // INT8_GROUP) * INT8_GROUP + index % INT8_GROUP
+        return self._quantized_head(QuantizedWeight([replace(part, data=part.data[rows])]), src.weight.dtype), \
+            columns
 
     def set_tensor_parallel(self, comm, vocab_start: int, vocab_per_rank: int, vocab_size: int) -> None:
         """Make this rank's shard (built from ShardPlan.local_config, loaded through shard_weights) one part of the
@@ -211,7 +246,8 @@ class LlamaForCausalLM(InferenceModule):
     def restrict_vocab(self, n: int) -> None:
         """Logits for the first n token ids as well (compute_logits(cut=True): a speculative draft model's
         proposals): a second output matrix of the first n rows (cut_lm_head), in the format of the whole one, which
-        stays (a GGUF head stays quantized; an int8 head's rows come in groups of 16, so n rounds up to the group).
+        stays (a GGUF head stays quantized; an int8 head's rows come in groups of 16, so n rounds up to the group);
+        row_logits gives any other rows (a dense matrix's plain rows are kept for it: prepack() would release them).
         Call after loading and quantize_head_q4_0, before prepack()."""
         src = self._output_matrix()
         quant = src.quantized
@@ -224,6 +260,7 @@ class LlamaForCausalLM(InferenceModule):
         if quant is None:
             head = Linear(self.config.hidden_size, n)
             head.weight = nn.Parameter(src.weight[:n].clone(), requires_grad=False)
+            self._plain_head = src.weight
         else:
             part = quant.segments[0]   # an output matrix or embedding table is one segment
             head = self._quantized_head(QuantizedWeight([replace(part, data=part.data[:n])]), src.weight.dtype)
@@ -260,7 +297,7 @@ class LlamaForCausalLM(InferenceModule):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; unknown or missing names raise ModelLoadError."""
-        self.cut_lm_head = None   # a cut of the old output matrix
+        self.cut_lm_head = self._plain_head = self._rows_head = None   # a cut of the old output matrix
         for m in self.modules():
             if isinstance(m, (Linear, VocabEmbedding)) and m.weight.is_meta:   # released or quantized: storage again
                 m.weight = torch.nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype), requires_grad=False)

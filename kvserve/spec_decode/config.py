@@ -10,7 +10,6 @@ METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPEC_FACTOR = 64   # a match of one token then allows any k (num_speculative_tokens is at most 64)
 HEAD_QUANTIZATIONS = ("auto", "q4_0", None)
 AUTO_DRAFT_VOCAB = 32768   # draft_vocab_size "auto"'s cut (auto_draft_vocab)
-FULL_VOCAB_MIN, FULL_VOCAB_SHARE = 2, 32   # full_draft_vocab's rule
 PARAM = "speculative_config"
 
 
@@ -21,10 +20,11 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     model: str | None = None             # draft_model: the draft checkpoint (HF directory or .gguf)
-    # draft_model: the draft proposes among the first N token ids only (a BPE vocabulary puts its frequent tokens
-    # first), computing logits for those rows of its output matrix, except for a request whose output lies beyond
-    # them (full_draft_vocab); verification keeps the output exact. "auto": AUTO_DRAFT_VOCAB where the vocabulary
-    # is more than twice as large (auto_draft_vocab), else the whole; None: the whole vocabulary
+    # draft_model: the draft proposes among the first N token ids (a BPE vocabulary puts its frequent tokens first)
+    # and each request's own tokens past them, computing logits for those rows of its output matrix only, except for
+    # a request whose output keeps bringing new tokens past them (spec_decode.draft_vocab); verification keeps the
+    # output exact. "auto": AUTO_DRAFT_VOCAB where the vocabulary is more than twice as large (auto_draft_vocab),
+    # else the whole; None: the whole vocabulary
     draft_vocab_size: int | str | None = "auto"
     # draft_model: the draft's output matrix requantized to Q4_0 at load ("q4_0"), or kept as stored (None);
     # "auto": requantized where it is stored in 8 bits (Q8_0, --quantization int8's INT8). Its logits only choose
@@ -127,13 +127,6 @@ def auto_draft_vocab(vocab_size: int) -> int | None:
     """draft_vocab_size "auto"'s cut for a vocabulary of `vocab_size` tokens: AUTO_DRAFT_VOCAB where the vocabulary
     is more than twice as large (its output matrix then a large share of a small draft's bytes), else None."""
     return AUTO_DRAFT_VOCAB if vocab_size > 2 * AUTO_DRAFT_VOCAB else None
-
-
-def full_draft_vocab(beyond: int, num_output: int) -> bool:
-    """Whether a request with a cut draft vocabulary drafts from the whole one: while `beyond` of its
-    `num_output` output tokens lie past the cut, FULL_VOCAB_MIN of them at least and 1 in FULL_VOCAB_SHARE of its
-    output (text in a script the cut leaves out; the cut draft could propose none of them)."""
-    return beyond >= FULL_VOCAB_MIN and beyond * FULL_VOCAB_SHARE >= num_output
 
 
 def _is_int(x) -> bool:

@@ -3,7 +3,6 @@ flattened forward pass and samples the next tokens."""
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -24,8 +23,8 @@ from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_promp
 from kvserve.sample.metadata import SampledDrafts
 from kvserve.sample.sampler import draw_uniform
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.config import full_draft_vocab
 from kvserve.spec_decode.draft_sampling import next_drafts, sampled_drafts
+from kvserve.spec_decode.draft_vocab import DraftVocab, draft_logits, request_vocab
 from kvserve.structured_output import build_grammar_bitmask
 
 
@@ -372,7 +371,7 @@ class ModelRunner:
                 self.executor.send_block_copies(copies)
         drafts = [[] for _ in live]
         probs: list[list[torch.Tensor]] = [[] for _ in live]
-        full = [self._full_draft_vocab(req) for req in live]
+        vocabs = [self._draft_vocab(req) for req in live]
         for step in range(max(limits, default=0)):
             idx = [i for i, limit in enumerate(limits) if limit > step]
             if step:
@@ -390,7 +389,7 @@ class ModelRunner:
             hidden = self.draft_model(self._long(ids), self._long(positions), meta)
             if len(ids) > len(idx):   # the last row of each request
                 hidden = hidden[self._long(np.cumsum(query_lens) - 1)]
-            logits = self._draft_logits(hidden, [full[i] for i in idx])
+            logits = draft_logits(self.draft_model, hidden, [vocabs[i] for i in idx])
             drawn = next_drafts(logits, [live[i] for i in idx], [drafts[i] for i in idx], self.vocab_size,
                                 self.generator)
             for i, (token, q) in zip(idx, drawn):
@@ -405,35 +404,15 @@ class ModelRunner:
         by_req = {id(req): d for req, d in zip(live, drafts)}
         return [by_req.get(id(req), []) for req in reqs]
 
-    def _full_draft_vocab(self, req: Request) -> bool:
-        """Whether `req` drafts from the draft model's whole vocabulary: always without a cut (draft_vocab_size),
-        else while enough of its output lies past the cut (spec_decode.config.full_draft_vocab)."""
+    def _draft_vocab(self, req: Request) -> DraftVocab | None:
+        """What `req` drafts from: its DraftVocab (the cut and its own tokens past it), or None for the whole
+        vocabulary: always without a cut (draft_vocab_size), else while its output brings new tokens past the cut
+        (spec_decode.draft_vocab)."""
         head = self.draft_model.cut_lm_head
         if head is None:
-            return True
-        cut, out = head.weight.shape[0], req.output_token_ids
-        if req.draft_cut_seen > len(out):   # tokens past a stop string dropped: count again
-            req.draft_cut_beyond = req.draft_cut_seen = 0
-        req.draft_cut_beyond += sum(t >= cut for t in out[req.draft_cut_seen:])
-        req.draft_cut_seen = len(out)
-        return full_draft_vocab(req.draft_cut_beyond, len(out))
-
-    def _draft_logits(self, hidden: torch.Tensor, full: list[bool]) -> torch.Tensor:
-        """The draft model's logits for its rows: [rows, vocab] from the whole output matrix for the rows of
-        `full`, the others' from the cut one ([rows, cut] when no row is full; else -inf past the cut)."""
-        model = self.draft_model
-        if all(full):
-            return model.compute_logits(hidden)
-        if not any(full):
-            return model.compute_logits(hidden, cut=True)
-        whole_rows = self._long([j for j, f in enumerate(full) if f])
-        cut_rows = self._long([j for j, f in enumerate(full) if not f])
-        whole = model.compute_logits(hidden[whole_rows])
-        part = model.compute_logits(hidden[cut_rows], cut=True)
-        logits = whole.new_full((len(full), whole.shape[1]), -math.inf)
-        logits[whole_rows] = whole
-        logits[cut_rows, :part.shape[1]] = part
-        return logits
+            return None
+        vocab = request_vocab(req, head.weight.shape[0])
+        return None if vocab.is_whole() else vocab
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write copies sent by the driver outside a step (a tensor-parallel worker)."""

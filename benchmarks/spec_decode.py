@@ -16,11 +16,13 @@ Sections (greedy throughout, prefix caching off so that every repeat does the sa
   draft   Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) with Qwen2.5-Coder-0.5B-Instruct as the draft model
           (`make models`; skipped without them): 2 code prompts, max_tokens 64. Configurations: off, draft k=3,
           draft k=5, draft k=3 with the file's Q8_0 head (draft_head_quantization null; the others requantize it
-          to Q4_0, the default "auto"), draft k=3 with the whole vocabulary (draft_vocab_size null; the others
-          cut it to the first 32768 ids, the default "auto"), ngram k=5; then off, draft k=3 and draft k=3 with
+          to Q4_0, the default "auto"), draft k=3 with the file's layers (draft_quantization null: Q5_0, Q8_0,
+          Q4_K and Q6_K; the others requantize all but the Q4_K ones to Q4_0, the default "auto"), draft k=3
+          with the whole vocabulary (draft_vocab_size null; the others cut it to the first 32768 ids and each
+          request's own ids past them, the default "auto"), ngram k=5; then off, draft k=3 and draft k=3 with
           the whole vocabulary on 2 Chinese prompts, whose text the cut leaves out. One engine holds both models
-          and the configurations are switched on it between runs (switch_speculation), but for the file's head
-          and the whole vocabulary, set at load: each gets an engine of its own. All
+          and the configurations are switched on it between runs (switch_speculation), but for the file's head,
+          the file's layers and the whole vocabulary, set at load: each gets an engine of its own. All
           sections run with --quantization (auto: the GGUFs stay quantized) and --dtype.
   batch   throughput of 64 concurrent requests (32 copy-heavy, 32 ordinary; max_tokens 64) on the bundled model:
           off, ngram k=5 with the default disable_by_batch_size (8) and ngram k=5 always on (None); then copy-heavy
@@ -233,14 +235,15 @@ def bench_draft(args) -> tuple[dict | None, list[str]]:
     whole = "draft k=3, whole vocabulary"
     configs = {"off": None, "draft k=3": draft_spec(3), "draft k=5": draft_spec(5),
                "draft k=3, file's head": {**draft_spec(3), "draft_head_quantization": None},
+               "draft k=3, file's layers": {**draft_spec(3), "draft_quantization": None},
                whole: {**draft_spec(3), "draft_vocab_size": None}, "ngram k=5": NGRAM5}
     t0 = time.perf_counter()
     llm = make_llm(str(target), draft_spec(5), args, max_model_len=1024, kv_cache_memory="256MiB")
     load_s = time.perf_counter() - t0
     draft_model = llm.llm_engine.runner.draft_model
-    # a draft vocabulary cuts the draft's head at load, and the head is requantized at load (its Q8_0 to Q4_0 by
-    # default): those configurations get an engine of their own
-    own = ("draft k=3, file's head", whole)
+    # a draft vocabulary cuts the draft's head at load, and the head and layers are requantized at load (to Q4_0
+    # by default): those configurations get an engine of their own
+    own = ("draft k=3, file's head", "draft k=3, file's layers", whole)
     llms = {name: llm for name in configs}
     for name in own:
         llms[name] = make_llm(str(target), configs[name], args, max_model_len=1024, kv_cache_memory="256MiB")
@@ -251,7 +254,7 @@ def bench_draft(args) -> tuple[dict | None, list[str]]:
             switch_speculation(llm, configs[name], draft_model)
 
     rows = tpot_section(llms, switch, prompts, args.draft_tokens, args.draft_repeats, llm.get_tokenizer())
-    # text the cut vocabulary leaves out: requests that draft from the whole one (full_draft_vocab)
+    # text the cut vocabulary leaves out: requests that draft from the whole one (DraftVocab.is_whole)
     chinese = chat_ids(llm, CHINESE_PROMPTS)
     zh_llms = {name: llms[name] for name in ("off", "draft k=3", whole)}
     zh_rows = tpot_section(zh_llms, switch, chinese, args.draft_tokens, args.draft_repeats, llm.get_tokenizer())

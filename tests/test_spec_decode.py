@@ -181,6 +181,8 @@ def test_adaptive_draft_length_follows_the_accepted_runs(adaptive, reference):
     ({"method": "ngram", "num_speculative_tokens": 3, "adaptive_draft_length": "yes"}, "adaptive_draft_length"),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_head_quantization": "q4_0"}, "draft_model only"),
     ({"model": "x", "num_speculative_tokens": 3, "draft_head_quantization": "q8"}, "draft_head_quantization must"),
+    ({"method": "suffix", "num_speculative_tokens": 3, "draft_quantization": "q4_0"}, "draft_model only"),
+    ({"model": "x", "num_speculative_tokens": 3, "draft_quantization": True}, "draft_quantization must"),
     ({"method": "ngram", "num_speculative_tokens": 3, "max_spec_factor": 0}, "max_spec_factor"),
     ({"method": "suffix", "num_speculative_tokens": 3, "max_spec_factor": "2"}, "max_spec_factor"),
     ({"method": "suffix", "num_speculative_tokens": 3, "max_spec_factor": True}, "max_spec_factor"),

@@ -227,6 +227,15 @@ class LLMEngine:
                                           "speculative_config") from None
             logger.info("kvserve: the draft model's output matrix requantized from %s to Q4_0 "
                         "(speculative_config draft_head_quantization)", stored or "its plain weights")
+        if spec.draft_quantization is not None:
+            try:
+                formats = draft.quantize_layers_q4_0(stored_only=spec.draft_quantization == "auto")
+            except (ValueError, KVServeError) as e:
+                raise InvalidRequestError(f"speculative_config: draft_quantization q4_0: {e}",
+                                          "speculative_config") from None
+            if formats:
+                logger.info("kvserve: the draft model's layer matrices in %s requantized to Q4_0 (speculative_config "
+                            "draft_quantization)", ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())))
         if cut is not None and cut < self.vocab_size:
             draft.restrict_vocab(cut)
             logger.info("kvserve: the draft model proposes among the first %d of %d token ids, the whole vocabulary "

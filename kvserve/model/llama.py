@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) over flattened tokens."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -14,8 +15,7 @@ from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding
                                   rotate_heads_inplace)
 from kvserve.model.fused import FusedLayers, binding_key, build_fused_layers, is_same_binding
 from kvserve.model.model_config import ModelConfig
-from kvserve.model.quantization import (INT8, INT8_GROUP, Q4_0, QuantizedTensor, QuantizedWeight, embedding_rows,
-                                        quantize_q4_0)
+from kvserve.model.quantization import INT8, INT8_GROUP, QuantizedWeight, is_wider_than_q4_0, to_q4_0
 from kvserve.module import InferenceModule
 
 # HF checkpoint projection name -> (our fused module, shard id)
@@ -23,7 +23,6 @@ PACKED_MODULES = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
 }
-_HEAD_ROWS = 8192   # output rows requantized at a time (quantize_head_q4_0): their float32 copy stays small
 
 
 class LlamaAttention(InferenceModule):
@@ -272,28 +271,50 @@ class LlamaForCausalLM(InferenceModule):
         return None if quant is None else "+".join(quant.formats())
 
     def quantize_head_q4_0(self) -> None:
-        """The output matrix requantized to Q4_0 (quantize_q4_0), from its quantized rows or its plain weight, a
+        """The output matrix requantized to Q4_0 (to_q4_0), from its quantized rows or its plain weight, a
         chunk of rows at a time: a speculative draft's head, whose logits only choose what verification checks.
         Call after loading, before restrict_vocab and prepack()."""
         src = self._output_matrix()
         quant, k = src.quantized, self.config.hidden_size
-        if self.model.norm.weight.device.type != "cpu" or kernels.load() is None:
-            raise ValueError("a Q4_0 output matrix needs the CPU and its C++ kernels")
+        self._check_q4_0("an output matrix")
         if k % 32:
             raise ValueError(f"the hidden size {k} is not a multiple of 32 (Q4_0's blocks)")
-        if self.tp is not None:
-            raise ValueError("a tensor-parallel shard's output matrix is not requantized")
         if self.head_format() == "Q4_0":
             return
-        rows = quant.out_features if quant is not None else src.weight.shape[0]
-        part = None if quant is None else quant.segments[0]   # an output matrix or embedding table is one segment
-        chunks = []
-        for r0 in range(0, rows, _HEAD_ROWS):   # quantized rows dequantized by the kernels' embedding lookup
-            dense = (src.weight[r0:r0 + _HEAD_ROWS] if part is None
-                     else embedding_rows(part, torch.arange(r0, min(rows, r0 + _HEAD_ROWS)), torch.float32))
-            chunks.append(quantize_q4_0(dense).data)
-        self._set_quantized_head(QuantizedWeight([QuantizedTensor(Q4_0, torch.cat(chunks), k, "int8")]),
-                                 src.weight.dtype)
+        source = src.weight if quant is None else quant.segments[0]   # an output matrix is one segment
+        self._set_quantized_head(QuantizedWeight([to_q4_0(source)]), src.weight.dtype)
+
+    def quantize_layers_q4_0(self, stored_only: bool) -> Counter:
+        """The decoder layers' linears requantized to Q4_0 (to_q4_0), a speculative draft's (its weights only choose
+        what verification checks): each quantized matrix stored in more bits a weight than Q4_0
+        (is_wider_than_q4_0), and unless stored_only each plain weight too. Returns the formats replaced, with how
+        many matrices of each ("plain" for a plain weight). Call after loading, before prepack()."""
+        self._check_q4_0("the decoder layers")
+        linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]
+        if not stored_only and any(m.quantized is None and m.weight.shape[1] % 32 for m in linears):
+            raise ValueError("an input size of the decoder layers is not a multiple of 32 (Q4_0's blocks)")
+        replaced: Counter = Counter()
+        for m in linears:
+            quant = m.quantized
+            if quant is None and not stored_only:
+                new = QuantizedWeight([to_q4_0(m.weight)])
+                replaced["plain"] += 1
+            elif quant is not None and any(is_wider_than_q4_0(s) for s in quant.segments):
+                new = QuantizedWeight([to_q4_0(s) if is_wider_than_q4_0(s) else s for s in quant.segments])
+                replaced.update(s.format for s in quant.segments if is_wider_than_q4_0(s))
+            else:
+                continue
+            m.packed = PackedWeight(new.out_features, quant=new)
+            m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"),
+                                    requires_grad=False)
+        return replaced
+
+    def _check_q4_0(self, what: str) -> None:
+        """Refuse a Q4_0 requantization where it cannot run: off the CPU, without the kernels, on a TP shard."""
+        if self.model.norm.weight.device.type != "cpu" or kernels.load() is None:
+            raise ValueError(f"{what} in Q4_0 needs the CPU and its C++ kernels")
+        if self.tp is not None:
+            raise ValueError("a tensor-parallel shard's weights are not requantized")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; unknown or missing names raise ModelLoadError."""

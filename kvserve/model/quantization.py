@@ -262,6 +262,29 @@ def quantize_q4_0(w: torch.Tensor) -> QuantizedTensor:
     return QuantizedTensor(Q4_0, out.view(n, -1), k, "int8")
 
 
+_Q4_ROWS = 8192   # rows requantized at a time (to_q4_0): their float32 copy stays small
+
+
+def is_wider_than_q4_0(part: QuantizedTensor) -> bool:
+    """Whether a matrix is stored in more bits a weight than Q4_0's 4.5 (Q4_1, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, INT8)."""
+    if part.ggml_type == INT8:
+        return True
+    _, values, nbytes = KERNEL_FORMATS[part.ggml_type]
+    return nbytes * 8 > 4.5 * values
+
+
+def to_q4_0(source: QuantizedTensor | torch.Tensor) -> QuantizedTensor:
+    """A matrix requantized to Q4_0 (quantize_q4_0): a quantized one's rows dequantized by the kernels' row lookup
+    (embedding_rows), or a plain weight, a chunk of rows at a time."""
+    rows = source.rows if isinstance(source, QuantizedTensor) else source.shape[0]
+    chunks = []
+    for r0 in range(0, rows, _Q4_ROWS):
+        dense = (source[r0:r0 + _Q4_ROWS] if isinstance(source, torch.Tensor)
+                 else embedding_rows(source, torch.arange(r0, min(rows, r0 + _Q4_ROWS)), torch.float32))
+        chunks.append(quantize_q4_0(dense).data)
+    return QuantizedTensor(Q4_0, torch.cat(chunks), source.shape[1], "int8")
+
+
 def _int8_target(name: str) -> bool:
     return (name.startswith("model.layers.") and name.endswith("_proj.weight")) or name in (
         "model.embed_tokens.weight", "lm_head.weight")

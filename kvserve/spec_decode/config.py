@@ -8,7 +8,7 @@ from kvserve.errors import InvalidRequestError
 
 METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPEC_FACTOR = 64   # a match of one token then allows any k (num_speculative_tokens is at most 64)
-HEAD_QUANTIZATIONS = ("auto", "q4_0", None)
+DRAFT_QUANTIZATIONS = ("auto", "q4_0", None)   # draft_head_quantization, draft_quantization
 AUTO_DRAFT_VOCAB = 32768   # draft_vocab_size "auto"'s cut (auto_draft_vocab)
 PARAM = "speculative_config"
 
@@ -30,6 +30,9 @@ class SpeculativeConfig:
     # "auto": requantized where it is stored in 8 bits (Q8_0, --quantization int8's INT8). Its logits only choose
     # the proposals, which verification checks: the output stays exact (docs/speculative_decoding.md)
     draft_head_quantization: str | None = "auto"
+    # draft_model: the draft's decoder-layer linears requantized to Q4_0 at load ("q4_0": all; "auto": those stored
+    # quantized in more bits a weight, Q5_0, Q6_K, Q8_0, INT8...), or kept as stored (None); the output stays exact
+    draft_quantization: str | None = "auto"
     prompt_lookup_min: int = 2           # ngram: shortest suffix n-gram looked up in the sequence
     prompt_lookup_max: int = 5           # ngram: longest
     suffix_max_tree_depth: int = 24      # suffix: longest context matched, and the trees' depth
@@ -94,10 +97,12 @@ class SpeculativeConfig:
                 bad(f"draft_vocab_size applies to method draft_model only, not {self.method}")
             if not _is_int(self.draft_vocab_size) or self.draft_vocab_size < 1:
                 bad(f'draft_vocab_size must be an integer >= 1, "auto" or null, got {self.draft_vocab_size!r}')
-        if self.draft_head_quantization not in HEAD_QUANTIZATIONS:
-            bad(f'draft_head_quantization must be "auto", "q4_0" or null, got {self.draft_head_quantization!r}')
-        if self.draft_head_quantization == "q4_0" and self.method != "draft_model":
-            bad(f"draft_head_quantization applies to method draft_model only, not {self.method}")
+        for key in ("draft_head_quantization", "draft_quantization"):
+            value = getattr(self, key)
+            if value not in DRAFT_QUANTIZATIONS:
+                bad(f'{key} must be "auto", "q4_0" or null, got {value!r}')
+            if value == "q4_0" and self.method != "draft_model":
+                bad(f"{key} applies to method draft_model only, not {self.method}")
         if not (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
             bad("prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "

@@ -1,5 +1,6 @@
 """Shared fixtures: the bundled model's path, the fetched Qwen2.5-Coder GGUFs' paths (`make models`), a transformers
-reference on the bundled weights, and one `kvserve serve` process for the HTTP tests."""
+reference on the bundled weights, a tiny target and draft model pair with the target's greedy output, and one
+`kvserve serve` process for the HTTP tests."""
 import os
 
 import pytest
@@ -83,3 +84,23 @@ def client(server):
     import openai
     from server_utils import API_KEY
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """A random tiny qwen2 target (3 layers, 96 tokens) and a draft model made of its first layer: their paths."""
+    from model_utils import save_tiny_model
+    from spec_utils import save_first_layer_draft
+    root = tmp_path_factory.mktemp("pair")
+    save_tiny_model("qwen2", root / "target", num_hidden_layers=3, vocab_size=96)
+    save_first_layer_draft(root / "target", root / "draft")
+    return str(root / "target"), str(root / "draft")
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(tiny_pair, gguf_path):
+    """tiny_prompts() and the tiny target's greedy output for them (GREEDY_30) without speculation."""
+    from spec_utils import GREEDY_30, make_llm, tiny_prompts, tokens
+    prompts = tiny_prompts()
+    return prompts, tokens(make_llm(model=tiny_pair[0], tokenizer=gguf_path).generate(prompts, GREEDY_30,
+                                                                                      use_tqdm=False))

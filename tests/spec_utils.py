@@ -6,6 +6,7 @@ import torch
 from kvserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+GREEDY_30 = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)   # the tiny pair's (conftest.py)
 # small steps and a small pool: budgets cut drafts, prompts run in chunks, requests are preempted; every prompt
 # runs twice (the second time from the prefix cache). The reference's block size: the attention kernels sum each
 # KV block's share in turn, so another block size rounds differently and may flip a near-tie

@@ -105,7 +105,7 @@ def test_a_request_drafts_from_the_whole_vocabulary_while_its_output_brings_new_
     own = [60, 80, 90]
     assert seen == [own, own, None, own, None, [60, 70, 80, 90], None, own]
     # a batch of three: the whole matrix's row; the cut's and the request's own rows, -inf elsewhere
-    from kvserve.spec_decode.draft_vocab import DraftVocab, draft_logits
+    from kvserve.spec_decode.draft_vocab import DraftVocab, draft_logits, own_ids
     model = runner.draft_model
     hidden = torch.randn(3, model.config.hidden_size, dtype=model.model.norm.weight.dtype)
     a, b = DraftVocab([1, 50, 60], 48), DraftVocab([2, 60, 95], 48)
@@ -122,6 +122,9 @@ def test_a_request_drafts_from_the_whole_vocabulary_while_its_output_brings_new_
     alone = draft_logits(model, hidden[2:], [b])   # a request alone: its own ids, no mask needed
     torch.testing.assert_close(alone[0, [60, 95]], mixed[2, [60, 95]], rtol=1e-5, atol=1e-5)
     assert torch.all(alone[0, [50, 70]] == -torch.inf)
+    # the rows of a proposal's later draft steps, with the ids of its every request: masked all the same
+    later = draft_logits(model, hidden[2:], [b], own_ids([a, None, b]))
+    assert torch.equal(later, alone)
 
 
 def test_draft_vocabulary_auto_cuts_large_vocabularies_only(tiny_pair, gguf_path):

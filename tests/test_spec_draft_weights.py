@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvserve.errors import InvalidRequestError
+from kvserve.model.layers import Linear
 
 from model_utils import save_tiny_model
 from spec_utils import GREEDY_30, STRESS, make_llm, tokens
@@ -79,6 +80,9 @@ def test_head_requantized_to_q4_0_is_ggmls_q4_0_of_its_rows(tmp_path, weights, t
     assert model.head_format() == {"float32": None, "Q8_0": "Q8_0", "int8": "INT8"}[weights]
     ids = torch.tensor([3, 17, 200])
     looked_up = model.model.embed_tokens(ids).clone()
+    hidden = torch.randn(5, model.config.hidden_size, dtype=model.model.norm.weight.dtype)
+    model.restrict_vocab(40)
+    model.row_logits(hidden, (40, 77, 255))   # rows of the stored matrix, which must not outlive it
     model.quantize_head_q4_0()
     model.restrict_vocab(40)   # in Q4_0 now, an int8 head's cut is not rounded to its groups of 16
     assert model.head_format() == "Q4_0"
@@ -89,7 +93,6 @@ def test_head_requantized_to_q4_0_is_ggmls_q4_0_of_its_rows(tmp_path, weights, t
     assert np.array_equal(model.cut_lm_head.quantized.dequantize().numpy(), want[:rows])
     assert torch.equal(model.model.embed_tokens(ids), looked_up)
     model.prepack()
-    hidden = torch.randn(5, model.config.hidden_size, dtype=model.model.norm.weight.dtype)
     logits = model.compute_logits(hidden)
     exact = hidden.double() @ torch.from_numpy(want).double().T
     assert logits.shape == (5, len(want)) and (logits.double() - exact).norm() < 0.02 * exact.norm()
@@ -151,16 +154,21 @@ def replace_rows(part, rows: slice):
     return dataclasses.replace(part, data=part.data[rows].contiguous())
 
 
-def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, greedy_reference, gguf_path, tmp_path):
+@pytest.fixture(scope="module")
+def q8_draft(tiny_pair, tmp_path_factory):
+    """The tiny pair's draft as a Q8_0 GGUF (head and layers in Q8_0): its path."""
+    from transformers import AutoModelForCausalLM
+    from model_utils import write_tiny_gguf
+    hf_draft = AutoModelForCausalLM.from_pretrained(tiny_pair[1])
+    hf_draft.config.head_dim = hf_draft.config.hidden_size // hf_draft.config.num_attention_heads
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("q8") / "draft.gguf", hf_draft, arch="qwen2", qtype="Q8_0"))
+
+
+def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, q8_draft, greedy_reference, gguf_path, tmp_path):
     # draft_head_quantization: "q4_0" requantizes a dense draft's head, "auto" a Q8_0 GGUF draft's and leaves a
     # dense one's, null keeps the Q8_0 one; the output stays the target's. A hidden size that Q4_0's blocks of 32
     # do not divide is refused at start, and so is "q4_0" without the C++ kernels
-    from transformers import AutoModelForCausalLM
-    from model_utils import write_tiny_gguf
-    target, draft = tiny_pair
-    hf_draft = AutoModelForCausalLM.from_pretrained(draft)
-    hf_draft.config.head_dim = hf_draft.config.hidden_size // hf_draft.config.num_attention_heads
-    q8 = str(write_tiny_gguf(tmp_path / "draft.gguf", hf_draft, arch="qwen2", qtype="Q8_0"))
+    (target, draft), q8 = tiny_pair, q8_draft
     (prompts, want), params = greedy_reference, GREEDY_30
     for path, setting, fmt in [(draft, "q4_0", "Q4_0"), (draft, "auto", None), (q8, "auto", "Q4_0"),
                                (q8, None, "Q8_0")]:
@@ -184,25 +192,20 @@ def test_draft_head_in_q4_0_keeps_the_output(tiny_pair, greedy_reference, gguf_p
                  tokenizer=gguf_path)
 
 
-def test_draft_layers_in_q4_0_keep_the_output(tiny_pair, greedy_reference, gguf_path, tmp_path):
+def test_draft_layers_in_q4_0_keep_the_output(tiny_pair, q8_draft, greedy_reference, gguf_path, tmp_path):
     # draft_quantization: "auto" requantizes a Q8_0 GGUF draft's layers and leaves a dense one's, "q4_0" a dense
     # one's too, null keeps them; the output stays the target's, batched and chunked/preempted/cached. An input
     # size that Q4_0's blocks of 32 do not divide is refused at start for "q4_0", and so is "q4_0" without the
     # C++ kernels
-    from transformers import AutoModelForCausalLM
-    from model_utils import write_tiny_gguf
-    target, draft = tiny_pair
-    hf_draft = AutoModelForCausalLM.from_pretrained(draft)
-    hf_draft.config.head_dim = hf_draft.config.hidden_size // hf_draft.config.num_attention_heads
-    q8 = str(write_tiny_gguf(tmp_path / "draft.gguf", hf_draft, arch="qwen2", qtype="Q8_0"))
+    (target, draft), q8 = tiny_pair, q8_draft
     (prompts, want), params = greedy_reference, GREEDY_30
     for path, setting, fmt, config in [(draft, "q4_0", "Q4_0", STRESS), (draft, "auto", None, {}),
                                        (q8, "auto", "Q4_0", {}), (q8, "auto", "Q4_0", STRESS), (q8, None, "Q8_0", {})]:
         spec = {"model": path, "num_speculative_tokens": 4, "disable_by_batch_size": None,
                 "draft_quantization": setting}
         llm = make_llm(spec, model=target, tokenizer=gguf_path, **config)
-        down = llm.llm_engine.runner.draft_model.model.layers[0].mlp.down_proj
-        assert (down.quantized.formats() if down.quantized is not None else None) == (fmt and [fmt])
+        linears = [m for m in llm.llm_engine.runner.draft_model.model.layers.modules() if isinstance(m, Linear)]
+        assert {None if m.quantized is None else "+".join(m.quantized.formats()) for m in linears} == {fmt}
         assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
         assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
     save_tiny_model("qwen2", tmp_path / "narrow", num_hidden_layers=1, vocab_size=96, hidden_size=48)
@@ -210,6 +213,10 @@ def test_draft_layers_in_q4_0_keep_the_output(tiny_pair, greedy_reference, gguf_
         make_llm({"model": str(tmp_path / "narrow"), "num_speculative_tokens": 2, "draft_quantization": "q4_0",
                   "draft_head_quantization": None}, model=target, tokenizer=gguf_path)
     from kvserve import kernels
-    with kernels.variant("none"), pytest.raises(InvalidRequestError, match="needs the CPU and its C\\+\\+ kernels"):
-        make_llm({"model": draft, "num_speculative_tokens": 2, "draft_quantization": "q4_0"}, model=target,
-                 tokenizer=gguf_path)
+    with kernels.variant("none"):
+        with pytest.raises(InvalidRequestError, match="needs the CPU and its C\\+\\+ kernels"):
+            make_llm({"model": draft, "num_speculative_tokens": 2, "draft_quantization": "q4_0"}, model=target,
+                     tokenizer=gguf_path)
+        # "auto" (the default) on a dense draft has nothing to requantize: it starts without the kernels too
+        llm = make_llm({"model": draft, "num_speculative_tokens": 2}, model=target, tokenizer=gguf_path)
+        assert tokens(llm.generate(prompts[:2], params, use_tqdm=False)) == want[:2]

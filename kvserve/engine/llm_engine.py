@@ -231,7 +231,7 @@ class LLMEngine:
             try:
                 formats = draft.quantize_layers_q4_0(stored_only=spec.draft_quantization == "auto")
             except (ValueError, KVServeError) as e:
-                raise InvalidRequestError(f"speculative_config: draft_quantization q4_0: {e}",
+                raise InvalidRequestError(f"speculative_config: draft_quantization {spec.draft_quantization}: {e}",
                                           "speculative_config") from None
             if formats:
                 logger.info("kvserve: the draft model's layer matrices in %s requantized to Q4_0 (speculative_config "

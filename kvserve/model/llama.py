@@ -251,6 +251,7 @@ class LlamaForCausalLM(InferenceModule):
         src = self._output_matrix()
         quant = src.quantized
         rows = quant.out_features if quant is not None else src.weight.shape[0]
+        self._plain_head = self._rows_head = None   # of an earlier cut
         if not 1 <= n <= rows or self.tp is not None:
             raise ValueError(f"restrict_vocab({n}) of a {rows}-row output matrix" +
                              (" on a tensor-parallel shard" if self.tp is not None else ""))
@@ -283,27 +284,30 @@ class LlamaForCausalLM(InferenceModule):
             return
         source = src.weight if quant is None else quant.segments[0]   # an output matrix is one segment
         self._set_quantized_head(QuantizedWeight([to_q4_0(source)]), src.weight.dtype)
+        self._plain_head = self._rows_head = None   # rows of the old matrix
 
     def quantize_layers_q4_0(self, stored_only: bool) -> Counter:
         """The decoder layers' linears requantized to Q4_0 (to_q4_0), a speculative draft's (its weights only choose
         what verification checks): each quantized matrix stored in more bits a weight than Q4_0
         (is_wider_than_q4_0), and unless stored_only each plain weight too. Returns the formats replaced, with how
         many matrices of each ("plain" for a plain weight). Call after loading, before prepack()."""
+        linears = [m for m in self.model.layers.modules() if isinstance(m, Linear) and (
+            (m.quantized is None and not stored_only)
+            or (m.quantized is not None and any(is_wider_than_q4_0(s) for s in m.quantized.segments)))]
+        if not linears:   # stored_only on a dense model (a GPU engine's): nothing to do, wherever it runs
+            return Counter()
         self._check_q4_0("the decoder layers")
-        linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]
-        if not stored_only and any(m.quantized is None and m.weight.shape[1] % 32 for m in linears):
+        if any(m.quantized is None and m.weight.shape[1] % 32 for m in linears):
             raise ValueError("an input size of the decoder layers is not a multiple of 32 (Q4_0's blocks)")
         replaced: Counter = Counter()
         for m in linears:
             quant = m.quantized
-            if quant is None and not stored_only:
+            if quant is None:
                 new = QuantizedWeight([to_q4_0(m.weight)])
                 replaced["plain"] += 1
-            elif quant is not None and any(is_wider_than_q4_0(s) for s in quant.segments):
+            else:
                 new = QuantizedWeight([to_q4_0(s) if is_wider_than_q4_0(s) else s for s in quant.segments])
                 replaced.update(s.format for s in quant.segments if is_wider_than_q4_0(s))
-            else:
-                continue
             m.packed = PackedWeight(new.out_features, quant=new)
             m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"),
                                     requires_grad=False)
@@ -312,7 +316,7 @@ class LlamaForCausalLM(InferenceModule):
     def _check_q4_0(self, what: str) -> None:
         """Refuse a Q4_0 requantization where it cannot run: off the CPU, without the kernels, on a TP shard."""
         if self.model.norm.weight.device.type != "cpu" or kernels.load() is None:
-            raise ValueError(f"{what} in Q4_0 needs the CPU and its C++ kernels")
+            raise ValueError(f"requantizing {what} to Q4_0 needs the CPU and its C++ kernels")
         if self.tp is not None:
             raise ValueError("a tensor-parallel shard's weights are not requantized")
 

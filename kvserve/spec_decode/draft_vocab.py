@@ -53,31 +53,38 @@ def request_vocab(req, cut: int) -> DraftVocab:
     return vocab
 
 
-def draft_logits(model, hidden: torch.Tensor, vocabs: list[DraftVocab | None]) -> torch.Tensor:
+def own_ids(vocabs: list[DraftVocab | None]) -> tuple[int, ...]:
+    """The ids past the cut that any of these requests may draft, ascending (row_logits' rows)."""
+    return tuple(sorted(set().union(*(v.own for v in vocabs if v is not None))))
+
+
+def draft_logits(model, hidden: torch.Tensor, vocabs: list[DraftVocab | None],
+                 own: tuple[int, ...] | None = None) -> torch.Tensor:
     """The draft model's float32 logits for its rows: row j from the whole output matrix where vocabs[j] is None,
     else from the cut one and the rows of vocabs[j].own, -inf elsewhere ([rows, N] when no row has more than the
-    cut, else [rows, vocabulary])."""
+    cut, else [rows, vocabulary]). own: own_ids of these rows or more (a proposal's, the same for all its draft
+    steps as their rows drop out, so that row_logits' matrix is built once); by default these rows'."""
     cut_rows = [j for j, v in enumerate(vocabs) if v is not None]
     if not cut_rows:
         return model.compute_logits(hidden)
-    own = sorted(set().union(*(vocabs[j].own for j in cut_rows)))
-    if len(cut_rows) == len(vocabs) and not own:
+    own = own_ids(vocabs) if own is None else own
+    if len(cut_rows) == len(vocabs) and not any(vocabs[j].own for j in cut_rows):
         return model.compute_logits(hidden, cut=True)
     part_hidden = hidden if len(cut_rows) == len(vocabs) else hidden[_index(cut_rows, hidden)]
     part = model.compute_logits(part_hidden, cut=True)
     logits = part.new_full((len(vocabs), model.config.vocab_size), -math.inf)
     cut_index = _index(cut_rows, hidden)
     logits[cut_index, :part.shape[1]] = part
-    if own:
-        extra = model.row_logits(part_hidden, tuple(own))
-        if len(cut_rows) > 1:   # each row proposes only its own request's tokens
+    if any(vocabs[j].own for j in cut_rows):
+        extra = model.row_logits(part_hidden, own)
+        if any(len(vocabs[j].own) < len(own) for j in cut_rows):   # each row proposes only its request's own
             column = {t: c for c, t in enumerate(own)}
             mine = torch.zeros(extra.shape, dtype=torch.bool)
             for r, j in enumerate(cut_rows):
                 if vocabs[j].own:
                     mine[r, [column[t] for t in vocabs[j].own]] = True
             extra.masked_fill_(~mine.to(extra.device), -math.inf)
-        logits[cut_index[:, None], _index(own, hidden)[None, :]] = extra
+        logits[cut_index[:, None], _index(list(own), hidden)[None, :]] = extra
     whole_rows = [j for j, v in enumerate(vocabs) if v is None]
     if whole_rows:
         logits[_index(whole_rows, hidden)] = model.compute_logits(hidden[_index(whole_rows, hidden)])

@@ -24,7 +24,7 @@ from kvserve.sample.metadata import SampledDrafts
 from kvserve.sample.sampler import draw_uniform
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_sampling import next_drafts, sampled_drafts
-from kvserve.spec_decode.draft_vocab import DraftVocab, draft_logits, request_vocab
+from kvserve.spec_decode.draft_vocab import DraftVocab, draft_logits, own_ids, request_vocab
 from kvserve.structured_output import build_grammar_bitmask
 
 
@@ -372,6 +372,7 @@ class ModelRunner:
         drafts = [[] for _ in live]
         probs: list[list[torch.Tensor]] = [[] for _ in live]
         vocabs = [self._draft_vocab(req) for req in live]
+        own = own_ids(vocabs)
         for step in range(max(limits, default=0)):
             idx = [i for i, limit in enumerate(limits) if limit > step]
             if step:
@@ -389,7 +390,7 @@ class ModelRunner:
             hidden = self.draft_model(self._long(ids), self._long(positions), meta)
             if len(ids) > len(idx):   # the last row of each request
                 hidden = hidden[self._long(np.cumsum(query_lens) - 1)]
-            logits = draft_logits(self.draft_model, hidden, [vocabs[i] for i in idx])
+            logits = draft_logits(self.draft_model, hidden, [vocabs[i] for i in idx], own)
             drawn = next_drafts(logits, [live[i] for i in idx], [drafts[i] for i in idx], self.vocab_size,
                                 self.generator)
             for i, (token, q) in zip(idx, drawn):

@@ -238,9 +238,9 @@ class LLMEngine:
                             "draft_quantization)", ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())))
         if cut is not None and cut < self.vocab_size:
             draft.restrict_vocab(cut)
-            logger.info("kvserve: the draft model proposes among the first %d of %d token ids, the whole vocabulary "
-                        "for requests whose output lies past them (speculative_config draft_vocab_size %s)", cut,
-                        self.vocab_size, spec.draft_vocab_size)
+            logger.info("kvserve: the draft model proposes among the first %d of %d token ids and each request's own "
+                        "past them, the whole vocabulary for requests whose output brings new ones (speculative_config "
+                        "draft_vocab_size %s)", cut, self.vocab_size, spec.draft_vocab_size)
         return draft
 
     # ----- requests -----

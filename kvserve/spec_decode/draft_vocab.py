@@ -67,15 +67,16 @@ def draft_logits(model, hidden: torch.Tensor, vocabs: list[DraftVocab | None],
     cut_rows = [j for j, v in enumerate(vocabs) if v is not None]
     if not cut_rows:
         return model.compute_logits(hidden)
-    own = own_ids(vocabs) if own is None else own
-    if len(cut_rows) == len(vocabs) and not any(vocabs[j].own for j in cut_rows):
+    has_own = any(vocabs[j].own for j in cut_rows)
+    if len(cut_rows) == len(vocabs) and not has_own:
         return model.compute_logits(hidden, cut=True)
-    part_hidden = hidden if len(cut_rows) == len(vocabs) else hidden[_index(cut_rows, hidden)]
+    cut_index = _index(cut_rows, hidden)
+    part_hidden = hidden if len(cut_rows) == len(vocabs) else hidden[cut_index]
     part = model.compute_logits(part_hidden, cut=True)
     logits = part.new_full((len(vocabs), model.config.vocab_size), -math.inf)
-    cut_index = _index(cut_rows, hidden)
     logits[cut_index, :part.shape[1]] = part
-    if any(vocabs[j].own for j in cut_rows):
+    if has_own:
+        own = own_ids(vocabs) if own is None else own
         extra = model.row_logits(part_hidden, own)
         if any(len(vocabs[j].own) < len(own) for j in cut_rows):   # each row proposes only its request's own
             column = {t: c for c, t in enumerate(own)}
@@ -85,9 +86,9 @@ def draft_logits(model, hidden: torch.Tensor, vocabs: list[DraftVocab | None],
                     mine[r, [column[t] for t in vocabs[j].own]] = True
             extra.masked_fill_(~mine.to(extra.device), -math.inf)
         logits[cut_index[:, None], _index(list(own), hidden)[None, :]] = extra
-    whole_rows = [j for j, v in enumerate(vocabs) if v is None]
-    if whole_rows:
-        logits[_index(whole_rows, hidden)] = model.compute_logits(hidden[_index(whole_rows, hidden)])
+    if len(cut_rows) < len(vocabs):
+        whole_index = _index([j for j, v in enumerate(vocabs) if v is None], hidden)
+        logits[whole_index] = model.compute_logits(hidden[whole_index])
     return logits
 
 

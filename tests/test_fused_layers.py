@@ -96,6 +96,18 @@ def test_fused_stack_runs_quantized_linears_bit_identical_to_the_modules(tmp_pat
     check_quantized_stack(_tiny_quantized_bf16(tmp_path, qtype, **sizes))
 
 
+def test_fused_stack_runs_a_draft_requantized_to_q4_0_bit_identical_to_the_modules(tmp_path):
+    """A speculative draft's layers requantized at load (quantize_layers_q4_0, draft_quantization) are ordinary
+    quantized linears to the stack: bit-identical to the modules."""
+    hf = save_tiny_model("llama", tmp_path / "hf", hidden_size=128, intermediate_size=96)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype="Q8_0")
+    model, _ = load_model(EngineConfig(model=str(path), dtype="bfloat16", device="cpu", quantization="gguf"))
+    assert model.quantize_layers_q4_0(stored_only=True)["Q8_0"] > 0
+    model.prepack()
+    assert model.model.layers[0].mlp.down_proj.quantized.formats() == ["Q4_0"]
+    check_quantized_stack(model)
+
+
 def test_fused_stack_refuses_a_quantized_weight_it_cannot_multiply(tmp_path):
     """A quantized linear whose descriptor names a type kvserve_quant_matmul does not take stops the stack with an
     error naming the layer, as the modules path raises (no silent garbage); the same step runs once it is whole."""

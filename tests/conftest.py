@@ -8,6 +8,17 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+# the Triton kernels' tests run them on CPU tensors in Triton's interpreter where no GPU is; triton reads this when
+# a kernel is defined, so before any test imports kvserve.attention.triton
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def gguf_path():
     from kvserve.model import default_model_path

@@ -3,8 +3,15 @@
 torch: the reference, plain PyTorch (gathers each group's context, then SDPA with a mask).
 cpu:   C++ kernels (kvserve/csrc/attention.cpp) reading K/V straight from the blocks: float32 and bfloat16 pools, and
        FP8 pools (kvserve/attention/fp8.py) under float32 or bfloat16 queries.
+triton: Triton kernels (kvserve/attention/triton/): one launch per layer for the whole mixed step, on CUDA tensors (or
+       CPU tensors under TRITON_INTERPRET=1): float32, bfloat16 and float16 pools, FP8 pools, sliding windows.
+
+`attention_backend` (EngineConfig, --attention-backend) names one; "auto" takes triton on CUDA and the C++ kernels
+on the CPU (torch where they do not build, with a warning).
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +19,10 @@ import torch.nn.functional as F
 from kvserve import kernels
 from kvserve.attention import fp8, kv_layout
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.config import ATTENTION_BACKENDS
+from kvserve.errors import InvalidRequestError
+
+logger = logging.getLogger("kvserve")
 
 
 class TorchPagedAttention:
@@ -32,8 +43,9 @@ class TorchPagedAttention:
         kv_layout.write_slots(k_cache, v_cache, meta.slot_mapping, k, v)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float,
-                kv_scales: torch.Tensor | None = None):
-        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]; the pools may be in either layout, or FP8 (kv_scales)."""
+                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None):
+        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]; the pools may be in either layout, or FP8 (kv_scales); a
+        sliding window W lets a token see only the last W keys up to its own."""
         self.write_kv(k_cache, v_cache, k, v, meta, kv_scales)
         _, hkv, d = kv_layout.geometry(k_cache)
         q = q.view(-1, num_heads, d)
@@ -44,7 +56,11 @@ class TorchPagedAttention:
             if fp8.is_fp8(k_cache.dtype):
                 kg, vg = fp8.dequantize(kg, kv_scales[0], q.dtype), fp8.dequantize(vg, kv_scales[1], q.dtype)
             kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)   # [G, Hkv, max_ctx, D]
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+            mask = g.mask
+            if sliding_window:
+                ctx = torch.arange(mask.shape[-1], device=mask.device)
+                mask = mask & (g.query_pos[:, None, :, None] - ctx < sliding_window)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale,
                                                 enable_gqa=hkv != num_heads)
             og = og.transpose(1, 2).reshape(-1, num_heads, d)
             out[g.token_rows] = og[g.valid_idx]
@@ -79,8 +95,11 @@ class CpuPagedAttention(TorchPagedAttention):
                 and d <= kernels.MAX_HEAD_DIM and q.shape[1:].numel() // d // hkv <= kernels.MAX_ROWS)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float,
-                kv_scales: torch.Tensor | None = None):
+                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None):
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
+        if sliding_window:
+            raise NotImplementedError("the C++ attention kernel has no sliding window: attention_backend torch or "
+                                      "triton runs such layers")
         if not self.supports(q, k_cache):
             return super().forward(q, k, v, k_cache, v_cache, meta, num_heads, scale, kv_scales)
         if q.dim() != 2 or k.dim() != 2 or v.dim() != 2:
@@ -98,15 +117,78 @@ class CpuPagedAttention(TorchPagedAttention):
         return out
 
 
-_BACKENDS = {"torch": TorchPagedAttention, "cpu": CpuPagedAttention}
+class TritonPagedAttention(TorchPagedAttention):
+    """Triton kernels (kvserve/attention/triton/) over the standard layout: a KV write by slot mapping, then one
+    unified attention launch for every sequence of the step. Typed ops: torch.compile and CUDA graphs see them."""
+
+    name = "triton"
+    MIN_BLOCK_SIZE = 16
+
+    def __init__(self, device: torch.device | str = "cuda"):
+        from kvserve.attention.triton import unavailable_reason
+        reason = unavailable_reason(device)
+        if reason is not None:
+            raise InvalidRequestError(f"attention_backend triton cannot run: {reason}", "attention_backend")
+        from kvserve.attention.triton import ops
+        self.ops = ops
+
+    def cache_shapes(self, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if block_size < self.MIN_BLOCK_SIZE or block_size & (block_size - 1):
+            raise InvalidRequestError(f"attention_backend triton takes a block_size that is a power of two of at "
+                                      f"least {self.MIN_BLOCK_SIZE}, got {block_size}", "block_size")
+        return kv_layout.cache_shapes(num_blocks, block_size, num_kv_heads, head_dim, tiled=False)
+
+    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata, kv_scales=None) -> None:
+        row = k_cache.shape[2] * k_cache.shape[3]
+        k, v = k.reshape(-1, row), v.reshape(-1, row)
+        if k.stride(1) != 1 or v.stride(1) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        write = self.ops.write_kv if torch.compiler.is_compiling() else self.ops.launch_write_kv
+        write(k, v, k_cache, v_cache, meta.slot_mapping, _scales(kv_scales, k))
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float,
+                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None):
+        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
+        self.write_kv(k_cache, v_cache, k, v, meta, kv_scales)
+        q = q.reshape(q.shape[0], -1)
+        if q.stride(1) != 1:
+            q = q.contiguous()
+        attend = self.ops.unified_attention if torch.compiler.is_compiling() else self.ops.launch_unified_attention
+        return attend(q, k_cache, v_cache, meta.block_table_tensor, meta.seq_lens_tensor, meta.query_start_loc,
+                      _scales(kv_scales, q), num_heads, scale, int(sliding_window or 0))
 
 
-def get_backend(name: str = "auto"):
-    """Return an attention backend instance by name; 'auto' is the C++ CPU backend when it builds, else torch."""
+def _scales(kv_scales: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return kv_scales if kv_scales is not None else torch.ones(2, dtype=torch.float32, device=like.device)
+
+
+def get_backend(name: str = "auto", device: torch.device | str = "cpu"):
+    """An attention backend instance by name (ATTENTION_BACKENDS) for `device`. auto: triton on CUDA, the C++ kernels
+    on the CPU when they build, else torch with a warning."""
+    kind = torch.device(device).type
     if name == "auto":
-        lib = kernels.load()
+        if kind == "cuda":
+            from kvserve.attention.triton import unavailable_reason
+            reason = unavailable_reason(device)
+            if reason is None:
+                return TritonPagedAttention(device)
+            logger.warning("kvserve: attention in plain torch (the reference backend): %s", reason)
+            return TorchPagedAttention()
+        lib = kernels.load() if kind == "cpu" else None
         return CpuPagedAttention(lib) if lib is not None else TorchPagedAttention()
-    try:
-        return _BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}") from None
+    if name == "torch":
+        return TorchPagedAttention()
+    if name == "cpu":
+        if kind != "cpu":
+            raise InvalidRequestError(f"attention_backend cpu runs the C++ kernels on the CPU, not on {kind}",
+                                      "attention_backend")
+        lib = kernels.load()
+        if lib is None:
+            raise InvalidRequestError(f"attention_backend cpu: the C++ kernels did not build ({kernels.status().reason})",
+                                      "attention_backend")
+        return CpuPagedAttention(lib)
+    if name == "triton":
+        return TritonPagedAttention(device)
+    raise InvalidRequestError(f"unknown attention backend {name!r}; choose from {', '.join(ATTENTION_BACKENDS)}",
+                              "attention_backend")

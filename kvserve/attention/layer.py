@@ -17,12 +17,14 @@ from kvserve.module import InferenceModule
 class Attention(InferenceModule):
     """Paged multi-head / grouped-query attention over the layer's KV cache blocks."""
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window   # a token sees only the last sliding_window keys up to its own
         # bound by bind_kv_cache(), in the backend's layout (kvserve/attention/kv_layout.py)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -30,7 +32,7 @@ class Attention(InferenceModule):
         # calibrate_kv_scales (bind_kv_cache's calculate_kv_scales)
         self.kv_scales = torch.ones(2, dtype=torch.float32)   # the kernels read float32
         self.calibrate_kv_scales = False
-        self.backend = default_backend()
+        self.backend = None   # bind_kv_cache sets it: the engine's attention_backend, or the device's default
 
     def forward(self, q, k, v, attn_metadata: AttentionMetadata):
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
@@ -38,18 +40,18 @@ class Attention(InferenceModule):
             self.kv_scales.copy_(fp8.calibrated_scales(k, v, self.k_cache.dtype))
             self.calibrate_kv_scales = False
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata,
-                                    self.num_heads, self.scale, self.kv_scales)
+                                    self.num_heads, self.scale, self.kv_scales, self.sliding_window)
 
 
-_default_backend = None
+_default_backends = {}
 
 
-def default_backend():
-    """The backend new Attention modules start with: the C++ CPU kernels when they build, else torch."""
-    global _default_backend
-    if _default_backend is None:
-        _default_backend = get_backend("auto")
-    return _default_backend
+def default_backend(device: torch.device | str = "cpu"):
+    """The backend of pools bound without one: get_backend("auto") for the device type, made once per type."""
+    kind = torch.device(device).type
+    if kind not in _default_backends:
+        _default_backends[kind] = get_backend("auto", kind)
+    return _default_backends[kind]
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:
@@ -73,6 +75,8 @@ def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: tor
     for layer in attention_layers(model):
         if backend is not None:
             layer.backend = backend
+        elif layer.backend is None:
+            layer.backend = default_backend(device)
         layer.kv_scales = torch.ones(2, dtype=torch.float32, device=device)
         layer.calibrate_kv_scales = calculate_kv_scales and fp8.is_fp8(dtype)
         k_shape, v_shape = layer.backend.cache_shapes(num_blocks, block_size, layer.num_heads, layer.num_kv_heads,

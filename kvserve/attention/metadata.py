@@ -27,6 +27,7 @@ class AttnGroup:
     valid_idx: torch.Tensor    # [n_valid] positions of valid entries in query_idx.flatten()
     ctx_slots: torch.Tensor    # [G, max_ctx] KV slot of each context position, padding -> 0
     mask: torch.Tensor         # [G, 1, max_q, max_ctx] True where attention is allowed
+    query_pos: torch.Tensor    # [G, max_q] absolute position of each query (padding: max_ctx, sees everything)
     max_q: int
 
 
@@ -93,7 +94,8 @@ def _build_group(seqs: np.ndarray, q_start: np.ndarray, query_lens: np.ndarray, 
     flat_valid = np.flatnonzero(q_valid.reshape(-1))
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
     return AttnGroup(token_rows=to(query_idx.reshape(-1)[flat_valid]), query_idx=to(query_idx),
-                     valid_idx=to(flat_valid), ctx_slots=to(ctx_slots), mask=to(mask), max_q=max_q)
+                     valid_idx=to(flat_valid), ctx_slots=to(ctx_slots), mask=to(mask), query_pos=to(limit),
+                     max_q=max_q)
 
 
 def _build_groups(meta: AttentionMetadata) -> list[AttnGroup]:

@@ -103,6 +103,8 @@ class LLMEngine:
                     self.kv_cache_description())
         fused_stack = self.runs_fused_stack()
         self.kernel_summary = kernels.summary(self.dtype, self.device, self.kv_cache_dtype, fused_stack)
+        if self.device.type != "cpu" or config.attention_backend != "auto":
+            self.kernel_summary += f"; attention backend: {self.runner.attention_backend.name}"
         self.weights_summary = describe_weights(self.model)
         logger.info("kvserve: weights: %s", self.weights_summary)
         # a path the machine rules out (no compiler, no AVX-512 BF16) is a warning: users otherwise never know

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES   # plain Python, as the next
+from kvserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_CHOICES   # plain Python, as the next
 from kvserve.entrypoints.openai.tool_parsers import TOOL_PARSERS   # plain Python: keeps --help fast
 from kvserve.errors import KVServeError
 
@@ -50,6 +50,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                   help="auto (the default): triton on CUDA, the C++ kernels on the CPU; torch: the plain-torch "
+                        "reference; cpu; triton")
     g.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
                    help="gguf: keep a .gguf file's quantized weights (the default on the CPU); int8: W8A8, any "
                         "checkpoint's linears quantized to int8 at load (CPU); none: weights in --dtype")
@@ -102,7 +105,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the Ray cluster to join: auto, or HOST:PORT (default: start a local Ray instance)")
 
 
-_ENGINE_FLAGS = ("tokenizer", "dtype", "device", "quantization", "max_model_len", "max_num_seqs",
+_ENGINE_FLAGS = ("tokenizer", "dtype", "device", "attention_backend", "quantization", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "kv_cache_memory", "kv_cache_dtype", "calculate_kv_scales",
                  "gpu_memory_utilization", "seed", "chat_template", "enable_prefix_caching", "enable_chunked_prefill",
                  "scheduling_policy", "priority_aging_s", "num_threads", "speculative_config",

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.attention import (attention_layers, bind_kv_cache, build_attention_metadata, kv_cache_bytes_per_block,
-                               single_sequence_metadata)
+from kvserve.attention import (attention_layers, bind_kv_cache, build_attention_metadata, get_backend,
+                               kv_cache_bytes_per_block, single_sequence_metadata)
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request
@@ -96,9 +96,10 @@ class ModelRunner:
                       max_num_batched_tokens: int) -> KVCacheManager:
         """Size the KV cache (on CUDA after profiling a full step), bind the model's pools, return their manager.
         dtype: the pools' (the model's, or FP8: kvserve/attention/fp8.py)."""
+        self.attention_backend = get_backend(config.attention_backend, self.device)
         num_blocks = self._num_kv_blocks(config, dtype, max_model_len, max_num_batched_tokens)
         for m in self.models:
-            bind_kv_cache(m, num_blocks, config.block_size, dtype, self.device,
+            bind_kv_cache(m, num_blocks, config.block_size, dtype, self.device, self.attention_backend,
                           calculate_kv_scales=config.calculate_kv_scales)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         return self.kv
@@ -123,10 +124,10 @@ class ModelRunner:
     def _profile_cuda_budget(self, config: EngineConfig, dtype: torch.dtype, num_tokens: int) -> int:
         """Run one forward over a full token budget, then give the KV cache what utilization leaves."""
         bs = config.block_size
-        bind_kv_cache(self.model, cdiv(num_tokens, bs), bs, dtype, self.device)
+        bind_kv_cache(self.model, cdiv(num_tokens, bs), bs, dtype, self.device, self.attention_backend)
         sampled = self.profile_step(config, num_tokens)
         torch.cuda.synchronize(self.device)
-        bind_kv_cache(self.model, 0, bs, dtype, self.device)   # drop the profiling cache
+        bind_kv_cache(self.model, 0, bs, dtype, self.device, self.attention_backend)   # drop the profiling cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)

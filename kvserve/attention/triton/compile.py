@@ -1,0 +1,141 @@
+"""`python -m kvserve.attention.triton.compile` (`make gpu-compile`): compile every Triton kernel variant the engine
+launches for sm_80 (A100) and sm_90 (H100/H200) ahead of time, with the ptxas inside Triton's wheel, on a machine
+without a GPU, and print the registers, spills and shared memory of each. Exits 1 if a variant fails to compile.
+Run it without TRITON_INTERPRET (the interpreter replaces the kernels)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+ARCHS = (80, 90)
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+FP8 = {"fp8_e4m3": "fp8e4nv", "fp8_e5m2": "fp8e5"}
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One attention geometry in one dtype (the KV pools' dtype may be FP8)."""
+
+    dtype: str
+    kv_dtype: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    window: int = 0
+
+    def label(self) -> str:
+        kv = "" if self.kv_dtype == self.dtype else f" kv={self.kv_dtype}"
+        window = f" window={self.window}" if self.window else ""
+        return (f"{self.dtype}{kv} h={self.heads}/{self.kv_heads} d={self.head_dim} bs={self.block_size}"
+                f"{window}")
+
+
+def variants() -> list[Variant]:
+    """The geometries of the models we serve (GQA 3 at D=64, GQA 6 at D=128, MHA), both block sizes, every dtype,
+    a sliding window, FP8 pools."""
+    out = []
+    for dtype in DTYPES:
+        out += [Variant(dtype, dtype, 9, 3, 64, 16), Variant(dtype, dtype, 12, 2, 128, 16),
+                Variant(dtype, dtype, 8, 8, 64, 32)]
+    out += [Variant("bfloat16", "bfloat16", 8, 4, 128, 16, window=512),
+            Variant("bfloat16", "fp8_e4m3", 9, 3, 64, 16), Variant("bfloat16", "fp8_e5m2", 12, 2, 128, 16)]
+    return out
+
+
+def _kernels():
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels with Python functions")
+    from kvserve.attention.triton import kernels
+    return kernels
+
+
+def attention_source(v: Variant):
+    """The unified attention kernel's ASTSource for a variant."""
+    from triton.compiler import ASTSource
+    from kvserve.attention.triton.ops import MIN_TILE, _next_pow2, tile_shape
+    kernels = _kernels()
+    t, kv = DTYPES[v.dtype], FP8.get(v.kv_dtype, DTYPES.get(v.kv_dtype))
+    block_q, block_m = tile_shape(v.heads, v.kv_heads)
+    constexprs = dict(NUM_KV_HEADS=v.kv_heads, NUM_QUERIES_PER_KV=v.heads // v.kv_heads, HEAD_DIM=v.head_dim,
+                      HEAD_DIM_PADDED=max(MIN_TILE, _next_pow2(v.head_dim)), BLOCK_SIZE=v.block_size,
+                      BLOCK_Q=block_q, BLOCK_M=block_m, SLIDING_WINDOW=v.window, FP8=v.kv_dtype in FP8,
+                      IEEE=v.dtype == "float32")
+    signature = dict(out_ptr=f"*{t}", q_ptr=f"*{t}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}",
+                     block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", k_scale_ptr="*fp32",
+                     v_scale_ptr="*fp32", scale="fp32", num_seqs="i32", q_stride_t="i32", q_stride_h="i32",
+                     out_stride_t="i32", out_stride_h="i32", block_table_stride="i32",
+                     **{name: "constexpr" for name in constexprs})
+    return ASTSource(kernels.unified_attention_kernel, signature, constexprs)
+
+
+def write_source(v: Variant):
+    """The KV write kernel's ASTSource for a variant."""
+    from triton.compiler import ASTSource
+    from kvserve.attention.triton.ops import _next_pow2
+    kernels = _kernels()
+    t, kv = DTYPES[v.dtype], FP8.get(v.kv_dtype, DTYPES.get(v.kv_dtype))
+    row = v.kv_heads * v.head_dim
+    constexprs = dict(ROW=row, ROW_PADDED=_next_pow2(row), FP8=v.kv_dtype in FP8,
+                      FP8_MAX=FP8_MAX.get(v.kv_dtype, 0.0))
+    signature = dict(k_ptr=f"*{t}", v_ptr=f"*{t}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", slot_mapping_ptr="*i64",
+                     k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_stride="i32", v_stride="i32",
+                     **{name: "constexpr" for name in constexprs})
+    return ASTSource(kernels.write_kv_kernel, signature, constexprs)
+
+
+def ptxas_report(ptx: str, arch: int, shared: int) -> str:
+    """'N regs, S spill bytes, M smem bytes' from ptxas -v on the kernel's PTX (shared: Triton's dynamic shared
+    memory, which ptxas does not see)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        name = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={name}", path, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", log)
+    return f"{regs.group(1) if regs else '?'} regs, {max(map(int, spills), default=0)} spill bytes, {shared} smem bytes"
+
+
+def compile_all(archs=ARCHS) -> list[tuple[str, str, int, str]]:
+    """(kernel, variant, arch, report or 'FAILED: why') for every variant; e4m3 pools need sm_89+, so no sm_80."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    rows = []
+    for v in variants():
+        for arch in archs:
+            if v.kv_dtype == "fp8_e4m3" and arch < 89:
+                continue
+            for name, make in (("unified_attention", attention_source), ("write_kv", write_source)):
+                try:
+                    compiled = triton.compile(make(v), target=GPUTarget("cuda", arch, 32))
+                    report = ptxas_report(compiled.asm["ptx"], arch, compiled.metadata.shared)
+                except Exception as e:   # every variant is tried; the exit code says whether any failed
+                    report = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                rows.append((name, v.label(), arch, report))
+    return rows
+
+
+def main() -> int:
+    import triton
+    rows = compile_all()
+    print(f"Triton {triton.__version__}: {len(rows)} kernel variants for sm_{'/sm_'.join(map(str, ARCHS))}")
+    for name, label, arch, report in rows:
+        print(f"  sm_{arch}  {name:17s}  {label:44s}  {report}")
+    failed = [r for r in rows if r[3].startswith("FAILED")]
+    if failed:
+        print(f"{len(failed)} variant(s) failed to compile")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The Triton kernels as typed ops (torch.library): torch.compile, FakeTensor and opcheck see a schema, and a captured
+CUDA graph replays the launches. The launchers make no torch.cuda calls and read no tensor's values on the host, so
+they run on CPU tensors under TRITON_INTERPRET=1 too.
+
+Eager callers take launch_write_kv / launch_unified_attention: the same launchers without the dispatcher's
+per-call cost (the ops' schema checks run once per layer and step otherwise); code that torch.compile traces calls
+the ops (write_kv, unified_attention)."""
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.triton import kernels
+
+MIN_TILE = 16   # tl.dot's smallest dimension
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def tile_shape(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_M): query tokens per program and the tile's rows (BLOCK_Q tokens x the query heads of one KV
+    head, padded to a power of two of at least 16 rows)."""
+    per_kv = num_heads // num_kv_heads
+    block_m = max(MIN_TILE, _next_pow2(per_kv))
+    return block_m // per_kv, block_m
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max) if dtype.itemsize == 1 else 0.0
+
+
+def launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, kv_scales: torch.Tensor) -> None:
+    """Pool rows slot_mapping[t] = k/v[t] ([T, num_kv_heads * head_dim], rows contiguous); slots < 0 are skipped;
+    FP8 pools store fp8(x / scale) with kv_scales = [K's scale, V's scale]."""
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    row = k_cache.shape[2] * k_cache.shape[3]
+    fp8 = k_cache.element_size() == 1
+    kernels.write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, kv_scales, kv_scales[1:], k.stride(0), v.stride(0),
+        ROW=row, ROW_PADDED=_next_pow2(row), FP8=fp8, FP8_MAX=_fp8_max(k_cache.dtype))
+
+
+@torch.library.custom_op("kvserve::triton_write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, kv_scales: torch.Tensor) -> None:
+    """launch_write_kv as an op."""
+    launch_write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+
+
+@write_kv.register_fake
+def _write_kv_fake(k, v, k_cache, v_cache, slot_mapping, kv_scales) -> None:
+    return None
+
+
+def launch_unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                             kv_scales: torch.Tensor, num_heads: int, scale: float,
+                             sliding_window: int) -> torch.Tensor:
+    """q: [T, num_heads * head_dim] (rows may be strided, elements contiguous) -> [T, num_heads * head_dim]: each
+    token attends to its sequence's cached and new keys through the block table (sliding_window 0: no window)."""
+    num_tokens = q.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_q, block_m = tile_shape(num_heads, num_kv_heads)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    kernels.unified_attention_kernel[grid](
+        out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, kv_scales, kv_scales[1:], scale,
+        num_seqs, q.stride(0), head_dim, out.stride(0), head_dim, block_table.stride(0),
+        NUM_KV_HEADS=num_kv_heads, NUM_QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=max(MIN_TILE, _next_pow2(head_dim)), BLOCK_SIZE=block_size, BLOCK_Q=block_q,
+        BLOCK_M=block_m, SLIDING_WINDOW=sliding_window, FP8=k_cache.element_size() == 1,
+        IEEE=q.dtype == torch.float32)
+    return out
+
+
+@torch.library.custom_op("kvserve::triton_unified_attention", mutates_args=())
+def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kv_scales: torch.Tensor, num_heads: int,
+                      scale: float, sliding_window: int) -> torch.Tensor:
+    """launch_unified_attention as an op."""
+    return launch_unified_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, kv_scales,
+                                    num_heads, scale, sliding_window)
+
+
+@unified_attention.register_fake
+def _unified_attention_fake(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, kv_scales, num_heads,
+                            scale, sliding_window):
+    return q.new_empty(q.shape[0], num_heads * k_cache.shape[3])

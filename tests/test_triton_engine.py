@@ -1,0 +1,100 @@
+"""The engine end to end on the Triton attention backend (attention_backend="triton"): on a CUDA machine natively,
+elsewhere under Triton's interpreter on CPU tensors (conftest.py sets TRITON_INTERPRET=1). Tiny random models in
+float32: greedy output token-identical to transformers' generate (attention_mask passed), and equal to the torch
+reference backend with batching, chunked prefill, preemption, prefix caching and speculative decoding.
+
+The tokenizer only names the special tokens here (prompts are token ids): the bundled model's GGUF, or the directory
+KVSERVE_TEST_TOKENIZER names (the GPU check carries one: the GPU machine has no bundled model)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.attention.triton import unavailable_reason  # noqa: E402
+from kvserve.errors import InvalidRequestError  # noqa: E402
+from model_utils import save_tiny_model  # noqa: E402
+from spec_utils import tiny_prompts, tokens  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(unavailable_reason(DEVICE) is not None,
+                                reason=f"Triton cannot run here: {unavailable_reason(DEVICE)}")
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path():
+    if os.environ.get("KVSERVE_TEST_TOKENIZER"):
+        return os.environ["KVSERVE_TEST_TOKENIZER"]
+    from kvserve.model import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """family -> (path, transformers model in float32 on DEVICE)."""
+    root = tmp_path_factory.mktemp("triton-engine")
+    out = {}
+    for family, overrides in (("qwen2", {}), ("llama", dict(num_attention_heads=6, num_key_value_heads=2,
+                                                           hidden_size=96)), ("qwen3", {})):
+        model = save_tiny_model(family, root / family, vocab_size=96, **overrides)
+        out[family] = (str(root / family), model.to(DEVICE))
+    return out
+
+
+def engine(path, tokenizer_path, backend="triton", **kwargs):
+    kwargs.setdefault("num_kv_blocks", 64)
+    return LLM(model=path, tokenizer=tokenizer_path, dtype="float32", device=DEVICE, attention_backend=backend,
+               **kwargs)
+
+
+def hf_greedy(model, prompts, max_tokens):
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p["prompt_token_ids"]], device=DEVICE)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                             min_new_tokens=max_tokens, pad_token_id=0)
+        out.append([gen[0, ids.shape[1]:].tolist()])
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_greedy_equals_transformers(tiny_models, tokenizer_path, family):
+    path, model = tiny_models[family]
+    prompts = tiny_prompts(4)
+    llm = engine(path, tokenizer_path)
+    assert llm.llm_engine.runner.attention_backend.name == "triton"
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy(model, prompts, GREEDY.max_tokens)
+
+
+def test_batching_chunked_prefill_preemption_and_prefix_caching_equal_the_torch_backend(tiny_models,
+                                                                                        tokenizer_path):
+    """Small steps chunk the prompts, a small pool preempts requests, and every prompt runs twice (the second time
+    from the prefix cache); the outputs equal the torch reference backend's, run without any of that."""
+    path, _ = tiny_models["qwen2"]
+    prompts = tiny_prompts(6)
+    reference = tokens(engine(path, tokenizer_path, "torch").generate(prompts, GREEDY, use_tqdm=False))
+    llm = engine(path, tokenizer_path, max_num_batched_tokens=24, num_kv_blocks=10, block_size=16, max_num_seqs=4)
+    assert tokens(llm.generate(prompts + prompts, GREEDY, use_tqdm=False)) == reference + reference
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_speculative_decoding_equals_no_speculation(tiny_models, tokenizer_path):
+    path, _ = tiny_models["qwen2"]
+    prompts = [{"prompt_token_ids": ([5, 6, 7, 8] * 6)[:20 + i]} for i in range(3)]   # repeats for the n-gram
+    plain = tokens(engine(path, tokenizer_path).generate(prompts, GREEDY, use_tqdm=False))
+    spec = engine(path, tokenizer_path, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                            "prompt_lookup_max": 3})
+    assert tokens(spec.generate(prompts, GREEDY, use_tqdm=False)) == plain
+
+
+def test_the_triton_backend_refuses_what_it_cannot_run(tiny_models, tokenizer_path):
+    path, _ = tiny_models["qwen2"]
+    with pytest.raises(InvalidRequestError, match="power of two"):
+        engine(path, tokenizer_path, block_size=8)
+    with pytest.raises(InvalidRequestError, match="attention_backend must be one of"):
+        engine(path, tokenizer_path, backend="flash")

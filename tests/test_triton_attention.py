@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from kvserve.attention import TorchPagedAttention, build_attention_metadata, fp8  # noqa: E402
 from kvserve.attention.backends import TritonPagedAttention  # noqa: E402
 from kvserve.attention.triton import unavailable_reason  # noqa: E402
-from test_attention_backends import random_batch  # noqa: E402
+from attention_utils import random_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(unavailable_reason(DEVICE) is not None,

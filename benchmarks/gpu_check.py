@@ -61,13 +61,13 @@ if DRY_RUN:   # the same code on shapes the interpreter runs in seconds
 
 def sync():
     if DEVICE == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def empty_cache():
     gc.collect()
     if DEVICE == "cuda":
-        empty_cache()
+        torch.cuda.empty_cache()
 
 
 def log(*args):
@@ -124,15 +124,17 @@ def w1_requests(vocab: int, seed: int = 0):
     return prompts, output_lens.tolist()
 
 
-def bench_kvserve(path: Path, tokenizer: str, prompts, output_lens, **engine_kwargs) -> dict:
+def bench_kvserve(path: Path, tokenizer: str, prompts, output_lens, w1: bool = True, **engine_kwargs) -> dict:
     from kvserve import LLM, SamplingParams
     t = time.perf_counter()
     llm = LLM(model=str(path), tokenizer=tokenizer, dtype="float32" if DRY_RUN else "bfloat16", device=DEVICE,
-              max_num_seqs=64, max_model_len=2048, gpu_memory_utilization=0.5,
+              max_num_seqs=64, max_model_len=2048, gpu_memory_utilization=0.3,
               attention_backend="triton", **engine_kwargs)
     start_s = time.perf_counter() - t
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params[:4], use_tqdm=False)   # kernels' JIT
+    if not w1:
+        return {"llm": llm, "start_s": start_s}
     sync()
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -220,6 +222,24 @@ def kv_bytes_per_token(llm) -> int:
                for a in attention_layers(llm.llm_engine.model))
 
 
+def decode_figures(llm, vocab: int, wb: int, kvb: int, bandwidth: float, label: str) -> dict:
+    """The median decode step at batch 64 (256 tokens in) and single-stream (128 in), each against the time to read
+    the weights and the KV it attends to at `bandwidth`."""
+    rng = np.random.default_rng(1)
+    batch = [rng.integers(3, vocab, 256).tolist() for _ in range(4 if DRY_RUN else 64)]
+    step = float(np.median(step_times(llm, batch, 48, 4 if DRY_RUN else 32)))
+    bound = (wb + 64 * (256 + 16) * kvb) / bandwidth   # the median step's context, about 16 tokens past the prompt
+    tpot = float(np.median(step_times(llm, [rng.integers(3, vocab, 128).tolist()], 80, 4 if DRY_RUN else 64)))
+    bound1 = (wb + 160 * kvb) / bandwidth
+    log(f"{label}: decode step at batch 64 {step * 1e3:.2f} ms (bound {bound * 1e3:.3f}), TPOT {tpot * 1e3:.2f} ms "
+        f"(bound {bound1 * 1e3:.3f})")
+    if PROFILE:
+        PROFILES.append(profile_steps(llm, batch, label))
+    return {f"decode64_{label}_ms": round(step * 1e3, 3), "decode64_bound_ms": round(bound * 1e3, 3),
+            f"decode64_{label}_vs_bound": round(step / bound, 2), f"tpot_{label}_ms": round(tpot * 1e3, 3),
+            "tpot_bound_ms": round(bound1 * 1e3, 3), f"tpot_{label}_vs_bound": round(tpot / bound1, 2)}
+
+
 def bench_model(name: str, root: Path, tokenizer: str, bandwidth: float) -> dict:
     log(f"== {name}")
     path = make_model(name, root)
@@ -235,27 +255,19 @@ def bench_model(name: str, root: Path, tokenizer: str, bandwidth: float) -> dict
     row["kvserve_out_tok_s"] = round(useful / kv["seconds"], 1)
     row["kvserve_total_tok_s"] = round(total_tokens / kv["seconds"], 1)
     log(f"kvserve W1: {kv['seconds']:.2f} s, {useful / kv['seconds']:.0f} output tok/s")
+    graphs = llm.llm_engine.runner.decode_graphs
+    row["graphs"] = (f"{len(graphs.graphs)} sizes captured in {graphs.capture_seconds:.1f} s" if graphs is not None
+                     and graphs.graphs else "none")
     wb, kvb = weight_bytes(llm), kv_bytes_per_token(llm)
-    rng = np.random.default_rng(1)
-    batch = [rng.integers(3, vocab, 256).tolist() for _ in range(4 if DRY_RUN else 64)]
-    times = step_times(llm, batch, 48, 4 if DRY_RUN else 32)
-    step = float(np.median(times))
-    ctx = 256 + 16   # the median step's context per request, roughly
-    bound = (wb + 64 * ctx * kvb) / bandwidth
-    row.update(decode64_step_ms=round(step * 1e3, 3), decode64_bound_ms=round(bound * 1e3, 3),
-               decode64_vs_bound=round(step / bound, 2))
-    log(f"decode step at batch 64: {step * 1e3:.2f} ms, bound {bound * 1e3:.3f} ms")
-    if PROFILE:
-        PROFILES.append(profile_steps(llm, batch, name))
-        log(PROFILES[-1])
-    times = step_times(llm, [rng.integers(3, vocab, 128).tolist()], 80, 4 if DRY_RUN else 64)
-    tpot = float(np.median(times))
-    bound1 = (wb + 160 * kvb) / bandwidth
-    row.update(tpot_ms=round(tpot * 1e3, 3), tpot_bound_ms=round(bound1 * 1e3, 3),
-               tpot_vs_bound=round(tpot / bound1, 2), weight_bytes=wb)
-    log(f"single-stream TPOT: {tpot * 1e3:.2f} ms, bound {bound1 * 1e3:.3f} ms")
+    row["weight_bytes"] = wb
+    row.update(decode_figures(llm, vocab, wb, kvb, bandwidth, "graphs"))
     llm.llm_engine.shutdown()
     del llm
+    empty_cache()
+    eager = bench_kvserve(path, tokenizer, prompts, output_lens, w1=False, enforce_eager=True)["llm"]
+    row.update(decode_figures(eager, vocab, wb, kvb, bandwidth, "eager"))
+    eager.llm_engine.shutdown()
+    del eager
     empty_cache()
     hf = bench_hf(path, prompts, output_lens)
     row["hf_s"] = round(hf["seconds"], 3)
@@ -276,21 +288,22 @@ def prepare(directory: str) -> int:
 def markdown(result: dict) -> str:
     env = result["env"]
     lines = [f"GPU check on {env['gpu']} ({env.get('date', '')}): torch {env['torch']}, Triton {env['triton']}, "
-             f"read bandwidth {env['read_bandwidth_gbs']} GB/s (measured), CUDA graphs: not built yet "
-             "(every figure is eager)", ""]
+             f"read bandwidth {env['read_bandwidth_gbs']} GB/s (measured)", ""]
     t = result.get("tests", {})
     lines += [f"CUDA tests ({', '.join(t.get('files', []))}): {t.get('summary', 'not run')} "
               f"in {t.get('seconds', '?')} s", ""]
     lines += ["| model (random weights, bf16) | W1 kvserve s | W1 HF generate s | kvserve / HF | kvserve output tok/s "
-              "| decode step b=64 ms | its bound ms | ratio | TPOT ms | its bound ms | ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| decode step b=64 ms, graphs / eager | its bound ms | graphs / bound | TPOT ms, graphs / eager "
+              "| its bound ms | graphs / bound | graphs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("models", []):
         if "error" in r:
-            lines.append(f"| {r['model']} | failed: {r['error'][:120]} |||||||||| |")
+            lines.append(f"| {r['model']} | failed: {r['error'][:160]} |||||||||||")
             continue
         lines.append(f"| {r['model']} | {r['kvserve_s']} | {r['hf_s']} | {r['speedup_vs_hf']}x | "
-                     f"{r['kvserve_out_tok_s']} | {r['decode64_step_ms']} | {r['decode64_bound_ms']} | "
-                     f"{r['decode64_vs_bound']}x | {r['tpot_ms']} | {r['tpot_bound_ms']} | {r['tpot_vs_bound']}x |")
+                     f"{r['kvserve_out_tok_s']} | {r['decode64_graphs_ms']} / {r['decode64_eager_ms']} | "
+                     f"{r['decode64_bound_ms']} | {r['decode64_graphs_vs_bound']}x | {r['tpot_graphs_ms']} / "
+                     f"{r['tpot_eager_ms']} | {r['tpot_bound_ms']} | {r['tpot_graphs_vs_bound']}x | {r['graphs']} |")
     return "\n".join(lines) + "\n"
 
 

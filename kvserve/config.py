@@ -40,6 +40,9 @@ class EngineConfig:
     # auto: triton on CUDA, the C++ kernels on the CPU; torch: the plain-torch reference; cpu: the C++ kernels;
     # triton: the Triton kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1)
     attention_backend: str = "auto"
+    # CUDA: decode steps replay CUDA graphs captured at start for padded batch sizes (kvserve/worker/cuda_graphs.py);
+    # True runs every step eagerly
+    enforce_eager: bool = False
     # auto: a .gguf file's quantized weights stay quantized on the CPU (gguf); int8: W8A8, the linears quantized
     # at load (CPU); none: dequantized to dtype
     quantization: str = "auto"

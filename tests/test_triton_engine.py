@@ -98,3 +98,31 @@ def test_the_triton_backend_refuses_what_it_cannot_run(tiny_models, tokenizer_pa
         engine(path, tokenizer_path, block_size=8)
     with pytest.raises(InvalidRequestError, match="attention_backend must be one of"):
         engine(path, tokenizer_path, backend="flash")
+
+
+def test_capture_sizes():
+    from kvserve.worker.cuda_graphs import capture_sizes
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert capture_sizes(128)[-3:] == [96, 112, 128]
+    assert capture_sizes(10_000)[-1] == 512
+
+
+def test_decode_steps_through_the_graph_buffers_equal_eager_steps(tiny_models, tokenizer_path):
+    """Decode steps run through DecodeGraphs' padded buffers (captured as CUDA graphs on a GPU, run eagerly on the
+    CPU), batch sizes 1 to 4 padded to 1, 2, 4: the same greedy tokens as eager steps, prefix caching and
+    preemption included."""
+    path, _ = tiny_models["qwen2"]
+    prompts = tiny_prompts(6)
+    kwargs = dict(max_num_seqs=4, num_kv_blocks=14, max_num_batched_tokens=40)
+    eager = tokens(engine(path, tokenizer_path, enforce_eager=True, **kwargs).generate(prompts, GREEDY,
+                                                                                        use_tqdm=False))
+    llm = engine(path, tokenizer_path, **kwargs)
+    runner = llm.llm_engine.runner
+    if runner.decode_graphs is None:   # the CPU: the same buffers, eagerly
+        runner.use_decode_graphs(4, llm.llm_engine.max_model_len, 16, capture=False)
+    else:
+        assert runner.decode_graphs.graphs   # captured at start on CUDA
+    assert tokens(llm.generate(prompts + prompts[:2], GREEDY, use_tqdm=False)) == eager + eager[:2]
+    assert runner.decode_graphs.num_runs > 0

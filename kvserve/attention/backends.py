@@ -137,6 +137,10 @@ class TritonPagedAttention(TorchPagedAttention):
         if block_size < self.MIN_BLOCK_SIZE or block_size & (block_size - 1):
             raise InvalidRequestError(f"attention_backend triton takes a block_size that is a power of two of at "
                                       f"least {self.MIN_BLOCK_SIZE}, got {block_size}", "block_size")
+        if (fp8.is_fp8(dtype) and torch.device(device).type == "cuda"
+                and torch.cuda.get_device_capability(device) < (8, 9)):
+            raise InvalidRequestError("attention_backend triton stores FP8 KV on GPUs of compute capability 8.9 or "
+                                      "newer (Ada, Hopper); use kv_cache_dtype auto here", "kv_cache_dtype")
         return kv_layout.cache_shapes(num_blocks, block_size, num_kv_heads, head_dim, tiled=False)
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata, kv_scales=None) -> None:

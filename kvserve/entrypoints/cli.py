@@ -50,6 +50,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                    help="auto (the default): triton on CUDA, the C++ kernels on the CPU; torch: the plain-torch "
                         "reference; cpu; triton")
@@ -105,7 +107,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the Ray cluster to join: auto, or HOST:PORT (default: start a local Ray instance)")
 
 
-_ENGINE_FLAGS = ("tokenizer", "dtype", "device", "attention_backend", "quantization", "max_model_len", "max_num_seqs",
+_ENGINE_FLAGS = ("tokenizer", "dtype", "device", "attention_backend", "enforce_eager", "quantization", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "kv_cache_memory", "kv_cache_dtype", "calculate_kv_scales",
                  "gpu_memory_utilization", "seed", "chat_template", "enable_prefix_caching", "enable_chunked_prefill",
                  "scheduling_policy", "priority_aging_s", "num_threads", "speculative_config",

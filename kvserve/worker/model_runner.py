@@ -3,6 +3,7 @@ flattened forward pass and samples the next tokens."""
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_sampling import next_drafts, sampled_drafts
 from kvserve.spec_decode.draft_vocab import DraftVocab, draft_logits, own_ids, request_vocab
 from kvserve.structured_output import build_grammar_bitmask
+from kvserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 
 
 @dataclass
@@ -39,6 +41,7 @@ class StepInputs:
     prompt_lp: list[tuple[Request, int, int, int]]   # (req, first position, its row, count) for prompt logprobs
 
 
+logger = logging.getLogger("kvserve")
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
@@ -85,6 +88,7 @@ class ModelRunner:
         self.lora = None   # the engine's LoRAManager when LoRA is enabled (kvserve/lora)
         self.executor = None   # tensor parallelism: the driver's TPExecutor, which sends every step to the workers
         self._calls_left = 0   # the step's compute_logits calls not made yet (-1: its forward is not done)
+        self.decode_graphs: DecodeGraphs | None = None   # CUDA: decode steps through captured graphs
 
     @property
     def models(self) -> list[torch.nn.Module]:
@@ -102,7 +106,38 @@ class ModelRunner:
             bind_kv_cache(m, num_blocks, config.block_size, dtype, self.device, self.attention_backend,
                           calculate_kv_scales=config.calculate_kv_scales)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        why_not = self._why_no_graphs(config)
+        if why_not is None:
+            self.use_decode_graphs(config.max_num_seqs, max_model_len, config.block_size, capture=True)
+        elif self.device.type == "cuda":
+            logger.info("kvserve: decode steps run eagerly: %s", why_not)
         return self.kv
+
+    def _why_no_graphs(self, config: EngineConfig) -> str | None:
+        """Why this engine's decode steps cannot replay CUDA graphs, or None when they can."""
+        if self.device.type != "cuda":
+            return "not on CUDA"
+        if config.enforce_eager:
+            return "enforce_eager"
+        if self.attention_backend.name != "triton":
+            return f"the {self.attention_backend.name} attention backend reads the step's lengths on the host"
+        if self.lora is not None:
+            return "LoRA adapters change per step"
+        if self.executor is not None:
+            return "tensor parallelism"
+        return None
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int, capture: bool) -> None:
+        """Run decode steps through DecodeGraphs' padded buffers, captured as CUDA graphs where `capture` (the
+        CPU tests run the same path eagerly)."""
+        graphs = DecodeGraphs(self.model, capture_sizes(max_num_seqs), cdiv(max_model_len, block_size), block_size,
+                              self.device, capture)
+        try:
+            graphs.capture_all()
+        except Exception as e:   # a model or kernel a graph cannot hold: said loudly, then served eagerly
+            logger.warning("kvserve: CUDA graph capture failed (%s: %s): decode steps run eagerly", type(e).__name__, e)
+            return
+        self.decode_graphs = graphs
 
     def _num_kv_blocks(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
                        max_num_batched_tokens: int) -> int:
@@ -220,7 +255,13 @@ class ModelRunner:
         """The step's forward from its message, as every tensor-parallel rank runs it: (hidden, ids, positions)."""
         if len(msg.block_copies):
             self._copy_blocks(msg.block_copies.tolist())
-        meta = build_attention_metadata(msg.query_lens.tolist(), msg.seq_lens.tolist(), msg.tables(),
+        tables = msg.tables()
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(msg.query_lens, [len(t) for t in tables]):
+            n = len(msg.input_ids)
+            hidden = graphs.run(msg.input_ids, msg.positions, msg.seq_lens, tables)
+            return hidden, graphs.input_ids[:n], graphs.positions[:n]
+        meta = build_attention_metadata(msg.query_lens.tolist(), msg.seq_lens.tolist(), tables,
                                         self.kv.block_size, self.device)
         ids, positions = self._long(msg.input_ids), self._long(msg.positions)
         if self.lora is None or not len(msg.lora_rows):

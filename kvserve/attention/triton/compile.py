@@ -89,16 +89,25 @@ def write_source(v: Variant):
     return ASTSource(kernels.write_kv_kernel, signature, constexprs)
 
 
+def _ptxas(arch: int) -> str:
+    """The path of the ptxas inside Triton's wheel (its helper's signature differs between Triton versions)."""
+    from triton.backends.nvidia import compiler
+    try:
+        tool = compiler.get_ptxas(arch)
+    except TypeError:
+        tool = compiler.get_ptxas()
+    return tool.path if hasattr(tool, "path") else tool[0]
+
+
 def ptxas_report(ptx: str, arch: int, shared: int) -> str:
     """'N regs, S spill bytes, M smem bytes' from ptxas -v on the kernel's PTX (shared: Triton's dynamic shared
     memory, which ptxas does not see)."""
-    from triton.backends.nvidia.compiler import get_ptxas
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
         name = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
-        log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={name}", path, "-o", os.devnull],
+        log = subprocess.run([_ptxas(arch), "-v", f"--gpu-name={name}", path, "-o", os.devnull],
                              capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", log)
@@ -106,13 +115,14 @@ def ptxas_report(ptx: str, arch: int, shared: int) -> str:
 
 
 def compile_all(archs=ARCHS) -> list[tuple[str, str, int, str]]:
-    """(kernel, variant, arch, report or 'FAILED: why') for every variant; e4m3 pools need sm_89+, so no sm_80."""
+    """(kernel, variant, arch, report or 'FAILED: why') for every variant. FP8 pools are for sm_89 and newer (e4m3
+    has no sm_80 instructions; the backend refuses FP8 KV there), so they compile for sm_90 only."""
     import triton
     from triton.backends.compiler import GPUTarget
     rows = []
     for v in variants():
         for arch in archs:
-            if v.kv_dtype == "fp8_e4m3" and arch < 89:
+            if v.kv_dtype in FP8 and arch < 89:
                 continue
             for name, make in (("unified_attention", attention_source), ("write_kv", write_source)):
                 try:

@@ -1,0 +1,153 @@
+"""Decode steps replayed from CUDA graphs: the model's forward over a batch of decodes (one new token per sequence)
+captured once per padded batch size at start, then replayed with the step's inputs copied into the same buffers.
+
+    persistent buffers (max size)           one step of n decodes, padded to the captured size B >= n
+    input_ids     [B_max]   long            rows n..B-1: token 0, position 0
+    positions     [B_max]   long
+    slot_mapping  [B_max]   long            rows n..B-1: -1 (the KV write skips them)
+    seq_lens      [B_max]   int32           rows n..B-1: 1 (they read one key of block 0; their outputs are dropped)
+    block_table   [B_max, max blocks] int32 rows n..B-1: zeros
+    query_start_loc [B_max + 1] int32       0, 1, 2, ... : fixed, every row is one token
+
+The attention kernels read lengths and block tables on the device and size their grid from the shapes alone, so a
+graph captured at size B replays any n <= B. The host fills a pinned staging copy of the inputs and sends it with
+one non-blocking copy per buffer.
+
+On the CPU (tests) the same buffers and padding run eagerly (capture=False): the path the graphs replay is tested
+there; only the capture itself needs a GPU. `enforce_eager` (--enforce-eager) turns the graphs off.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger("kvserve")
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (and max_num_seqs itself), at most 512."""
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+class DecodeGraphs:
+    """Padded decode batches run through persistent buffers, captured as CUDA graphs where `capture`."""
+
+    def __init__(self, model: torch.nn.Module, sizes: list[int], max_blocks_per_seq: int, block_size: int,
+                 device: torch.device, capture: bool):
+        self.model = model
+        self.sizes = sorted(sizes)
+        self.max_size = self.sizes[-1]
+        self.block_size = block_size
+        self.device = device
+        self.capture = capture
+        n, width = self.max_size, max_blocks_per_seq
+        pin = device.type == "cuda"
+        # staging copies on the host (pinned: the copies to the device do not wait for the host)
+        self.ids_cpu = torch.zeros(n, dtype=torch.long, pin_memory=pin)
+        self.pos_cpu = torch.zeros(n, dtype=torch.long, pin_memory=pin)
+        self.slots_cpu = torch.full((n,), -1, dtype=torch.long, pin_memory=pin)
+        self.seq_lens_cpu = torch.ones(n, dtype=torch.int32, pin_memory=pin)
+        self.tables_cpu = torch.zeros(n, width, dtype=torch.int32, pin_memory=pin)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(n, width, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.num_runs = 0   # steps run through the buffers (replayed where captured)
+
+    def can_run(self, query_lens, num_blocks: list[int]) -> bool:
+        """Whether a step of these sequences is all decodes within the largest size and the tables' width."""
+        return (0 < len(query_lens) <= self.max_size and bool((np.asarray(query_lens) == 1).all())
+                and max(num_blocks) <= self.block_table.shape[1])
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        """The attention metadata over the first `size` rows of the buffers (the host-side fields are unused)."""
+        ones = np.ones(size, dtype=np.int64)
+        return AttentionMetadata(num_tokens=size, slot_mapping=self.slot_mapping[:size], query_lens=ones,
+                                 seq_lens=ones, block_tables=[], block_size=self.block_size,
+                                 query_start_loc=self.query_start_loc[:size + 1], seq_lens_tensor=self.seq_lens[:size],
+                                 block_table_tensor=self.block_table[:size], device=self.device)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self._metadata(size))
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture one graph per size, largest first, sharing one memory pool; each after a warm-up run (Triton
+        compiles its kernels then: a capture cannot). The padded rows write no KV (slot -1). FP8 scale calibration,
+        which the first real step does eagerly, is held off meanwhile."""
+        if not self.capture:
+            return
+        from kvserve.attention import attention_layers
+        layers = attention_layers(self.model)
+        calibrating = [a.calibrate_kv_scales for a in layers]
+        for a in layers:
+            a.calibrate_kv_scales = False
+        t0 = time.perf_counter()
+        pool = None
+        try:
+            for size in reversed(self.sizes):
+                self._forward(size)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self._forward(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+            torch.cuda.synchronize(self.device)
+        finally:
+            for a, flag in zip(layers, calibrating):
+                a.calibrate_kv_scales = flag
+        self.capture_seconds = time.perf_counter() - t0
+        logger.info("kvserve: CUDA graphs captured for decode batches of %s in %.1fs (--enforce-eager: none)",
+                    ", ".join(map(str, self.sizes)), self.capture_seconds)
+
+    def run(self, input_ids, positions, seq_lens, tables: list[list[int]]) -> torch.Tensor:
+        """Hidden states [n, hidden] of n decodes (input_ids/positions/seq_lens: host sequences of length n)."""
+        n = len(input_ids)
+        size = next(s for s in self.sizes if s >= n)
+        self.ids_cpu[:n] = torch.as_tensor(input_ids, dtype=torch.long)
+        self.pos_cpu[:n] = torch.as_tensor(positions, dtype=torch.long)
+        seq_lens = np.asarray(seq_lens, dtype=np.int64)
+        lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=n)
+        width = int(lens.max())
+        table = np.zeros((n, width), dtype=np.int32)
+        table[np.arange(width)[None, :] < lens[:, None]] = np.fromiter((b for t in tables for b in t),
+                                                                       dtype=np.int32, count=int(lens.sum()))
+        pos = seq_lens - 1
+        slots = table[np.arange(n), pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        self.slots_cpu[:n] = torch.from_numpy(slots)
+        self.seq_lens_cpu[:n] = torch.from_numpy(seq_lens.astype(np.int32))
+        self.tables_cpu[:n, :width] = torch.from_numpy(table)
+        self.tables_cpu[:n, width:] = 0
+        # padding rows n..size-1 keep their staged values: token 0, slot -1, length 1, block 0
+        self.ids_cpu[n:size] = 0
+        self.pos_cpu[n:size] = 0
+        self.slots_cpu[n:size] = -1
+        self.seq_lens_cpu[n:size] = 1
+        self.tables_cpu[n:size] = 0
+        # non-blocking: the staging copies are rewritten only next step, after this step's sampled tokens came back
+        nb = self.device.type == "cuda"
+        self.num_runs += 1
+        for dst, src in ((self.input_ids, self.ids_cpu), (self.positions, self.pos_cpu),
+                         (self.slot_mapping, self.slots_cpu), (self.seq_lens, self.seq_lens_cpu),
+                         (self.block_table, self.tables_cpu)):
+            dst[:size].copy_(src[:size], non_blocking=nb)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.outputs[size][:n]
+        return self._forward(size)[:n]

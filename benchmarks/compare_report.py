@@ -168,13 +168,18 @@ COMMANDS = """\
 | `python benchmarks/compare.py --only offline --skip-hf` | W1 only, kvserve and vLLM (`--only serve`: the serving part; the other part of the report is kept) |
 | `python benchmarks/compare_report.py` | this file and the plots again from `benchmarks/results/compare.json`, without measuring |
 | `python benchmarks/ablation.py --num-prompts 8 --num-threads 1` | each optimization switched on in turn, side by side in one process (W1-style throughput; `--single-stream`: one request's TPOT) |
-| `python benchmarks/attention_kernel.py [--num-threads N] [--layers 30]` | the bf16 attention kernel over the tiled KV layout against the AVX-512 kernel over the standard layout and the torch backend, on W1-shaped decode and prefill steps, K/V from DRAM (30 layers' pools) or caches (`--layers 1`) |
+| `python benchmarks/attention_kernel.py [--num-threads N] [--layers 30]` | the bf16 attention kernel over the tiled KV layout against the AVX-512 kernel over the standard layout and the torch backend, on W1-shaped decode and prefill steps and one sequence verifying 5 drafts, K/V from DRAM (30 layers' pools) or caches (`--layers 1`) |
 | `python benchmarks/matmul.py [--num-threads N] [--rows ...]` | the C++ bf16 matmuls (GEMV, register-tiled GEMM) against oneDNN's packed path for steps of M rows, layer weights and LM head |
 | `python benchmarks/int8_matmul.py [--rows ...] [--num-threads N]` | `--quantization int8`'s matmul (INT8) against the Q8_0 kernels and the dense linear this CPU would run, on Qwen2.5-Coder-1.5B's MLP shapes, for steps of M rows |
+| `python benchmarks/load_memory.py [MODEL] [--kv-cache-memory 256MiB]` | the resident set sampled every 50 ms while an engine starts: its peak (a load's), and where it ends |
 | `python benchmarks/quant_ab.py DIR_A DIR_B [--rows ...] [--copies N] [--weights ...]` | two builds of the quantized matmul kernels (two copies of `kvserve/csrc`, e.g. a worktree of the commit before) alternating in one process on real GGUF tensors, streamed from memory or in cache: the A/B behind kernel changes |
 | `python benchmarks/bf16_accuracy.py` | bf16 against float32 with each kernel switched in or out (teacher-forced top-1 agreement and logprob error) |
 | `python benchmarks/quantization.py [--models smollm2 qwen1.5b] [--throughput --vllm]` | GGUF kept quantized, int8 and FP8 KV against the dequantized model, llama.cpp and vLLM: TPOT, TTFT, memory, throughput |
 | `python benchmarks/spec_decode.py [--only single,draft,batch]` | speculative decoding (n-gram, suffix, draft model) against none, side by side in one process |
+| `python benchmarks/spec_sampled.py [--temperatures 0.5,1.0]` | random sampling with a draft model: drafts drawn from the draft's distribution against its argmax, and against none |
+| `python benchmarks/sampling.py` | the cost of random sampling: temperature 1 against greedy, one request and 64 concurrent |
+| `make gpu-check` (on an NVIDIA GPU machine) | the CUDA tests, then W1 against transformers' `generate`, the decode step at batch 64 and single-stream TPOT with and without CUDA graphs against the bandwidth bound (docs/gpu.md) |
+| `make gpu-compile` | every Triton kernel variant compiled for sm_80 and sm_90 without a GPU: registers, spills, shared memory |
 | `python benchmarks/fp8_kv.py`, `lora.py`, `distributed.py`, `structured_outputs.py`, `kernel_paths.py`, `float32_packing.py` | FP8 KV, multi-LoRA, tensor parallelism and replicas, grammars, each kernel path, float32 packing: each against its baseline in one run (the script's docstring says how) |
 | `python benchmarks/prefix_caching.py --json benchmarks/results/prefix_caching.json` | prefix caching on against off |
 | `kvserve bench throughput --num-prompts 64 --input-len 64:512 --output-len 32:256 --dtype bfloat16` | W1 for kvserve alone (`--output-json`) |
@@ -316,11 +321,24 @@ def prefix_caching_table(path: Path = RESULTS / "prefix_caching.json") -> list[s
             "With sharing, the samples hold one copy of the prompt's blocks plus their own tail and output blocks.", ""]
 
 
+def gpu_section(path: Path = RESULTS / "gpu_check.md") -> list[str]:
+    """The last GPU check's table (`make gpu-check` on a machine with an NVIDIA GPU; docs/gpu.md), when there is one."""
+    if not path.exists():
+        return []
+    gpu = json.loads(path.with_suffix(".json").read_text())["env"]["gpu"]
+    return [f"## GPU: {gpu}", "",
+            "`make gpu-check` (benchmarks/gpu_check.py, docs/gpu.md): the CUDA tests, then W1 against transformers' "
+            "`generate` on the same GPU (one left-padded batch of 64; both credited only the tokens asked for), and "
+            "the decode step at batch 64 and single-stream TPOT against the time to read the weights and the "
+            "attended KV once at the measured bandwidth. Random weights in the real models' shapes, bf16 "
+            "(results in `benchmarks/results/gpu_check.json`).", "", path.read_text().strip(), ""]
+
+
 def report(results: dict, plots: list[str]) -> str:
     """The generated part of docs/benchmarks.md: everything above the optimization log."""
     lines = header(results) + summary(results) + [WORKLOADS] + offline_table(results) + serving_tables(results)
     lines += [f"![{p}]({p})" for p in plots] + ([""] if plots else [])
-    lines += prefix_caching_table() + [READING, COMMANDS]
+    lines += prefix_caching_table() + gpu_section() + [READING, COMMANDS]
     return "\n".join(lines)
 
 

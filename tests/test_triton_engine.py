@@ -126,3 +126,22 @@ def test_decode_steps_through_the_graph_buffers_equal_eager_steps(tiny_models, t
         assert runner.decode_graphs.graphs   # captured at start on CUDA
     assert tokens(llm.generate(prompts + prompts[:2], GREEDY, use_tqdm=False)) == eager + eager[:2]
     assert runner.decode_graphs.num_runs > 0
+
+
+def test_a_whole_decode_step_compiles_with_fullgraph(tiny_models, tokenizer_path):
+    """The model's forward over the graph buffers (what a CUDA graph captures) traced whole by torch.compile with
+    fullgraph=True: a host sync (.item(), .tolist(), a data-dependent shape) anywhere in the step would break the
+    graph and fail here. The compiled step gives the eager step's hidden states."""
+    from kvserve.worker.cuda_graphs import DecodeGraphs
+    path, _ = tiny_models["qwen2"]
+    llm = engine(path, tokenizer_path, enforce_eager=True)
+    runner = llm.llm_engine.runner
+    graphs = DecodeGraphs(runner.model, [4], 8, 16, torch.device(DEVICE), capture=False)
+    args = ([5, 7, 9], [3, 10, 20], [4, 11, 21], [[1], [2], [3, 4]])
+    eager = graphs.run(*args).clone()
+    torch._dynamo.reset()
+    graphs._forward = torch.compile(graphs._forward, fullgraph=True,
+                                    backend="eager" if DEVICE == "cpu" else "inductor")
+    with torch.inference_mode():
+        compiled = graphs.run(*args)
+    torch.testing.assert_close(compiled, eager)

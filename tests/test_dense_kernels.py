@@ -10,7 +10,7 @@ needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="no C++ compil
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_packed_linear_equals_f_linear_in_bfloat16(bias):
-    """oneDNN's packed path (where the C++ matmul kernels do not build) is bit-identical to F.linear."""
+    """oneDNN's packed path (where the C++ matmul kernels do not build) agrees with F.linear to bf16 rounding."""
     from kvserve.model.layers import Linear, onednn_available, packed_linear, prepack_weights
     lin = Linear(64, 96, bias=bias).to(torch.bfloat16)
     for p in lin.parameters():
@@ -23,10 +23,12 @@ def test_onednn_packed_linear_equals_f_linear_in_bfloat16(bias):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         plain = lin(x)
         packed = packed_linear(x, pack, lin.bias)
-        if bias:   # the bias is added after rounding the product to bf16
-            torch.testing.assert_close(packed, plain, atol=0.5, rtol=2e-2)
-        else:
-            assert torch.equal(packed, plain)
+        # close, not bit-equal: the pack's blocked layout and F.linear's plain weight take different oneDNN (or
+        # ATen) paths whose float32 summation orders differ by CPU, and a bf16 rounding can then differ; without a
+        # bias, nearly every value is the same bits (a bias is added after rounding the product to bf16)
+        torch.testing.assert_close(packed, plain, atol=0.5, rtol=2e-2)
+        if not bias:
+            assert (packed != plain).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("bias", [False, True])

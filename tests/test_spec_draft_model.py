@@ -124,7 +124,11 @@ def test_a_request_drafts_from_the_whole_vocabulary_while_its_output_brings_new_
     assert torch.all(alone[0, [50, 70]] == -torch.inf)
     # the rows of a proposal's later draft steps, with the ids of its every request: masked all the same
     later = draft_logits(model, hidden[2:], [b], own_ids([a, None, b]))
-    assert torch.equal(later, alone)
+    # masked exactly where alone is; the values close, not bit-equal: later's rows past the cut come from a matrix
+    # of other ids (50 too), a product of another shape, whose summation order oneDNN picks per shape and CPU
+    visible = torch.isfinite(alone)
+    assert torch.equal(torch.isfinite(later), visible)
+    torch.testing.assert_close(later[visible], alone[visible], rtol=1e-5, atol=1e-5)
 
 
 def test_draft_vocabulary_auto_cuts_large_vocabularies_only(tiny_pair, gguf_path):

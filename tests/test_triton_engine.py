@@ -53,43 +53,54 @@ def engine(path, tokenizer_path, backend="triton", **kwargs):
 
 
 def hf_greedy(model, prompts, max_tokens):
+    """transformers' greedy output, max_tokens each with EOS an ordinary token (as ignore_eos; generate's
+    min_new_tokens would mask it instead): its argmax over the whole sequence at each step."""
     out = []
-    for p in prompts:
-        ids = torch.tensor([p["prompt_token_ids"]], device=DEVICE)
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                             min_new_tokens=max_tokens, pad_token_id=0)
-        out.append([gen[0, ids.shape[1]:].tolist()])
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p["prompt_token_ids"]], device=DEVICE)
+            for _ in range(max_tokens):
+                logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, -1]
+                ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+            out.append([ids[0, len(p["prompt_token_ids"]):].tolist()])
     return out
 
 
+@pytest.fixture(scope="module")
+def qwen2_reference(tiny_models):
+    """tiny_prompts(5) and transformers' greedy output for them on the tiny qwen2: every engine test's oracle."""
+    prompts = tiny_prompts(5)
+    return prompts, hf_greedy(tiny_models["qwen2"][1], prompts, GREEDY.max_tokens)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
-def test_greedy_equals_transformers(tiny_models, tokenizer_path, family):
+def test_greedy_equals_transformers(tiny_models, tokenizer_path, qwen2_reference, family):
     path, model = tiny_models[family]
-    prompts = tiny_prompts(4)
+    prompts, reference = qwen2_reference if family == "qwen2" else (tiny_prompts(3), None)
     llm = engine(path, tokenizer_path)
     assert llm.llm_engine.runner.attention_backend.name == "triton"
-    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy(model, prompts, GREEDY.max_tokens)
+    reference = reference or hf_greedy(model, prompts, GREEDY.max_tokens)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
 
 
-def test_batching_chunked_prefill_preemption_and_prefix_caching_equal_the_torch_backend(tiny_models,
-                                                                                        tokenizer_path):
-    """Small steps chunk the prompts, a small pool preempts requests, and every prompt runs twice (the second time
-    from the prefix cache); the outputs equal the torch reference backend's, run without any of that."""
+def test_batching_chunked_prefill_preemption_and_prefix_caching(tiny_models, tokenizer_path, qwen2_reference):
+    """Small steps chunk the prompts, a small pool preempts requests, and the last prompts run again (from the
+    prefix cache): the outputs are still transformers' (so the torch reference backend's too)."""
     path, _ = tiny_models["qwen2"]
-    prompts = tiny_prompts(6)
-    reference = tokens(engine(path, tokenizer_path, "torch").generate(prompts, GREEDY, use_tqdm=False))
-    llm = engine(path, tokenizer_path, max_num_batched_tokens=24, num_kv_blocks=10, block_size=16, max_num_seqs=4)
-    assert tokens(llm.generate(prompts + prompts, GREEDY, use_tqdm=False)) == reference + reference
+    prompts, reference = qwen2_reference
+    llm = engine(path, tokenizer_path, max_num_batched_tokens=24, num_kv_blocks=8, block_size=16, max_num_seqs=4)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
     assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert tokens(llm.generate(prompts[3:], GREEDY, use_tqdm=False)) == reference[3:]
+    assert llm.llm_engine.scheduler.prefix_cache_hits > 0
 
 
 def test_speculative_decoding_equals_no_speculation(tiny_models, tokenizer_path):
-    path, _ = tiny_models["qwen2"]
+    path, model = tiny_models["qwen2"]
     prompts = [{"prompt_token_ids": ([5, 6, 7, 8] * 6)[:20 + i]} for i in range(3)]   # repeats for the n-gram
-    plain = tokens(engine(path, tokenizer_path).generate(prompts, GREEDY, use_tqdm=False))
     spec = engine(path, tokenizer_path, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                             "prompt_lookup_max": 3})
-    assert tokens(spec.generate(prompts, GREEDY, use_tqdm=False)) == plain
+    assert tokens(spec.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy(model, prompts, GREEDY.max_tokens)
 
 
 def test_the_triton_backend_refuses_what_it_cannot_run(tiny_models, tokenizer_path):
@@ -109,16 +120,13 @@ def test_capture_sizes():
     assert capture_sizes(10_000)[-1] == 512
 
 
-def test_decode_steps_through_the_graph_buffers_equal_eager_steps(tiny_models, tokenizer_path):
+def test_decode_steps_through_the_graph_buffers_equal_eager_steps(tiny_models, tokenizer_path, qwen2_reference):
     """Decode steps run through DecodeGraphs' padded buffers (captured as CUDA graphs on a GPU, run eagerly on the
-    CPU), batch sizes 1 to 4 padded to 1, 2, 4: the same greedy tokens as eager steps, prefix caching and
-    preemption included."""
+    CPU), batch sizes 1 to 4 padded to 1, 2, 4: the same greedy tokens as eager steps (transformers'), prefix
+    caching and preemption included."""
     path, _ = tiny_models["qwen2"]
-    prompts = tiny_prompts(6)
-    kwargs = dict(max_num_seqs=4, num_kv_blocks=14, max_num_batched_tokens=40)
-    eager = tokens(engine(path, tokenizer_path, enforce_eager=True, **kwargs).generate(prompts, GREEDY,
-                                                                                        use_tqdm=False))
-    llm = engine(path, tokenizer_path, **kwargs)
+    prompts, eager = qwen2_reference
+    llm = engine(path, tokenizer_path, max_num_seqs=4, num_kv_blocks=12, max_num_batched_tokens=40)
     runner = llm.llm_engine.runner
     if runner.decode_graphs is None:   # the CPU: the same buffers, eagerly
         runner.use_decode_graphs(4, llm.llm_engine.max_model_len, 16, capture=False)

@@ -1,7 +1,8 @@
 """The GPU check (`make gpu-check`): on a machine with an NVIDIA GPU, in one run of a few minutes,
 
 1. the CUDA tests: the Triton kernels natively in float32/bfloat16/float16/FP8 against the torch reference
-   (tests/test_triton_attention.py), the engine on CUDA greedy against transformers in float32 and equal to itself with
+   (tests/test_triton_attention.py), the layer ops against the torch ops (tests/test_triton_layer_ops.py), the
+   engine on CUDA greedy against transformers in float32 and equal to itself with
    batching, chunked prefill, preemption, prefix caching and speculation (tests/test_triton_engine.py), and every
    kernel variant compiled under this machine's Triton (tests/test_triton_compile.py);
 2. the benchmark, on random-weight models of real shapes in bfloat16 (SmolLM2-135M, Qwen2.5-Coder-1.5B: the GPU
@@ -16,8 +17,8 @@
 It runs with the machine's own python3 and packages; the tokenizer directory comes from KVSERVE_TEST_TOKENIZER
 (`python benchmarks/gpu_check.py --prepare DIR` writes the bundled model's there, to carry). Writes
 benchmarks/results/gpu_check.{json,md} (and into $OUT when set). Each part that fails is recorded as failed; the rest
-still runs. `--dry-run` runs the benchmark code on the CPU on tiny shapes (Triton's interpreter), to try this
-script without a GPU."""
+still runs. `--tests A,B` runs those test files instead of the four; `--dry-run` runs the benchmark code on the CPU
+on tiny shapes (Triton's interpreter), to try this script without a GPU."""
 from __future__ import annotations
 
 import gc
@@ -41,7 +42,8 @@ DEVICE = "cpu" if DRY_RUN else "cuda"
 PROFILE = "--profile" in sys.argv   # torch.profiler's table of decode steps at batch 64, into gpu_check_profile.txt
 PROFILES: list[str] = []
 
-TESTS = ["tests/test_triton_attention.py", "tests/test_triton_engine.py", "tests/test_triton_compile.py"]
+TESTS = ["tests/test_triton_attention.py", "tests/test_triton_layer_ops.py", "tests/test_triton_engine.py",
+         "tests/test_triton_compile.py"]
 MODELS = {
     # name: (transformers config class, config kwargs) with the published checkpoints' shapes
     "SmolLM2-135M": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -74,13 +76,13 @@ def log(*args):
     print(*args, flush=True)
 
 
-def run_tests(result: dict) -> None:
+def run_tests(result: dict, files: list[str]) -> None:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     tail = (proc.stdout + proc.stderr).strip().splitlines()
     log("\n".join(tail[-40:]))
-    result["tests"] = {"files": TESTS, "exit_code": proc.returncode, "summary": tail[-1] if tail else "",
+    result["tests"] = {"files": files, "exit_code": proc.returncode, "summary": tail[-1] if tail else "",
                        "seconds": round(time.perf_counter() - t0, 1),
                        "failures": [line for line in tail if line.startswith("FAILED")][:20]}
 
@@ -323,10 +325,13 @@ def main() -> int:
     gpu = "CPU dry run (Triton interpreter)" if DRY_RUN else torch.cuda.get_device_name()
     result = {"env": {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
                       "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}}
-    only = {a for a in sys.argv[1:] if not a.startswith("--")}
+    tests = TESTS
+    if "--tests" in sys.argv:   # a subset, comma-separated
+        tests = sys.argv[sys.argv.index("--tests") + 1].split(",")
+    only = {a for a in sys.argv[1:] if not a.startswith("-") and a not in (",".join(tests),)}
     if not DRY_RUN and (not only or "tests" in only):
         try:
-            run_tests(result)
+            run_tests(result, tests)
         except Exception as e:
             result["tests"] = {"summary": f"failed to run: {e}"}
     result["env"]["read_bandwidth_gbs"] = round(read_bandwidth() / 1e9)

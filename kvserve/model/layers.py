@@ -261,11 +261,29 @@ def _fast_lib(x: torch.Tensor):
     return kernels.load()
 
 
+_gpu_ops_module = None
+
+
+def _gpu_ops(x: torch.Tensor):
+    """kvserve.model.triton_ops where x is a 2-d bf16/fp16 CUDA tensor with contiguous rows and Triton imports
+    (the engine warns at start where it does not: attention then runs in torch too), else None (use torch ops)."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    global _gpu_ops_module
+    if _gpu_ops_module is None:
+        try:
+            from kvserve.model import triton_ops
+            _gpu_ops_module = triton_ops
+        except ImportError:
+            _gpu_ops_module = False
+    return _gpu_ops_module or None
+
+
 class RMSNorm(InferenceModule):
     """Root-mean-square norm, computed in float32 and cast back like the HF reference.
 
     With `residual`, it first adds x to the residual stream and returns (norm(x + residual), x + residual):
-    one fused kernel in bf16 on the CPU instead of a separate add and five norm ops."""
+    one fused kernel in bf16 on the CPU (C++) and in bf16/fp16 on CUDA (Triton) instead of an add and five norm ops."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -280,6 +298,9 @@ class RMSNorm(InferenceModule):
             lib.kvserve_rmsnorm_bf16(x.data_ptr(), None if residual is None else residual.data_ptr(),
                                 weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.eps)
             return out if residual is None else (out, residual)
+        ops = _gpu_ops(x) if x.shape[-1] <= 65536 and weight.dtype == x.dtype else None
+        if ops is not None and (residual is None or residual.stride(-1) == 1):
+            return ops.rmsnorm(x, weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -299,6 +320,9 @@ class SiluAndMul(InferenceModule):
             out = x.new_empty(x.shape[0], x.shape[1] // 2)
             lib.kvserve_silu_mul_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1] // 2)
             return out
+        ops = _gpu_ops(x)
+        if ops is not None:
+            return ops.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -366,10 +390,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def rotate_heads_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor,
                          sin: torch.Tensor) -> bool:
-    """Rotate the first `num_heads` heads of every row of x [T, >= num_heads * D] in place with one bf16 CPU
-    kernel (same rounding as apply_rotary); False, touching nothing, where that kernel does not apply."""
+    """Rotate the first `num_heads` heads of every row of x [T, >= num_heads * D] in place with one kernel (same
+    rounding as apply_rotary): C++ for bf16 on the CPU, Triton for bf16/fp16 on CUDA; False, touching nothing,
+    where neither applies."""
+    if cos.dtype != x.dtype or not (cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    ops = _gpu_ops(x)
+    if ops is not None and head_dim & (head_dim - 1) == 0 and head_dim >= 2:
+        ops.rope_inplace(x, num_heads, head_dim, cos, sin)
+        return True
     lib = _fast_lib(x)
-    if lib is None or head_dim > 512 or cos.dtype != x.dtype or not (cos.is_contiguous() and sin.is_contiguous()):
+    if lib is None or head_dim > 512:
         return False
     lib.kvserve_rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], num_heads, head_dim)
     return True

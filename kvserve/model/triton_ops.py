@@ -1,0 +1,99 @@
+"""Triton kernels for the layer ops between the matmuls on a GPU, in bf16/fp16: RMSNorm with its residual add, RoPE
+in place on q|k, and SiLU·mul. torch runs each of them as four to eight elementwise kernels; one kernel each keeps
+a decode step's graph short. They round where the torch ops (kvserve/model/layers.py, the definition) round:
+products and sums in float32, one rounding to the dtype wherever torch stores an intermediate. float32 models keep
+the torch ops (the reference path tests compare with transformers).
+
+The layer modules call them through layers.py (`_gpu_ops`) on CUDA tensors; the launchers make no torch.cuda calls,
+so the tests run them on CPU tensors under TRITON_INTERPRET=1 too."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride, n, eps,
+                   HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: s = x + residual (rounded, also stored as the new residual), out = w * (s * rsqrt(mean(s^2) + eps))."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * residual_stride + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * n + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    normed = (xf * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_kernel(x_ptr, cos_ptr, sin_ptr, x_stride, HEAD_DIM: tl.constexpr):
+    """Head program_id(1) of row program_id(0), in place: x * cos + rotate_half(x) * sin, each product rounded."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = tl.arange(0, HEAD_DIM // 2)
+    base = x_ptr + row * x_stride + head * HEAD_DIM
+    x1 = tl.load(base + half).to(tl.float32)
+    x2 = tl.load(base + HEAD_DIM // 2 + half).to(tl.float32)
+    dt = x_ptr.dtype.element_ty
+    c1 = tl.load(cos_ptr + row * HEAD_DIM + half).to(tl.float32)
+    c2 = tl.load(cos_ptr + row * HEAD_DIM + HEAD_DIM // 2 + half).to(tl.float32)
+    s1 = tl.load(sin_ptr + row * HEAD_DIM + half).to(tl.float32)
+    s2 = tl.load(sin_ptr + row * HEAD_DIM + HEAD_DIM // 2 + half).to(tl.float32)
+    out1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    out2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(base + half, out1.to(dt))
+    tl.store(base + HEAD_DIM // 2 + half, out2.to(dt))
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr):
+    """out[row, j] = silu(x[row, j]) * x[row, n + j] (silu rounded first, as torch's two ops)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + n + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    tl.store(out_ptr + row * n + offs, (silu * up).to(dt), mask=mask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm.forward's result for 2-d x with contiguous rows: out, or (out, x + residual)."""
+    n = x.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(out) if residual is not None else out
+    if x.shape[0]:
+        rmsnorm_kernel[(x.shape[0],)](x, residual if residual is not None else x, weight, out, new_residual,
+                                      x.stride(0), residual.stride(0) if residual is not None else 0, n, eps,
+                                      HAS_RESIDUAL=residual is not None, BLOCK=_pow2(n),
+                                      num_warps=4 if n <= 4096 else 8)
+    return out if residual is None else (out, new_residual)
+
+
+def rope_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the first num_heads heads of every row of x [T, >= num_heads * head_dim] in place; cos/sin
+    [T, 1, head_dim] contiguous in x's dtype."""
+    if x.shape[0]:
+        rope_kernel[(x.shape[0], num_heads)](x, cos, sin, x.stride(0), HEAD_DIM=head_dim, num_warps=1)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [T, 2I] gate|up tensor with contiguous rows."""
+    n = x.shape[1] // 2
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    block = min(1024, _pow2(n))
+    if x.shape[0]:
+        silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), n, BLOCK=block)
+    return out

@@ -290,7 +290,7 @@ def prepare(directory: str) -> int:
 def markdown(result: dict) -> str:
     env = result["env"]
     lines = [f"GPU check on {env['gpu']} ({env.get('date', '')}): torch {env['torch']}, Triton {env['triton']}, "
-             f"read bandwidth {env['read_bandwidth_gbs']} GB/s (measured)", ""]
+             f"read bandwidth {env.get('read_bandwidth_gbs', '?')} GB/s (measured)", ""]
     t = result.get("tests", {})
     lines += [f"CUDA tests ({', '.join(t.get('files', []))}): {t.get('summary', 'not run')} "
               f"in {t.get('seconds', '?')} s", ""]
@@ -299,7 +299,7 @@ def markdown(result: dict) -> str:
               "| its bound ms | graphs / bound | graphs |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("models", []):
-        if "error" in r:
+        if "error" in r or "hf_s" not in r:
             lines.append(f"| {r['model']} | failed: {r['error'][:160]} |||||||||||")
             continue
         lines.append(f"| {r['model']} | {r['kvserve_s']} | {r['hf_s']} | {r['speedup_vs_hf']}x | "
@@ -334,6 +334,7 @@ def main() -> int:
             run_tests(result, tests)
         except Exception as e:
             result["tests"] = {"summary": f"failed to run: {e}"}
+    save(result)
     result["env"]["read_bandwidth_gbs"] = round(read_bandwidth() / 1e9)
     if tokenizer is None:
         from kvserve.model import default_model_path
@@ -349,8 +350,13 @@ def main() -> int:
             except Exception as e:
                 traceback.print_exc()
                 result["models"].append({"model": name, "error": f"{type(e).__name__}: {e}"})
+            save(result)   # what is measured so far survives a run cut short
+    print(markdown(result))
+    return 0 if result.get("tests", {}).get("exit_code", 0) == 0 else 1
+
+
+def save(result: dict) -> None:
     text = markdown(result)
-    print(text)
     outs = [] if DRY_RUN else [ROOT / "benchmarks" / "results"]
     outs += [Path(os.environ["OUT"])] if os.environ.get("OUT") else []
     for out in outs:
@@ -359,7 +365,6 @@ def main() -> int:
         (out / "gpu_check.md").write_text(text)
         if PROFILES:
             (out / "gpu_check_profile.txt").write_text("\n".join(PROFILES))
-    return 0 if result.get("tests", {}).get("exit_code", 0) == 0 else 1
 
 
 if __name__ == "__main__":

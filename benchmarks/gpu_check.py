@@ -294,6 +294,8 @@ def markdown(result: dict) -> str:
     t = result.get("tests", {})
     lines += [f"CUDA tests ({', '.join(t.get('files', []))}): {t.get('summary', 'not run')} "
               f"in {t.get('seconds', '?')} s", ""]
+    if t.get("failures"):
+        lines[-1:] = [f"- {f}" for f in t["failures"][:8]] + [""]
     lines += ["| model (random weights, bf16) | W1 kvserve s | W1 HF generate s | kvserve / HF | kvserve output tok/s "
               "| decode step b=64 ms, graphs / eager | its bound ms | graphs / bound | TPOT ms, graphs / eager "
               "| its bound ms | graphs / bound | graphs |",

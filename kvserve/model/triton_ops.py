@@ -1,8 +1,10 @@
 """Triton kernels for the layer ops between the matmuls on a GPU, in bf16/fp16: RMSNorm with its residual add, RoPE
 in place on q|k, and SiLU·mul. torch runs each of them as four to eight elementwise kernels; one kernel each keeps
 a decode step's graph short. They round where the torch ops (kvserve/model/layers.py, the definition) round:
-products and sums in float32, one rounding to the dtype wherever torch stores an intermediate. float32 models keep
-the torch ops (the reference path tests compare with transformers).
+products and sums in float32, one rounding to the dtype wherever torch stores an intermediate (the GPU compiler may
+still pick native bf16/fp16 instructions for those steps: tests/test_triton_layer_ops.py holds RoPE bit for bit in
+the interpreter, and all three within two steps of the dtype on a GPU). float32 models keep the torch ops (the
+reference path tests compare with transformers).
 
 The layer modules call them through layers.py (`_gpu_ops`) on CUDA tensors; the launchers make no torch.cuda calls,
 so the tests run them on CPU tensors under TRITON_INTERPRET=1 too."""
@@ -85,8 +87,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 def rope_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate the first num_heads heads of every row of x [T, >= num_heads * head_dim] in place; cos/sin
     [T, 1, head_dim] contiguous in x's dtype."""
-    if x.shape[0]:
-        rope_kernel[(x.shape[0], num_heads)](x, cos, sin, x.stride(0), HEAD_DIM=head_dim, num_warps=1)
+    if x.shape[0]:   # no fused multiply-adds: each product is rounded before the sum, as in apply_rotary
+        rope_kernel[(x.shape[0], num_heads)](x, cos, sin, x.stride(0), HEAD_DIM=head_dim, num_warps=1,
+                                             enable_fp_fusion=False)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

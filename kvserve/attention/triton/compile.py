@@ -115,7 +115,7 @@ def ptxas_report(ptx: str, arch: int, shared: int) -> str:
 
 
 def layer_op_sources(dtype: str):
-    """(name, ASTSource) of the layer ops (kvserve/model/triton_ops.py) in a dtype, at SmolLM2's and Qwen2.5-1.5B's
+    """(name, compile options as launched, ASTSource) of the layer ops (kvserve/model/triton_ops.py) in a dtype, at SmolLM2's and Qwen2.5-1.5B's
     widths."""
     from triton.compiler import ASTSource
     _kernels()   # refuses under the interpreter
@@ -125,14 +125,14 @@ def layer_op_sources(dtype: str):
     for hidden, head_dim, inter in ((576, 64, 1536), (1536, 128, 8960)):
         for has_res in (False, True):
             c = dict(HAS_RESIDUAL=has_res, BLOCK=k._pow2(hidden))
-            out.append((f"rmsnorm h={hidden}{' +res' if has_res else ''}", ASTSource(k.rmsnorm_kernel, dict(
+            out.append((f"rmsnorm h={hidden}{' +res' if has_res else ''}", {}, ASTSource(k.rmsnorm_kernel, dict(
                 x_ptr=f"*{t}", residual_ptr=f"*{t}", weight_ptr=f"*{t}", out_ptr=f"*{t}", residual_out_ptr=f"*{t}",
                 x_stride="i32", residual_stride="i32", n="i32", eps="fp32", HAS_RESIDUAL="constexpr",
                 BLOCK="constexpr"), c)))
-        out.append((f"rope d={head_dim}", ASTSource(k.rope_kernel, dict(
+        out.append((f"rope d={head_dim}", {"enable_fp_fusion": False}, ASTSource(k.rope_kernel, dict(
             x_ptr=f"*{t}", cos_ptr=f"*{t}", sin_ptr=f"*{t}", x_stride="i32", HEAD_DIM="constexpr"),
             dict(HEAD_DIM=head_dim))))
-        out.append((f"silu_mul i={inter}", ASTSource(k.silu_mul_kernel, dict(
+        out.append((f"silu_mul i={inter}", {}, ASTSource(k.silu_mul_kernel, dict(
             x_ptr=f"*{t}", out_ptr=f"*{t}", x_stride="i32", n="i32", BLOCK="constexpr"),
             dict(BLOCK=min(1024, k._pow2(inter))))))
     return out
@@ -150,16 +150,16 @@ def compile_all(archs=ARCHS) -> list[tuple[str, str, int, str]]:
                 rows.append((name, v.label(), arch, _compile(make(v), arch)))
     for dtype in ("bfloat16", "float16"):
         for arch in archs:
-            for label, source in layer_op_sources(dtype):
-                rows.append(("layer op", f"{dtype} {label}", arch, _compile(source, arch)))
+            for label, options, source in layer_op_sources(dtype):
+                rows.append(("layer op", f"{dtype} {label}", arch, _compile(source, arch, options)))
     return rows
 
 
-def _compile(source, arch: int) -> str:
+def _compile(source, arch: int, options: dict | None = None) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options or None)
         return ptxas_report(compiled.asm["ptx"], arch, compiled.metadata.shared)
     except Exception as e:   # every variant is tried; the exit code says whether any failed
         return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

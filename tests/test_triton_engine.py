@@ -153,3 +153,21 @@ def test_a_whole_decode_step_compiles_with_fullgraph(tiny_models, tokenizer_path
     with torch.inference_mode():
         compiled = graphs.run(*args)
     torch.testing.assert_close(compiled, eager)
+
+
+def test_no_decode_replays_before_fp8_scales_are_calibrated(tiny_models):
+    """A first step of one-token prompts must run the modules eagerly, where the layers calibrate their FP8 scales:
+    DecodeGraphs takes no step while any layer still waits to calibrate."""
+    from kvserve.attention import attention_layers, bind_kv_cache
+    from kvserve.attention.backends import TritonPagedAttention
+    from kvserve.config import EngineConfig
+    from kvserve.model import load_model
+    from kvserve.worker.cuda_graphs import DecodeGraphs
+    model, _ = load_model(EngineConfig(model=tiny_models["qwen2"][0], dtype="float32", device=DEVICE))
+    bind_kv_cache(model, 8, 16, torch.float8_e4m3fn, DEVICE, TritonPagedAttention(DEVICE), calculate_kv_scales=True)
+    graphs = DecodeGraphs(model, [1, 2], 8, 16, torch.device(DEVICE), capture=False)
+    assert not graphs.can_run([1, 1], [1, 1])
+    for layer in attention_layers(model):   # what the first eager step does
+        layer.calibrate_kv_scales = False
+    assert graphs.can_run([1, 1], [1, 1])
+    assert not graphs.can_run([1, 2], [1, 1]) and not graphs.can_run([1, 1, 1], [1, 1, 1])   # a prefill; too many

@@ -123,6 +123,7 @@ class TritonPagedAttention(TorchPagedAttention):
 
     name = "triton"
     MIN_BLOCK_SIZE = 16
+    MAX_HEAD_DIM = 256
 
     def __init__(self, device: torch.device | str = "cuda"):
         from kvserve.attention.triton import unavailable_reason
@@ -137,6 +138,9 @@ class TritonPagedAttention(TorchPagedAttention):
         if block_size < self.MIN_BLOCK_SIZE or block_size & (block_size - 1):
             raise InvalidRequestError(f"attention_backend triton takes a block_size that is a power of two of at "
                                       f"least {self.MIN_BLOCK_SIZE}, got {block_size}", "block_size")
+        if head_dim > self.MAX_HEAD_DIM:
+            raise InvalidRequestError(f"attention_backend triton takes head dims up to {self.MAX_HEAD_DIM}, the model "
+                                      f"has {head_dim}", "attention_backend")
         if (fp8.is_fp8(dtype) and torch.device(device).type == "cuda"
                 and torch.cuda.get_device_capability(device) < (8, 9)):
             raise InvalidRequestError("attention_backend triton stores FP8 KV on GPUs of compute capability 8.9 or "

@@ -113,7 +113,7 @@ class LlamaModel(InferenceModule):
         residual = None
         # the step that calibrates FP8 KV scales runs the modules, whose Attention sets them (kvserve/attention/fp8.py)
         calibrating = self.layers and self.layers[0].self_attn.attn.calibrate_kv_scales
-        fused = self._fused_layers() if hidden.dtype == torch.bfloat16 and not calibrating else None
+        fused = self._fused_layers() if hidden.dtype == torch.bfloat16 and hidden.is_cpu and not calibrating else None
         if fused is not None:
             hidden, residual = fused.forward(hidden, cos, sin, attn_metadata, self.split_decode_batches)
         else:

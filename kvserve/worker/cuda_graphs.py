@@ -67,10 +67,21 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
+        from kvserve.attention import attention_layers
+        self.layers = attention_layers(model)
+        # FP8 scales calibrate on the first step that runs the modules eagerly: no replay before that
+        self.calibration_pending = any(a.calibrate_kv_scales for a in self.layers)
+        # the staging copies are rewritten only once the last step's copies from them are done
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.num_runs = 0   # steps run through the buffers (replayed where captured)
 
     def can_run(self, query_lens, num_blocks: list[int]) -> bool:
-        """Whether a step of these sequences is all decodes within the largest size and the tables' width."""
+        """Whether a step of these sequences is all decodes within the largest size and the tables' width, once no
+        layer waits to calibrate its FP8 scales."""
+        if self.calibration_pending:
+            self.calibration_pending = any(a.calibrate_kv_scales for a in self.layers)
+            if self.calibration_pending:
+                return False
         return (0 < len(query_lens) <= self.max_size and bool((np.asarray(query_lens) == 1).all())
                 and max(num_blocks) <= self.block_table.shape[1])
 
@@ -92,8 +103,7 @@ class DecodeGraphs:
         which the first real step does eagerly, is held off meanwhile."""
         if not self.capture:
             return
-        from kvserve.attention import attention_layers
-        layers = attention_layers(self.model)
+        layers = self.layers
         calibrating = [a.calibrate_kv_scales for a in layers]
         for a in layers:
             a.calibrate_kv_scales = False
@@ -120,6 +130,8 @@ class DecodeGraphs:
         """Hidden states [n, hidden] of n decodes (input_ids/positions/seq_lens: host sequences of length n)."""
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
+        if self.copied is not None:
+            self.copied.synchronize()
         self.ids_cpu[:n] = torch.as_tensor(input_ids, dtype=torch.long)
         self.pos_cpu[:n] = torch.as_tensor(positions, dtype=torch.long)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -140,13 +152,14 @@ class DecodeGraphs:
         self.slots_cpu[n:size] = -1
         self.seq_lens_cpu[n:size] = 1
         self.tables_cpu[n:size] = 0
-        # non-blocking: the staging copies are rewritten only next step, after this step's sampled tokens came back
         nb = self.device.type == "cuda"
         self.num_runs += 1
         for dst, src in ((self.input_ids, self.ids_cpu), (self.positions, self.pos_cpu),
                          (self.slot_mapping, self.slots_cpu), (self.seq_lens, self.seq_lens_cpu),
                          (self.block_table, self.tables_cpu)):
             dst[:size].copy_(src[:size], non_blocking=nb)
+        if self.copied is not None:
+            self.copied.record()
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]

@@ -123,7 +123,7 @@ class ModelRunner:
             return f"the {self.attention_backend.name} attention backend reads the step's lengths on the host"
         if self.lora is not None:
             return "LoRA adapters change per step"
-        if self.executor is not None:
+        if config.tensor_parallel_size > 1:   # every rank: a worker's runner has no executor of its own
             return "tensor parallelism"
         return None
 

@@ -398,14 +398,15 @@ def test_the_metadata_reader_steps_over_the_vocabulary_and_keeps_everything_else
 def _mapped_rss(path: str) -> int:
     """Bytes of `path`'s mappings resident in this process (/proc/self/smaps)."""
     import os
-    real, total, inside = os.path.realpath(path), 0, False
     with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:   # a mapping's header line
-                inside = len(fields) >= 6 and fields[5] == real
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1]) * 1024
+        text = f.read()
+    # the path ends its mappings' header lines only; a torch process has thousands of mappings, so the text is
+    # searched for them instead of split into lines
+    name, total, at = " " + os.path.realpath(path) + "\n", 0, 0
+    while (at := text.find(name, at)) != -1:
+        rss = text.index("\nRss:", at) + len("\nRss:")
+        at = text.index("\n", rss)
+        total += int(text[rss:at].split()[0]) * 1024
     return total
 
 

@@ -52,7 +52,7 @@ run: setup
 	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP) $(TEST_KERNELS)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=10 tests
 
 # every Triton kernel variant compiled for sm_80 and sm_90 on this machine, no GPU needed (registers, spills, shared
 # memory per variant); tests/test_triton_compile.py runs it in make test

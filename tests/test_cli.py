@@ -53,6 +53,24 @@ def test_generate_prints_the_greedy_completion(llm):
     assert out.stdout == want + "\n"
 
 
+def test_generate_on_the_torch_attention_backend_prints_the_same_completion(llm):
+    """--attention-backend torch (the reference) against the default C++ kernels; --enforce-eager is accepted on the
+    CPU, where every step is eager anyway."""
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    out = kvserve("generate", PROMPT, "--max-tokens", "8", "--temperature", "0", "--attention-backend", "torch",
+                  "--enforce-eager", *ENGINE_FLAGS)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == want + "\n"
+
+
+def test_the_triton_backend_on_the_cpu_fails_with_a_clear_message():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # the tests' interpreter, not a user's
+    out = subprocess.run([sys.executable, "-m", "kvserve", "generate", PROMPT, "--attention-backend", "triton",
+                          "--device", "cpu", *ENGINE_FLAGS], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1 and "attention_backend triton cannot run" in out.stderr, out.stderr
+    assert "TRITON_INTERPRET" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_generate_with_speculative_decoding_prints_the_same_completion(llm):
     prompt = "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat"
     want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text

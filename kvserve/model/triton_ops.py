@@ -67,8 +67,18 @@ def silu_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n + offs, (silu * up).to(dt), mask=mask)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+# each kernel's (constexprs, launch options) for a width: the launchers' and kvserve/attention/triton/compile.py's
+def rmsnorm_meta(n: int, has_residual: bool) -> tuple[dict, dict]:
+    return dict(HAS_RESIDUAL=has_residual, BLOCK=triton.next_power_of_2(n)), dict(num_warps=4 if n <= 4096 else 8)
+
+
+def rope_meta(head_dim: int) -> tuple[dict, dict]:
+    # no fused multiply-adds: each product is rounded before the sum, as in apply_rotary
+    return dict(HEAD_DIM=head_dim), dict(num_warps=1, enable_fp_fusion=False)
+
+
+def silu_mul_meta(n: int) -> tuple[dict, dict]:
+    return dict(BLOCK=min(1024, triton.next_power_of_2(n))), {}
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -77,26 +87,27 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(out) if residual is not None else out
     if x.shape[0]:
+        constexprs, options = rmsnorm_meta(n, residual is not None)
         rmsnorm_kernel[(x.shape[0],)](x, residual if residual is not None else x, weight, out, new_residual,
                                       x.stride(0), residual.stride(0) if residual is not None else 0, n, eps,
-                                      HAS_RESIDUAL=residual is not None, BLOCK=_pow2(n),
-                                      num_warps=4 if n <= 4096 else 8)
+                                      **constexprs, **options)
     return out if residual is None else (out, new_residual)
 
 
 def rope_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate the first num_heads heads of every row of x [T, >= num_heads * head_dim] in place; cos/sin
     [T, 1, head_dim] contiguous in x's dtype."""
-    if x.shape[0]:   # no fused multiply-adds: each product is rounded before the sum, as in apply_rotary
-        rope_kernel[(x.shape[0], num_heads)](x, cos, sin, x.stride(0), HEAD_DIM=head_dim, num_warps=1,
-                                             enable_fp_fusion=False)
+    if x.shape[0]:
+        constexprs, options = rope_meta(head_dim)
+        rope_kernel[(x.shape[0], num_heads)](x, cos, sin, x.stride(0), **constexprs, **options)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a [T, 2I] gate|up tensor with contiguous rows."""
     n = x.shape[1] // 2
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    block = min(1024, _pow2(n))
+    constexprs, options = silu_mul_meta(n)
     if x.shape[0]:
-        silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), n, BLOCK=block)
+        silu_mul_kernel[(x.shape[0], triton.cdiv(n, constexprs["BLOCK"]))](x, out, x.stride(0), n, **constexprs,
+                                                                           **options)
     return out

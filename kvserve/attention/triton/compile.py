@@ -11,10 +11,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+import torch
+
 ARCHS = (80, 90)
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 FP8 = {"fp8_e4m3": "fp8e4nv", "fp8_e5m2": "fp8e5"}
-FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+KV_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ def variants() -> list[Variant]:
 
 
 def _kernels():
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from kvserve.attention.triton import interpreting
+    if interpreting():
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels with Python functions")
     from kvserve.attention.triton import kernels
     return kernels
@@ -58,14 +62,11 @@ def _kernels():
 def attention_source(v: Variant):
     """The unified attention kernel's ASTSource for a variant."""
     from triton.compiler import ASTSource
-    from kvserve.attention.triton.ops import MIN_TILE, _next_pow2, tile_shape
     kernels = _kernels()
+    from kvserve.attention.triton.ops import attention_meta
     t, kv = DTYPES[v.dtype], FP8.get(v.kv_dtype, DTYPES.get(v.kv_dtype))
-    block_q, block_m = tile_shape(v.heads, v.kv_heads)
-    constexprs = dict(NUM_KV_HEADS=v.kv_heads, NUM_QUERIES_PER_KV=v.heads // v.kv_heads, HEAD_DIM=v.head_dim,
-                      HEAD_DIM_PADDED=max(MIN_TILE, _next_pow2(v.head_dim)), BLOCK_SIZE=v.block_size,
-                      BLOCK_Q=block_q, BLOCK_M=block_m, SLIDING_WINDOW=v.window, FP8=v.kv_dtype in FP8,
-                      IEEE=v.dtype == "float32")
+    constexprs = attention_meta(v.heads, v.kv_heads, v.head_dim, v.block_size, v.window, v.kv_dtype in FP8,
+                                v.dtype == "float32")
     signature = dict(out_ptr=f"*{t}", q_ptr=f"*{t}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}",
                      block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", k_scale_ptr="*fp32",
                      v_scale_ptr="*fp32", scale="fp32", num_seqs="i32", q_stride_t="i32", q_stride_h="i32",
@@ -77,12 +78,10 @@ def attention_source(v: Variant):
 def write_source(v: Variant):
     """The KV write kernel's ASTSource for a variant."""
     from triton.compiler import ASTSource
-    from kvserve.attention.triton.ops import _next_pow2
     kernels = _kernels()
+    from kvserve.attention.triton.ops import write_kv_meta
     t, kv = DTYPES[v.dtype], FP8.get(v.kv_dtype, DTYPES.get(v.kv_dtype))
-    row = v.kv_heads * v.head_dim
-    constexprs = dict(ROW=row, ROW_PADDED=_next_pow2(row), FP8=v.kv_dtype in FP8,
-                      FP8_MAX=FP8_MAX.get(v.kv_dtype, 0.0))
+    constexprs = write_kv_meta(v.kv_heads * v.head_dim, KV_TORCH_DTYPES[v.kv_dtype])
     signature = dict(k_ptr=f"*{t}", v_ptr=f"*{t}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", slot_mapping_ptr="*i64",
                      k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_stride="i32", v_stride="i32",
                      **{name: "constexpr" for name in constexprs})
@@ -115,26 +114,28 @@ def ptxas_report(ptx: str, arch: int, shared: int) -> str:
 
 
 def layer_op_sources(dtype: str):
-    """(name, compile options as launched, ASTSource) of the layer ops (kvserve/model/triton_ops.py) in a dtype, at SmolLM2's and Qwen2.5-1.5B's
-    widths."""
+    """(name, compile options as launched, ASTSource) of the layer ops (kvserve/model/triton_ops.py) in a dtype, at
+    SmolLM2's and Qwen2.5-1.5B's widths."""
     from triton.compiler import ASTSource
     _kernels()   # refuses under the interpreter
     from kvserve.model import triton_ops as k
     t = DTYPES[dtype]
+
+    def source(kernel, meta, **signature):
+        constexprs, options = meta
+        return options, ASTSource(kernel, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs)
+
     out = []
     for hidden, head_dim, inter in ((576, 64, 1536), (1536, 128, 8960)):
         for has_res in (False, True):
-            c = dict(HAS_RESIDUAL=has_res, BLOCK=k._pow2(hidden))
-            out.append((f"rmsnorm h={hidden}{' +res' if has_res else ''}", {}, ASTSource(k.rmsnorm_kernel, dict(
-                x_ptr=f"*{t}", residual_ptr=f"*{t}", weight_ptr=f"*{t}", out_ptr=f"*{t}", residual_out_ptr=f"*{t}",
-                x_stride="i32", residual_stride="i32", n="i32", eps="fp32", HAS_RESIDUAL="constexpr",
-                BLOCK="constexpr"), c)))
-        out.append((f"rope d={head_dim}", {"enable_fp_fusion": False}, ASTSource(k.rope_kernel, dict(
-            x_ptr=f"*{t}", cos_ptr=f"*{t}", sin_ptr=f"*{t}", x_stride="i32", HEAD_DIM="constexpr"),
-            dict(HEAD_DIM=head_dim))))
-        out.append((f"silu_mul i={inter}", {}, ASTSource(k.silu_mul_kernel, dict(
-            x_ptr=f"*{t}", out_ptr=f"*{t}", x_stride="i32", n="i32", BLOCK="constexpr"),
-            dict(BLOCK=min(1024, k._pow2(inter))))))
+            out.append((f"rmsnorm h={hidden}{' +res' if has_res else ''}", *source(
+                k.rmsnorm_kernel, k.rmsnorm_meta(hidden, has_res), x_ptr=f"*{t}", residual_ptr=f"*{t}",
+                weight_ptr=f"*{t}", out_ptr=f"*{t}", residual_out_ptr=f"*{t}", x_stride="i32",
+                residual_stride="i32", n="i32", eps="fp32")))
+        out.append((f"rope d={head_dim}", *source(k.rope_kernel, k.rope_meta(head_dim), x_ptr=f"*{t}",
+                                                  cos_ptr=f"*{t}", sin_ptr=f"*{t}", x_stride="i32")))
+        out.append((f"silu_mul i={inter}", *source(k.silu_mul_kernel, k.silu_mul_meta(inter), x_ptr=f"*{t}",
+                                                   out_ptr=f"*{t}", x_stride="i32", n="i32")))
     return out
 
 

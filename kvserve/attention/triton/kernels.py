@@ -44,10 +44,9 @@ def write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_
         # to nearest even
         k = tl.clamp(k.to(tl.float32) * (1.0 / tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
         v = tl.clamp(v.to(tl.float32) * (1.0 / tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
-    dst = slot * ROW + offs
-    if FP8:
         k = k.to(k_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         v = v.to(v_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    dst = slot * ROW + offs
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

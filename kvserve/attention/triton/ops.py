@@ -8,26 +8,38 @@ the ops (write_kv, unified_attention)."""
 from __future__ import annotations
 
 import torch
+import triton
 
+from kvserve.attention import fp8
 from kvserve.attention.triton import kernels
 
 MIN_TILE = 16   # tl.dot's smallest dimension
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def tile_shape(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_M): query tokens per program and the tile's rows (BLOCK_Q tokens x the query heads of one KV
     head, padded to a power of two of at least 16 rows)."""
     per_kv = num_heads // num_kv_heads
-    block_m = max(MIN_TILE, _next_pow2(per_kv))
+    block_m = max(MIN_TILE, triton.next_power_of_2(per_kv))
     return block_m // per_kv, block_m
 
 
-def _fp8_max(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).max) if dtype.itemsize == 1 else 0.0
+def write_kv_meta(row: int, cache_dtype: torch.dtype) -> dict:
+    """write_kv_kernel's constexprs for pool rows of `row` values in `cache_dtype` (the launcher's and
+    compile.py's)."""
+    is_fp8 = fp8.is_fp8(cache_dtype)
+    return dict(ROW=row, ROW_PADDED=triton.next_power_of_2(row), FP8=is_fp8,
+                FP8_MAX=fp8.largest(cache_dtype) if is_fp8 else 0.0)
+
+
+def attention_meta(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, sliding_window: int,
+                   is_fp8: bool, ieee: bool) -> dict:
+    """unified_attention_kernel's constexprs for a geometry (the launcher's and compile.py's); ieee: float32 dots
+    without TF32."""
+    block_q, block_m = tile_shape(num_heads, num_kv_heads)
+    return dict(NUM_KV_HEADS=num_kv_heads, NUM_QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+                HEAD_DIM_PADDED=max(MIN_TILE, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+                BLOCK_Q=block_q, BLOCK_M=block_m, SLIDING_WINDOW=sliding_window, FP8=is_fp8, IEEE=ieee)
 
 
 def launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -37,11 +49,9 @@ def launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    row = k_cache.shape[2] * k_cache.shape[3]
-    fp8 = k_cache.element_size() == 1
     kernels.write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, kv_scales, kv_scales[1:], k.stride(0), v.stride(0),
-        ROW=row, ROW_PADDED=_next_pow2(row), FP8=fp8, FP8_MAX=_fp8_max(k_cache.dtype))
+        **write_kv_meta(k_cache.shape[2] * k_cache.shape[3], k_cache.dtype))
 
 
 @torch.library.custom_op("kvserve::triton_write_kv", mutates_args=("k_cache", "v_cache"))
@@ -68,15 +78,12 @@ def launch_unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_q, block_m = tile_shape(num_heads, num_kv_heads)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    meta = attention_meta(num_heads, num_kv_heads, head_dim, block_size, sliding_window, fp8.is_fp8(k_cache.dtype),
+                          q.dtype == torch.float32)
+    grid = (num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
     kernels.unified_attention_kernel[grid](
         out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, kv_scales, kv_scales[1:], scale,
-        num_seqs, q.stride(0), head_dim, out.stride(0), head_dim, block_table.stride(0),
-        NUM_KV_HEADS=num_kv_heads, NUM_QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=max(MIN_TILE, _next_pow2(head_dim)), BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-        BLOCK_M=block_m, SLIDING_WINDOW=sliding_window, FP8=k_cache.element_size() == 1,
-        IEEE=q.dtype == torch.float32)
+        num_seqs, q.stride(0), head_dim, out.stride(0), head_dim, block_table.stride(0), **meta)
     return out
 
 

@@ -67,7 +67,7 @@ class AttentionMetadata:
         return self._groups
 
 
-def _padded_tables(block_tables: list[list[int]], min_blocks: int) -> np.ndarray:
+def padded_block_tables(block_tables: list[list[int]], min_blocks: int) -> np.ndarray:
     """[B, max(len, min_blocks)] int64 array of the block tables, padded with 0."""
     lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=len(block_tables))
     out = np.zeros((len(block_tables), max(int(lens.max(initial=0)), min_blocks, 1)), dtype=np.int64)
@@ -114,7 +114,7 @@ def build_attention_metadata(query_lens, seq_lens, block_tables: list[list[int]]
     query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start[1:])
     num_tokens = int(query_start[-1])
-    tables = _padded_tables(block_tables, 1)
+    tables = padded_block_tables(block_tables, 1)
     # every new token: its sequence, its absolute position, then its slot through the block table
     seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
     pos = np.arange(num_tokens) - query_start[:-1][seq_of_token] + (seq_lens - query_lens)[seq_of_token]

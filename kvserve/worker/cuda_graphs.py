@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.metadata import AttentionMetadata, padded_block_tables
 
 logger = logging.getLogger("kvserve")
 MAX_CAPTURE_SIZE = 512
@@ -135,13 +135,10 @@ class DecodeGraphs:
         self.ids_cpu[:n] = torch.as_tensor(input_ids, dtype=torch.long)
         self.pos_cpu[:n] = torch.as_tensor(positions, dtype=torch.long)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
-        lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=n)
-        width = int(lens.max())
-        table = np.zeros((n, width), dtype=np.int32)
-        table[np.arange(width)[None, :] < lens[:, None]] = np.fromiter((b for t in tables for b in t),
-                                                                       dtype=np.int32, count=int(lens.sum()))
+        table = padded_block_tables(tables, 1)   # [n, the longest table], padded with block 0
+        width = table.shape[1]
         pos = seq_lens - 1
-        slots = table[np.arange(n), pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        slots = table[np.arange(n), pos // self.block_size] * self.block_size + pos % self.block_size
         self.slots_cpu[:n] = torch.from_numpy(slots)
         self.seq_lens_cpu[:n] = torch.from_numpy(seq_lens.astype(np.int32))
         self.tables_cpu[:n, :width] = torch.from_numpy(table)

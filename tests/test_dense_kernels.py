@@ -139,14 +139,14 @@ def test_matmul_kernels_are_as_close_to_float32_as_f_linear(out_features):
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_fused_bf16_layer_ops_equal_the_torch_ops(rows, monkeypatch):
     """RMSNorm (+ residual add), RoPE and SiLU-and-mul kernels round like the chain of torch ops they replace."""
-    from kvserve.model import layers
+    from kvserve.model import layers, rotary
     g = torch.Generator().manual_seed(rows)
     bf = torch.bfloat16
     norm = layers.RMSNorm(576, 1e-5).to(bf)
     norm.weight.copy_(torch.rand(576, generator=g) + 0.5)
     x, res = (torch.randn(rows, 576, generator=g).to(bf) for _ in range(2))
     qkv = torch.randn(rows, 15 * 64, generator=g).to(bf)
-    rope = layers.RotaryEmbedding(64, 2048, 10000.0)
+    rope = rotary.RotaryEmbedding(64, 2048, 10000.0)
     cos, sin = rope(torch.randint(0, 2048, (rows,), generator=g), bf)
     fast = (norm(x), *norm(x, res.clone()))
     fast_qkv = qkv.clone()

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from kvserve.attention.triton import unavailable_reason  # noqa: E402
-from kvserve.model import layers  # noqa: E402
+from kvserve.model import layers, rotary  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(unavailable_reason(DEVICE) is not None,
@@ -53,7 +53,7 @@ def test_rope_in_place_equals_apply_rotary(dtype, head_dim):
     from kvserve.model import triton_ops
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, t = 6, 2, 19
-    rope = layers.RotaryEmbedding(head_dim, 512, 10000.0)
+    rope = rotary.RotaryEmbedding(head_dim, 512, 10000.0)
     positions = torch.randint(0, 512, (t,), generator=g)
     cos, sin = rope(positions, dtype)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)

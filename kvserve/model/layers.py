@@ -1,8 +1,8 @@
-"""Building blocks shared by the model families: norms, rotary embedding, fused linears, activations."""
+"""Building blocks shared by the model families: norms, the rotation of rotary embedding (its tables: rotary.py), fused
+linears, activations."""
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -325,61 +325,6 @@ class SiluAndMul(InferenceModule):
             return ops.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
-
-
-def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1 frequency-dependent scaling: long wavelengths slowed by `factor`, a smooth ramp between."""
-    try:
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-    except KeyError as e:
-        raise ModelLoadError(f"llama3 rope scaling needs {e.args[0]!r}") from None
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim/2], position scale) for the configured rope type."""
-    inv_freq = _default_inv_freq(head_dim, base)
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "default":
-        return inv_freq, 1.0
-    if kind == "linear":
-        return inv_freq, 1.0 / float(scaling["factor"])
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling), 1.0
-    if kind == "gguf_freq_factors":
-        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32), 1.0
-    raise ModelLoadError(f"rope scaling type {kind!r} is not supported")
-
-
-class RotaryEmbedding(InferenceModule):
-    """Rotary position embedding (HF rotate_half layout) with cos/sin precomputed for every position."""
-
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
-        super().__init__()
-        self.head_dim = head_dim
-        inv_freq, pos_scale = rope_inv_freq(head_dim, base, scaling)
-        t = torch.arange(max_position, dtype=torch.float32) * pos_scale
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # not persistent: rebuilt from the config, never read from a checkpoint
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] for `positions`, ready to broadcast over heads."""
-        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
-        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

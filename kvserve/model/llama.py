@@ -10,12 +10,12 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.attention import Attention
-from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding,
-                                  PackedWeight, apply_rotary, load_packed_weights, packed_linear, prepack_linears,
-                                  rotate_heads_inplace)
+from kvserve.model.layers import (Linear, MergedLinear, RMSNorm, SiluAndMul, VocabEmbedding, PackedWeight, apply_rotary,
+                                  load_packed_weights, packed_linear, prepack_linears, rotate_heads_inplace)
 from kvserve.model.fused import FusedLayers, binding_key, build_fused_layers, is_same_binding
 from kvserve.model.model_config import ModelConfig
 from kvserve.model.quantization import INT8, INT8_GROUP, QuantizedWeight, is_wider_than_q4_0, to_q4_0
+from kvserve.model.rotary import RotaryEmbedding
 from kvserve.module import InferenceModule
 
 # HF checkpoint projection name -> (our fused module, shard id)

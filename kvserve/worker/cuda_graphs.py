@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata, padded_block_tables
+from kvserve.core.kv_cache_manager import cdiv
 
 logger = logging.getLogger("kvserve")
 MAX_CAPTURE_SIZE = 512
@@ -161,3 +162,31 @@ class DecodeGraphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]
         return self._forward(size)[:n]
+
+
+def why_no_graphs(config, device: torch.device, attention_backend: str, has_lora: bool) -> str | None:
+    """Why an engine's decode steps cannot replay CUDA graphs (config: its EngineConfig), or None when they can."""
+    if device.type != "cuda":
+        return "not on CUDA"
+    if config.enforce_eager:
+        return "enforce_eager"
+    if attention_backend != "triton":
+        return f"the {attention_backend} attention backend reads the step's lengths on the host"
+    if has_lora:
+        return "LoRA adapters change per step"
+    if config.tensor_parallel_size > 1:   # every rank: a worker's runner has no executor of its own
+        return "tensor parallelism"
+    return None
+
+
+def build_decode_graphs(model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
+                        device: torch.device, capture: bool) -> DecodeGraphs | None:
+    """DecodeGraphs for an engine's sizes, captured where `capture`; None, with a warning, if a capture fails."""
+    graphs = DecodeGraphs(model, capture_sizes(max_num_seqs), cdiv(max_model_len, block_size), block_size, device,
+                          capture)
+    try:
+        graphs.capture_all()
+    except Exception as e:   # a model or kernel a graph cannot hold: said loudly, then served eagerly
+        logger.warning("kvserve: CUDA graph capture failed (%s: %s): decode steps run eagerly", type(e).__name__, e)
+        return None
+    return graphs

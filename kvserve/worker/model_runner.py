@@ -27,7 +27,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_sampling import next_drafts, sampled_drafts
 from kvserve.spec_decode.draft_vocab import DraftVocab, draft_logits, own_ids, request_vocab
 from kvserve.structured_output import build_grammar_bitmask
-from kvserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from kvserve.worker.cuda_graphs import DecodeGraphs, build_decode_graphs, why_no_graphs
 
 
 @dataclass
@@ -106,38 +106,18 @@ class ModelRunner:
             bind_kv_cache(m, num_blocks, config.block_size, dtype, self.device, self.attention_backend,
                           calculate_kv_scales=config.calculate_kv_scales)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        why_not = self._why_no_graphs(config)
+        why_not = why_no_graphs(config, self.device, self.attention_backend.name, self.lora is not None)
         if why_not is None:
             self.use_decode_graphs(config.max_num_seqs, max_model_len, config.block_size, capture=True)
         elif self.device.type == "cuda":
             logger.info("kvserve: decode steps run eagerly: %s", why_not)
         return self.kv
 
-    def _why_no_graphs(self, config: EngineConfig) -> str | None:
-        """Why this engine's decode steps cannot replay CUDA graphs, or None when they can."""
-        if self.device.type != "cuda":
-            return "not on CUDA"
-        if config.enforce_eager:
-            return "enforce_eager"
-        if self.attention_backend.name != "triton":
-            return f"the {self.attention_backend.name} attention backend reads the step's lengths on the host"
-        if self.lora is not None:
-            return "LoRA adapters change per step"
-        if config.tensor_parallel_size > 1:   # every rank: a worker's runner has no executor of its own
-            return "tensor parallelism"
-        return None
-
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int, capture: bool) -> None:
         """Run decode steps through DecodeGraphs' padded buffers, captured as CUDA graphs where `capture` (the
         CPU tests run the same path eagerly)."""
-        graphs = DecodeGraphs(self.model, capture_sizes(max_num_seqs), cdiv(max_model_len, block_size), block_size,
-                              self.device, capture)
-        try:
-            graphs.capture_all()
-        except Exception as e:   # a model or kernel a graph cannot hold: said loudly, then served eagerly
-            logger.warning("kvserve: CUDA graph capture failed (%s: %s): decode steps run eagerly", type(e).__name__, e)
-            return
-        self.decode_graphs = graphs
+        self.decode_graphs = build_decode_graphs(self.model, max_num_seqs, max_model_len, block_size, self.device,
+                                                 capture)
 
     def _num_kv_blocks(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
                        max_num_batched_tokens: int) -> int:

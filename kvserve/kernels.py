@@ -68,7 +68,19 @@ _LINK_FLAGS = ["-shared", "-fopenmp"]
 # the two bit for bit where they differ); portable: the plain C++ paths every x86/ARM CPU runs; none: no C++ at all
 # (no compiler), every op in torch
 VARIANTS = {"native": (), "no-avx512": ("-mno-avx512f",), "portable": ("-DKVSERVE_PORTABLE",), "none": None}
-_variant = "native"
+# KVSERVE_KERNELS picks the variant for the whole process: KVSERVE_KERNELS=no-avx512 (with oneDNN and ATen held to
+# AVX2: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2) runs on an AVX-512 machine what an AVX2 machine runs
+_ENV = "KVSERVE_KERNELS"
+
+
+def _initial_variant() -> str:
+    name = os.environ.get(_ENV, "native") or "native"
+    if name not in VARIANTS:
+        raise ValueError(f"{_ENV}={name!r} is not a kernel variant; choose from {sorted(VARIANTS)}")
+    return name
+
+
+_variant = _initial_variant()
 _libs: dict[str, ctypes.CDLL | None] = {}
 _failures: dict[str, str] = {}   # variant -> why it could not be built
 
@@ -151,10 +163,10 @@ def _run_compiler(cmd: list[str], deadline: float) -> None:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "kvserve_paged_attention_f32": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f],
-        "kvserve_paged_attention_bf16": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64],
+        "kvserve_paged_attention_f32": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64],
+        "kvserve_paged_attention_bf16": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64, i64],
         "kvserve_write_kv": [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, p, p],
-        "kvserve_paged_attention_fp8": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64, i64, p],
+        "kvserve_paged_attention_fp8": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64, i64, p, i64],
         "kvserve_write_kv_fp8": [p, i64, p, i64, p, i64, i64, i64, i64, i64, p, p, p],
         "kvserve_rmsnorm_bf16": [p, p, p, p, i64, i64, f],
         "kvserve_rope_bf16": [p, i64, p, p, i64, i64, i64],
@@ -349,21 +361,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor, kernel_args: tuple, num_heads: int, scale: float,
-                    kv_scales: torch.Tensor | None = None) -> None:
+                    kv_scales: torch.Tensor | None = None, sliding_window: int | None = None) -> None:
     """out[T, H*D] = causal attention of q[T, H*D] (rows may be strided) over each sequence's paged K/V (either
     layout for bf16, standard for float32 and FP8 pools, whose values kv_scales [K's, V's] multiply);
-    kernel_args: AttentionMetadata.kernel_args."""
+    kernel_args: AttentionMetadata.kernel_args. sliding_window W: a token sees only the last W keys up to its own."""
+    window = int(sliding_window or 0)
     bs, hkv, d = kv_layout.geometry(k_cache)
     _, tables, table_stride, seq_lens, query_start, num_seqs = kernel_args
     args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables, table_stride,
             seq_lens, query_start, num_seqs, num_heads, hkv, d, bs, scale)
     if k_cache.dtype in fp8.FORMATS:
         lib.kvserve_paged_attention_fp8(*args, q.dtype == torch.bfloat16, fp8.FORMATS[k_cache.dtype],
-                                        kv_scales.data_ptr())
+                                        kv_scales.data_ptr(), window)
     elif q.dtype == torch.bfloat16:
-        lib.kvserve_paged_attention_bf16(*args, kv_layout.is_tiled(k_cache))
+        lib.kvserve_paged_attention_bf16(*args, kv_layout.is_tiled(k_cache), window)
     else:
-        lib.kvserve_paged_attention_f32(*args)
+        lib.kvserve_paged_attention_f32(*args, window)
 
 
 def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

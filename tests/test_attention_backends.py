@@ -37,13 +37,14 @@ def to_standard(k_cache: torch.Tensor, v_cache: torch.Tensor):
     return k.view(-1, bs, hkv, d), v.view(-1, bs, hkv, d)
 
 
-def run(backend, batch, heads: int, upcast: bool = False, tiled: bool = False):
+def run(backend, batch, heads: int, upcast: bool = False, tiled: bool = False, window: int | None = None):
     """(output, K pool, V pool) of one step; tiled runs on the kernel layout and returns the pools as standard."""
     q, k, v, k_cache, v_cache, meta = batch
     if upcast:
         q, k, v, k_cache, v_cache = (x.float() for x in (q, k, v, k_cache, v_cache))
     k_cache, v_cache = to_tiled(k_cache, v_cache) if tiled else (k_cache.clone(), v_cache.clone())
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, heads, (q.shape[1] // heads) ** -0.5)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, heads, (q.shape[1] // heads) ** -0.5,
+                          sliding_window=window)
     return (out, *to_standard(k_cache, v_cache)) if tiled else (out, k_cache, v_cache)
 
 
@@ -100,6 +101,32 @@ def test_tiled_bfloat16_kernel_is_as_close_to_float32_as_torch(heads, kv_heads, 
     err_got = (got.float() - exact).abs().max().item()
     assert err_got <= max(2 * err_ref, 1e-2)
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=1e-2)
+
+
+WINDOW_PATHS = [  # kernel variant, dtype, tiled: every C++ attention kernel this CPU builds
+    ("native", torch.float32, False), ("native", torch.bfloat16, False), ("native", torch.bfloat16, True),
+    ("no-avx512", torch.float32, False), ("no-avx512", torch.bfloat16, False), ("portable", torch.float32, False)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant,dtype,tiled", WINDOW_PATHS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 1, 64, 5), (6, 2, 32, 32)])
+def test_sliding_window_in_every_cpu_kernel_equals_torch(variant, dtype, tiled, heads, kv_heads, head_dim,
+                                                         block_size):
+    """Windows of 1 key, shorter than a chunk, and spanning chunks and blocks, over mixed steps whose contexts run
+    far past them; the window leaves the cache write alone."""
+    lib = kernels.load_variant(variant)
+    if lib is None or tiled and (not lib.kvserve_bf16_tiles() or block_size % 16):
+        pytest.skip(f"the {variant} build has no such kernel on this CPU")
+    for seed, window in enumerate((1, 7, 45)):
+        batch = random_batch(seed, 9, block_size, heads, kv_heads, head_dim, dtype, max_ctx=150)
+        exact, kc_ref, vc_ref = run(TorchPagedAttention(), batch, heads, upcast=True, window=window)
+        got, kc, vc = run(CpuPagedAttention(lib), batch, heads, tiled=tiled, window=window)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
+        assert torch.equal(kc.float(), kc_ref) and torch.equal(vc.float(), vc_ref)
+        full, _, _ = run(TorchPagedAttention(), batch, heads, upcast=True)
+        assert (full - exact).abs().max() > 10 * tol   # the window changed the result
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -198,6 +225,17 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
         assert kernels.load_variant(name) is not None
     tiny = torch.tensor([1e-40])   # subnormal in float32
     assert tiny.mul(1.0).item() > 0 and 2.2250738585072014e-308 / 2 > 0
+
+
+def test_the_kernel_variant_comes_from_the_environment(monkeypatch):
+    """KVSERVE_KERNELS=no-avx512 runs an AVX2 machine's kernels on an AVX-512 one (a whole suite run can use it)."""
+    monkeypatch.setenv("KVSERVE_KERNELS", "portable")
+    assert kernels._initial_variant() == "portable"
+    monkeypatch.setenv("KVSERVE_KERNELS", "")
+    assert kernels._initial_variant() == "native"
+    monkeypatch.setenv("KVSERVE_KERNELS", "avx1024")
+    with pytest.raises(ValueError, match="KVSERVE_KERNELS='avx1024' is not a kernel variant; choose from"):
+        kernels._initial_variant()
 
 
 def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch, caplog):

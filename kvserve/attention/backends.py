@@ -97,11 +97,8 @@ class CpuPagedAttention(TorchPagedAttention):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float,
                 kv_scales: torch.Tensor | None = None, sliding_window: int | None = None):
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
-        if sliding_window:
-            raise NotImplementedError("the C++ attention kernel has no sliding window: attention_backend torch or "
-                                      "triton runs such layers")
         if not self.supports(q, k_cache):
-            return super().forward(q, k, v, k_cache, v_cache, meta, num_heads, scale, kv_scales)
+            return super().forward(q, k, v, k_cache, v_cache, meta, num_heads, scale, kv_scales, sliding_window)
         if q.dim() != 2 or k.dim() != 2 or v.dim() != 2:
             q, k, v = q.flatten(1), k.flatten(1), v.flatten(1)
         args = meta.kernel_args
@@ -113,7 +110,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if q.stride(1) != 1:
             q = q.contiguous()
         out = q.new_empty(q.shape[0], q.shape[1])
-        kernels.paged_attention(self.lib, q, k_cache, v_cache, out, args, num_heads, scale, kv_scales)
+        kernels.paged_attention(self.lib, q, k_cache, v_cache, out, args, num_heads, scale, kv_scales, sliding_window)
         return out
 
 

@@ -9,6 +9,18 @@ constexpr int MAX_D = 256;    // largest head_dim supported (checked on the Pyth
 constexpr int MAX_ROWS = 64;  // query rows (tokens x q heads) per work item
 constexpr int MAX_KV_ROW = 1024;  // kv heads x head_dim of the SIMD path
 
+// Sliding window W (0: none): a token whose last visible key is `limit` sees keys [limit - W + 1, limit].
+inline int64_t window_first(int64_t limit, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, limit - window + 1) : 0;
+}
+// Where a work item's pass over the keys starts: the chunk (of KC keys, or a block where blocks are shorter) that
+// holds its earliest row's first key. Chunks sit on one grid from position 0 whatever the start, so a row meets
+// its keys in the same chunks in every tile and step, and its result does not depend on them.
+inline int64_t chunk_start(int64_t first, int64_t bs) {
+  const int64_t step = std::lcm<int64_t>(bs, KC);
+  return first / step * step;
+}
+
 // One query row's online-softmax step over the chunk's keys kf / vf [0, nv) (float32): scores, exps, and P @ V
 // into its accumulator a, with its running max m and sum l.
 inline void row_update(const float* qr, float* a, float& m, float& l, const float (*kf)[MAX_D],
@@ -115,12 +127,14 @@ inline void pv_dims(float* const* acc, const float* const* p, const float* corr,
   if (i0 < n16) pv_rows<NR, 1>(acc, p, corr, vr, j0, j1, i0);
 }
 
-// the online-softmax step of one row over its nv keys of the chunk's raw scores s [KC]: updates its running max m
-// and sum l, sets the rescale factor corr and turns s into exp(s - m), exactly 0 past nv
-inline void softmax_chunk(float* s, int64_t nv, float& m, float& l, float& corr) {
+// the online-softmax step of one row over its keys [lo, nv) of the chunk's raw scores s [KC]: updates its running
+// max m and sum l, sets the rescale factor corr and turns s into exp(s - m), exactly 0 outside [lo, nv)
+inline void softmax_chunk(float* s, int64_t lo, int64_t nv, float& m, float& l, float& corr) {
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), vn = _mm256_set1_ps(float(nv));
+  const __m256 vlo = _mm256_set1_ps(float(lo));
   const auto visible = [&](int64_t j) {
-    return _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j))), vn, _CMP_LT_OQ);
+    const __m256 pos = _mm256_add_ps(lane, _mm256_set1_ps(float(j)));
+    return _mm256_and_ps(_mm256_cmp_ps(pos, vn, _CMP_LT_OQ), _mm256_cmp_ps(pos, vlo, _CMP_GE_OQ));
   };
   __m256 vmax = _mm256_set1_ps(-INFINITY);
   for (int64_t j = 0; j < nv; j += 8)
@@ -151,7 +165,7 @@ inline void softmax_chunk(float* s, int64_t nv, float& m, float& l, float& corr)
 template <typename T>
 void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table,
                       int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H,
-                      int64_t Hkv, int64_t D, int64_t bs, float scale) {
+                      int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window) {
   const int64_t G = H / Hkv, R = nt * G, n16 = D / 16;
   alignas(32) float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D];
   alignas(32) float s[MAX_ROWS][KC];
@@ -159,7 +173,7 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
   const T* kr[KC];
   const T* vr[KC];
   float m[MAX_ROWS], l[MAX_ROWS], corr[MAX_ROWS];
-  int64_t limit[MAX_ROWS], nv[MAX_ROWS];
+  int64_t limit[MAX_ROWS], first[MAX_ROWS], nv[MAX_ROWS], lo[MAX_ROWS];
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / G, h = g * G + r % G;
     const T* src = q + (q_row0 + t) * qs + h * D;
@@ -167,10 +181,11 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
     for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[r] + d, _mm256_setzero_ps());
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;   // causal: the last key position this token sees
+    first[r] = window_first(limit[r], window);
   }
   const int64_t end = limit[R - 1] + 1;
   const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row;
-  for (int64_t p = 0; p < end; p += KC) {
+  for (int64_t p = chunk_start(first[0], bs); p < end; p += KC) {
     const int64_t n = std::min<int64_t>(KC, end - p), n4 = (n + 3) & ~int64_t(3);
     for (int64_t j = 0; j < n;) {   // the chunk's K and V rows, block by block
       const int64_t off = (p + j) % bs, run = std::min(n - j, bs - off);
@@ -181,7 +196,11 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
       }
     }
     for (int64_t j = n; j < n4; ++j) kr[j] = vr[j] = zero_row;
-    for (int64_t r = 0; r < R; ++r) nv[r] = std::max<int64_t>(0, std::min<int64_t>(n, limit[r] - p + 1));
+    for (int64_t r = 0; r < R; ++r) {   // the row sees keys [lo, nv) of the chunk
+      nv[r] = std::max<int64_t>(0, std::min<int64_t>(n, limit[r] - p + 1));
+      lo[r] = std::max<int64_t>(0, first[r] - p);
+      if (lo[r] >= nv[r]) nv[r] = lo[r] = 0;
+    }
     int64_t r = 0;
     for (; r + 1 < R; r += 2) {   // 1. scores
       const float* qq[2] = {qf[r], qf[r + 1]};
@@ -195,7 +214,7 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
     }
     for (r = 0; r < R; ++r) {   // 2. online softmax
       corr[r] = 1.f;
-      if (nv[r] > 0) softmax_chunk(s[r], nv[r], m[r], l[r], corr[r]);
+      if (nv[r] > 0) softmax_chunk(s[r], lo[r], nv[r], m[r], l[r], corr[r]);
     }
     const float one = 1.f;
     for (r = 0; r < R; r += 2) {   // 3. P @ V: the keys both rows see together, then the longer row's rest alone
@@ -229,11 +248,11 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
 template <typename T, typename KV = T>
 void attend_item(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* table, int64_t ctx_len,
                  int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H, int64_t Hkv,
-                 int64_t D, int64_t bs, float scale, float k_scale = 1.f, float v_scale = 1.f) {  // one kv head g
+                 int64_t D, int64_t bs, float scale, float k_scale, float v_scale, int64_t window) {  // one kv head g
   const int64_t G = H / Hkv, R = nt * G;
   alignas(64) float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D];
   float m[MAX_ROWS], l[MAX_ROWS];
-  int64_t limit[MAX_ROWS];
+  int64_t limit[MAX_ROWS], first[MAX_ROWS];
   alignas(64) float kf[KC][MAX_D];
   alignas(64) float vf[KC][MAX_D];
   const float qscale = scale * k_scale;   // K's scale folded into the queries, V's into the output
@@ -243,19 +262,21 @@ void attend_item(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, con
     for (int64_t d = 0; d < D; ++d) { qf[r][d] = load(src, d) * qscale; acc[r][d] = 0.f; }
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;   // causal: the last key position this token sees
+    first[r] = window_first(limit[r], window);
   }
   const int64_t end = limit[R - 1] + 1;
   const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row;
-  for (int64_t p = 0; p < end;) {
+  for (int64_t p = chunk_start(first[0], bs); p < end;) {
     const int64_t off = p % bs;
     const int64_t n = std::min<int64_t>({KC, bs - off, end - p});
     const int64_t base = int64_t(table[p / bs]) * blk_stride + off * kv_row + g * D;
     for (int64_t j = 0; j < n; ++j)
       for (int64_t d = 0; d < D; ++d) { kf[j][d] = load(kc + base + j * kv_row, d); vf[j][d] = load(vc + base + j * kv_row, d); }
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t nv = std::min<int64_t>(n, limit[r] - p + 1);  // keys of this chunk the row may see
-      if (nv <= 0) continue;
-      row_update(qf[r], acc[r], m[r], l[r], kf, vf, nv, D);
+      const int64_t nv = std::min<int64_t>(n, limit[r] - p + 1);  // keys [lo, nv) of this chunk the row sees
+      const int64_t lo = std::max<int64_t>(0, first[r] - p);
+      if (nv <= lo) continue;
+      row_update(qf[r], acc[r], m[r], l[r], kf + lo, vf + lo, nv - lo, D);
     }
     p += n;
   }
@@ -311,8 +332,8 @@ inline __m512 qk_partial(const uint16_t* k, const __m512* qv, int nd, const uint
 template <typename T>
 void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table, int64_t ctx_len,
                       int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g0, int64_t ng, int64_t H,
-                      int64_t Hkv, int64_t D, int64_t bs, float scale) {
-  constexpr int CH = 32;
+                      int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window) {
+  constexpr int CH = KC;
   const int64_t G = H / Hkv, RH = ng * G, R = nt * RH;   // RH: rows per token
   const int nd = int(D / 16);
   // compact strides: power-of-two row strides would put every row in the same L1 set
@@ -322,7 +343,7 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
   float corr[MAX_ROWS], m[MAX_ROWS], l[MAX_ROWS];
   const T* qraw[MAX_ROWS];
   const T* krow[CH];
-  int64_t koff[MAX_ROWS], limit[MAX_ROWS], nvis[MAX_ROWS];
+  int64_t koff[MAX_ROWS], limit[MAX_ROWS], first[MAX_ROWS], nvis[MAX_ROWS], lo[MAX_ROWS];
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / RH, h = g0 * G + r % RH;
     qraw[r] = q + (q_row0 + t) * qs + h * D;
@@ -330,11 +351,12 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
     for (int i = 0; i < nd; ++i) _mm512_store_ps(acc + r * D + 16 * i, _mm512_setzero_ps());
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;
+    first[r] = window_first(limit[r], window);
   }
   const int64_t end = limit[R - 1] + 1;
   const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row, nvf = ng * D, vstride = nvf + 16;
   const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
-  for (int64_t p = 0; p < end; p += CH) {
+  for (int64_t p = chunk_start(first[0], bs); p < end; p += CH) {
     const int64_t n = std::min<int64_t>(CH, end - p);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = p + j;
@@ -342,19 +364,22 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
       const T* vrow = vc + (krow[j] - kc);
       for (int64_t i = 0; i < nvf; i += 16) _mm512_store_ps(vf + j * vstride + i, load16(vrow + i));
     }
-    // 1. scores
+    // 1. scores of the keys [lo, nv) of the chunk the row sees; -inf elsewhere
     for (int64_t r = 0; r < R; ++r) {
       const int64_t nv = std::min<int64_t>(n, limit[r] - p + 1);
-      nvis[r] = nv;
-      if (nv <= 0) continue;
+      lo[r] = std::max<int64_t>(0, first[r] - p);
+      nvis[r] = nv > lo[r] ? nv : 0;
+      if (nvis[r] <= 0) continue;
       __m512 qv[MAX_D / 16];
       for (int i = 0; i < nd; ++i) qv[i] = load16(qraw[r] + 16 * i);
       for (int64_t j0 = 0; j0 < nv; j0 += 16) {
         __m512 part[16];
         for (int64_t j = 0; j < 16; ++j)
-          part[j] = j0 + j < nv ? qk_partial(krow[j0 + j] + koff[r], qv, nd, qraw[r]) : _mm512_setzero_ps();
-        const int64_t left = nv - j0;
-        const __mmask16 valid = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+          part[j] = j0 + j < nv && j0 + j >= lo[r] ? qk_partial(krow[j0 + j] + koff[r], qv, nd, qraw[r])
+                                                   : _mm512_setzero_ps();
+        const int64_t left = nv - j0, skip = std::min<int64_t>(16, std::max<int64_t>(0, lo[r] - j0));
+        const __mmask16 valid = (left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1)) &
+                                __mmask16(0xffffu << skip);
         _mm512_store_ps(sc + r * CH + j0,
                         _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(transpose_sum16(part), vscale)));
       }
@@ -387,7 +412,7 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
         const int ni = std::min(4, nd - i0);
         __m512 a[4];
         for (int i = 0; i < ni; ++i) a[i] = _mm512_mul_ps(_mm512_load_ps(acc + r * D + 16 * (i0 + i)), vcorr);
-        for (int64_t j = 0; j < nv; ++j) {
+        for (int64_t j = lo[r]; j < nv; ++j) {
           const __m512 b = _mm512_set1_ps(pr[j]);
           for (int i = 0; i < ni; ++i)
             a[i] = _mm512_fmadd_ps(b, _mm512_load_ps(vr + j * vstride + 16 * (i0 + i)), a[i]);
@@ -476,13 +501,13 @@ inline void tile_pv_rows(const __m512i* const* V, int nseg, int np, const int32_
   if (i0 < nseg) tile_pv<NR, 2>(V, nseg, i0, np, pp, acc, corr, pf);   // nseg is even (D % 32 == 0)
 }
 
-// online softmax of one row over the chunk's raw scores (s0: keys 0-15, s1: 16-31), nv of them visible:
+// online softmax of one row over the chunk's raw scores (s0: keys 0-15, s1: 16-31), keys [lo, nv) visible:
 // updates the running max m and sum l, sets the rescale factor corr and the bf16 probability pairs pp
-inline void softmax_row(__m512 s0, __m512 s1, int64_t nv, float scale, float& m, float& l, float& corr,
+inline void softmax_row(__m512 s0, __m512 s1, int64_t lo, int64_t nv, float scale, float& m, float& l, float& corr,
                         int32_t* pp) {
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
-  const __mmask16 m0 = nv >= 16 ? __mmask16(0xffff) : __mmask16((1u << nv) - 1);
-  const __mmask16 m1 = nv >= 32 ? __mmask16(0xffff) : nv > 16 ? __mmask16((1u << (nv - 16)) - 1) : __mmask16(0);
+  const uint32_t seen = (nv >= 32 ? 0xffffffffu : (1u << nv) - 1) & (0xffffffffu << lo);   // lo < nv <= 32
+  const __mmask16 m0 = __mmask16(seen), m1 = __mmask16(seen >> 16);
   s0 = _mm512_mask_blend_ps(m0, neg_inf, _mm512_mul_ps(s0, vscale));
   s1 = _mm512_mask_blend_ps(m1, neg_inf, _mm512_mul_ps(s1, vscale));
   const float mnew = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
@@ -500,7 +525,8 @@ inline void softmax_row(__m512 s0, __m512 s1, int64_t nv, float scale, float& m,
 // limits grow.
 void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
                        const int32_t* table, int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt,
-                       int64_t g0, int64_t ng, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale) {
+                       int64_t g0, int64_t ng, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale,
+                       int64_t window) {
   const int64_t G = H / Hkv, RH = nt * G, R = ng * RH;   // RH: rows per kv head
   const int nd2 = int(D / 2), nseg = int(D / 16);
   const int64_t tile = 16 * D;   // elements of one K (or V) tile
@@ -511,7 +537,7 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
   const int32_t* qd[MAX_ROWS];
   const int32_t* ppr[MAX_ROWS];
   float* accr[MAX_ROWS];
-  int64_t limit[MAX_ROWS], hrow[MAX_ROWS];
+  int64_t limit[MAX_ROWS], first[MAX_ROWS], hrow[MAX_ROWS];
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + (r % RH) / G, h = (g0 + r / RH) * G + r % G;
     hrow[r] = (q_row0 + t) * H + h;
@@ -521,11 +547,14 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
     std::memset(accr[r], 0, D * sizeof(float));
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;
+    first[r] = window_first(limit[r], window);
   }
   const int64_t end = limit[RH - 1] + 1;
-  int64_t r0[MAX_ROWS];   // per kv head: rows before r0 have seen all their keys
-  for (int64_t gi = 0; gi < ng; ++gi) r0[gi] = gi * RH;
-  for (int64_t p = 0; p < end; p += TCH) {
+  // per kv head: rows before r0 have seen all their keys, rows from r1 on have not reached their first
+  int64_t r0[MAX_ROWS], r1[MAX_ROWS];
+  for (int64_t gi = 0; gi < ng; ++gi) r0[gi] = r1[gi] = gi * RH;
+  static_assert(TCH == KC, "the tiled kernel's chunks are on chunk_start's grid");
+  for (int64_t p = chunk_start(first[0], bs); p < end; p += TCH) {
     const int64_t n = std::min<int64_t>(TCH, end - p);
     // the chunk's two groups; a second group past the end reuses the first (its keys are masked out)
     const int64_t base0 = tile_offset(table, p, bs, Hkv, D, g0);
@@ -538,9 +567,11 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
     const int64_t pf1 = prefetch && ahead + 16 < end ? tile_offset(table, ahead + 16, bs, Hkv, D, g0) : pf0;
     const int np = int((n + 1) / 2);
     for (int64_t gi = 0; gi < ng; ++gi) {
-      const int64_t rend = (gi + 1) * RH;
-      while (r0[gi] < rend && limit[r0[gi]] < p) ++r0[gi];
-      if (r0[gi] == rend) continue;
+      const int64_t rall = (gi + 1) * RH;   // a kv head's rows: their limits and firsts grow
+      while (r0[gi] < rall && limit[r0[gi]] < p) ++r0[gi];
+      while (r1[gi] < rall && first[r1[gi]] < p + n) ++r1[gi];
+      const int64_t rend = r1[gi];
+      if (r0[gi] >= rend) continue;
       const __m512i* K0 = reinterpret_cast<const __m512i*>(kc + base0 + gi * tile);
       const __m512i* K1 = reinterpret_cast<const __m512i*>(kc + base1 + gi * tile);
       const __m512i* V[TCH / 2];
@@ -566,7 +597,8 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
         }
         for (int i = 0; i < nr; ++i) {
           const int64_t r = rb + i, nv = std::min<int64_t>(n, limit[r] - p + 1);   // >= 1 for rows from r0
-          softmax_row(s[2 * i], s[2 * i + 1], nv, scale, m[r], l[r], corr[r], pp[r]);
+          softmax_row(s[2 * i], s[2 * i + 1], std::max<int64_t>(0, first[r] - p), nv, scale, m[r], l[r], corr[r],
+                      pp[r]);   // lo < nv for rows before r1
         }
       }
       for (int64_t rb = r0[gi]; rb < rend; rb += 4) {
@@ -596,7 +628,8 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
 template <typename T, typename KV = T>
 void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* block_tables,
                      int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start, int64_t B, int64_t H,
-                     int64_t Hkv, int64_t D, int64_t bs, float scale, bool tiled, const float* kv_scales = nullptr) {
+                     int64_t Hkv, int64_t D, int64_t bs, float scale, bool tiled, const float* kv_scales,
+                     int64_t window) {
   const int64_t G = H / Hkv;
   bool simd = false;
 #ifdef KV_HAVE_AVX512
@@ -657,7 +690,7 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
     if constexpr (std::is_same<T, uint16_t>::value && std::is_same<KV, uint16_t>::value) {
       if (tiled) {
         attend_item_tiled(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D,
-                          bs, scale);
+                          bs, scale, window);
         continue;
       }
     }
@@ -666,7 +699,7 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
     if constexpr (std::is_same<T, KV>::value) {
       if (simd) {
         attend_item_simd<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D,
-                            bs, scale);
+                            bs, scale, window);
         continue;
       }
     }
@@ -675,13 +708,13 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
     if constexpr (std::is_same<T, KV>::value) {
       if (avx2) {
         attend_item_avx2<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D, bs,
-                            scale);
+                            scale, window);
         continue;
       }
     }
 #endif
     attend_item<T, KV>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D, bs, scale,
-                       k_scale, v_scale);
+                       k_scale, v_scale, window);
   }
 }
 
@@ -761,28 +794,28 @@ int kvserve_bf16_tiles() {
 void kvserve_paged_attention_f32(const float* q, int64_t qs, const float* kc, const float* vc, float* out,
                             const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                             const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                            float scale) {
+                            float scale, int64_t window) {
   paged_attention<float>(q, qs, kc, vc, out, tables, table_stride, seq_lens, query_start, B, H, Hkv, D, bs, scale,
-                         false);
+                         false, nullptr, window);
 }
 void kvserve_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
                              const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                              const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                             float scale, int64_t tiled) {
+                             float scale, int64_t tiled, int64_t window) {
   paged_attention<uint16_t>(q, qs, kc, vc, out, tables, table_stride, seq_lens, query_start, B, H, Hkv, D, bs,
-                            scale, tiled != 0);
+                            scale, tiled != 0, nullptr, window);
 }
 // q, out: float32 or bf16 (q_bf16); kc, vc: FP8 pools of format fmt (FP8_E4M3, FP8_E5M2) in the standard layout
 void kvserve_paged_attention_fp8(const void* q, int64_t qs, const uint8_t* kc, const uint8_t* vc, void* out,
                                  const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                                  const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                                 float scale, int64_t q_bf16, int64_t fmt, const float* kv_scales) {
+                                 float scale, int64_t q_bf16, int64_t fmt, const float* kv_scales, int64_t window) {
   auto run = [&](auto q_t, auto kv_t) {
     using TQ = std::remove_pointer_t<decltype(q_t)>;
     using KV = std::remove_pointer_t<decltype(kv_t)>;
     paged_attention<TQ, KV>(static_cast<const TQ*>(q), qs, reinterpret_cast<const KV*>(kc),
                             reinterpret_cast<const KV*>(vc), static_cast<TQ*>(out), tables, table_stride, seq_lens,
-                            query_start, B, H, Hkv, D, bs, scale, false, kv_scales);
+                            query_start, B, H, Hkv, D, bs, scale, false, kv_scales, window);
   };
   if (q_bf16) {
     if (fmt == FP8_E4M3) run((uint16_t*)nullptr, (fp8_e4m3*)nullptr); else run((uint16_t*)nullptr, (fp8_e5m2*)nullptr);

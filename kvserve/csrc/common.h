@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cmath>
+#include <numeric>
 #include <algorithm>
 #include <atomic>
 #include <type_traits>

@@ -16,11 +16,20 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
+# Gemma 3 as its real checkpoints differ from Llama: head_dim != hidden / heads, a query scale of its own, a window
+# shorter than the test prompts, local layers on their own RoPE base, one global layer between local ones
+GEMMA3 = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=3,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+
 def tiny_hf_config(family: str, **overrides):
-    """A tiny transformers config of `family` (llama, mistral, qwen2, qwen3)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-    kwargs = {**TINY, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+    """A tiny transformers config of `family` (llama, mistral, qwen2, qwen3, gemma3)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+               "gemma3": Gemma3TextConfig}
+    kwargs = {**TINY, "bos_token_id": 1, "eos_token_id": 2, **(GEMMA3 if family == "gemma3" else {}), **overrides}
     if family == "qwen3":
         kwargs.setdefault("head_dim", 32)  # != hidden/heads, as in real Qwen3 checkpoints
     return classes[family](**kwargs)

@@ -283,7 +283,7 @@ def _engine_outputs(llm, prompts, params, rounds: int) -> list:
 
 
 def _outputs_with_and_without(llm, switch: str, prompts, params, rounds: int) -> dict[bool, list]:
-    """_engine_outputs with the LlamaModel switch `switch` on, then off."""
+    """_engine_outputs with the DecoderModel switch `switch` on, then off."""
     stack = llm.llm_engine.model.model
     runs = {}
     for flag in (True, False):

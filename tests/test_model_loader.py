@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from kvserve.errors import ModelLoadError
 from kvserve.model import ModelConfig, load_hf_config, load_tokenizer, resolve_dtype
 from kvserve.model.gguf_loader import unpermute_qk
-from kvserve.model.llama import PACKED_MODULES
+from kvserve.model.causal_lm import CausalLM
+PACKED_MODULES = CausalLM.packed_modules
 from kvserve.model.loader import cpu_has_fast_bf16, default_model_path
 from model_utils import bundled_ours, llama_cpp_permute, load_ours, save_tiny_model, write_tiny_gguf
 
@@ -175,7 +176,8 @@ def test_hf_config_legacy_rope_fields():
         "rope_scaling": {"type": "linear", "factor": 2.0}, "sliding_window": 4096, "torch_dtype": "bfloat16"})
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert (cfg.num_key_value_heads, cfg.head_dim) == (2, 4)
-    assert cfg.max_position_embeddings == 4096  # capped at the sliding window: no sliding-window kernel
+    assert cfg.max_position_embeddings == 32768  # not capped: every attention backend has the window
+    assert cfg.sliding_window == 4096 and cfg.layer_types == ["sliding_attention"]   # Mistral: every layer
     assert cfg.torch_dtype == torch.bfloat16
 
 

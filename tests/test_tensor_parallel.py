@@ -272,7 +272,7 @@ def _check_driver_failure(llm, monkeypatch):
     """Rank 0 failing inside a step, while rank 1 waits in the step's all-reduce: the engine is dead (the ranks
     cannot be paired up again), rank 1 is woken and exits, nothing hangs."""
     from kvserve.errors import RequestFailedError
-    from kvserve.model.llama import LlamaMLP
+    from kvserve.model.decoder import DecoderMLP
 
     def broken(*args):
         raise RuntimeError("injected")
@@ -283,7 +283,7 @@ def _check_driver_failure(llm, monkeypatch):
         with pytest.raises(RequestFailedError):
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
-    monkeypatch.setattr(LlamaMLP, "__call__", broken)   # inside the forward, in this process only: rank 0
+    monkeypatch.setattr(DecoderMLP, "__call__", broken)   # inside the forward, in this process only: rank 0
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match="rank 0 failed in the middle of a step"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -292,8 +292,8 @@ def _check_driver_failure(llm, monkeypatch):
 
 
 def _model_cls():
-    from kvserve.model.llama import LlamaModel
-    return LlamaModel
+    from kvserve.model.decoder import DecoderModel
+    return DecoderModel
 
 
 def _random_lora_slot(model, plan, cfg, seed: int) -> None:

@@ -105,6 +105,11 @@ class LLMEngine:
         self.kernel_summary = kernels.summary(self.dtype, self.device, self.kv_cache_dtype, fused_stack)
         if self.device.type != "cpu" or config.attention_backend != "auto":
             self.kernel_summary += f"; attention backend: {self.runner.attention_backend.name}"
+        decoder = getattr(self.model, "model", None)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and hasattr(decoder, "fused_status"):
+            self.kernel_summary += f"; decoder layers: {decoder.fused_status()}"
+        if hasattr(decoder, "spec"):
+            logger.info("kvserve: %s: %s", self.model_config.architecture, decoder.spec.describe())
         self.weights_summary = describe_weights(self.model)
         logger.info("kvserve: weights: %s", self.weights_summary)
         # a path the machine rules out (no compiler, no AVX-512 BF16) is a warning: users otherwise never know

@@ -1,4 +1,5 @@
-"""All decoder layers of a Llama-family step in one C++ call on the CPU in bf16 (kvserve/csrc/layers.cpp).
+"""All decoder layers of a step in one C++ call on the CPU in bf16 (kvserve/csrc/layers.cpp), for layers declared
+pre-norm, SwiGLU, one RoPE table, full attention, no q/k norm (kvserve/model/decoder.py).
 
 The call runs the kernels the per-layer modules call, in their order, on the same shapes, so its output is
 bit-identical to theirs; it saves their Python: ~10 calls per layer that each allocate a tensor and convert
@@ -24,7 +25,7 @@ _LAYER_PTRS = 12
 
 
 class FusedLayers:
-    """The layer stack of one LlamaModel bound to its packed weights and KV pools; rebuilt when either changes."""
+    """The layer stack of one DecoderModel bound to its packed weights and KV pools; rebuilt when either changes."""
 
     def __init__(self, lib, layers, ptrs: torch.Tensor, tiled: bool, kv_format: int,
                  lora_tables: torch.Tensor | None = None):
@@ -107,46 +108,78 @@ def _linear_weight(m) -> tuple[int, int] | None:
     return None
 
 
-def build_fused_layers(layers) -> FusedLayers | None:
-    """The fused stack for these LlamaDecoderLayers, or None where one of its kernels does not apply."""
+def _layer_refusal(layer, tp) -> str | None:
+    """Which feature of this layer the stack has no kernel for, or None."""
+    attn, mlp, spec = layer.self_attn, layer.mlp, layer.spec
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    cache, qkv_bias = attn.attn.k_cache, attn.qkv_proj.bias
+    checks = (
+        (spec.qk_norm, "q/k norm"),
+        (spec.sandwich_norms, "sandwich norms"),
+        (spec.activation not in ("silu", "swish"), f"activation {spec.activation}"),
+        (spec.rope != 0, "a second RoPE table"),
+        (attn.attn.sliding_window, "a sliding window"),   # the C++ stack attends to every key
+        (any(_linear_weight(m) is None for m in linears),
+         "a linear without a packed bf16 or quantized weight (packed bf16 needs AVX-512 BF16)"),
+        (any(m.bias is not None for m in linears[1:]), "a bias on o, gate/up or down"),
+        (mlp.down_proj.tp is not tp or attn.o_proj.tp is not tp, "a tensor-parallel split it does not know"),
+        (qkv_bias is not None and (qkv_bias.dtype != torch.bfloat16 or not qkv_bias.is_contiguous()),
+         "a q/k/v bias not in bf16"),
+        (any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms), "norms not in bf16"),
+        (not isinstance(attn.attn.backend, CpuPagedAttention), "an attention backend other than the C++ one"),
+        (not (cache.dtype == torch.bfloat16 or fp8.is_fp8(cache.dtype)) or not cache.is_cpu,
+         "KV pools not in bf16 or FP8 on the CPU"),
+        (cache.numel() == 0, "no KV pool bound"),
+        (attn.head_dim > kernels.MAX_HEAD_DIM, f"head_dim above {kernels.MAX_HEAD_DIM}"),
+        (attn.num_heads // attn.num_kv_heads > kernels.MAX_ROWS, "too many query heads per KV head"),
+        (norms[0].weight.shape[0] > 8192, "hidden size above 8192"),
+    )
+    return next((why for bad, why in checks if bad), None)
+
+
+def why_not_fused(layers) -> str | None:
+    """Why the fused stack does not apply to these DecoderLayers as bound now (the log says it), or None."""
     lib = kernels.load()
-    # the stack's bf16 ops must be vectorized (AVX-512 BF16 or AVX2); each linear's own kernel is checked below
+    # the stack's bf16 ops must be vectorized (AVX-512 BF16 or AVX2); each linear's own kernel is checked per layer
     # (packed bf16 needs AVX-512 BF16, so on AVX2 the stack runs models whose linears are all quantized)
-    if not layers or lib is None or not lib.silu_mul_fast:
+    if lib is None:
+        return "no C++ kernels"
+    if not lib.silu_mul_fast:
+        return "no AVX2 or AVX-512 BF16 for its bf16 ops"
+    if not layers:
+        return "no layers"
+    tp = layers[0].self_attn.o_proj.tp
+    for i, layer in enumerate(layers):
+        why = _layer_refusal(layer, tp)
+        if why is not None:
+            return f"layer {i}: {why}"
+    caches = [layer.self_attn.attn.k_cache for layer in layers]
+    eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+    if len({kv_layout.is_tiled(c) for c in caches}) != 1 or len({c.dtype for c in caches}) != 1 or len(eps) != 1:
+        return "layers with different KV layouts, KV formats or norm eps"
+    return None
+
+
+def build_fused_layers(layers) -> FusedLayers | None:
+    """The fused stack for these DecoderLayers, or None where one of its kernels does not apply (why_not_fused)."""
+    if why_not_fused(layers) is not None:
         return None
-    ptrs, tiled, kv_formats, lora = [], set(), set(), []
+    ptrs, lora = [], []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        cache = attn.attn.k_cache
-        weights = [_linear_weight(m) for m in linears]
-        qkv_bias = attn.qkv_proj.bias
-        if (attn.q_norm is not None or any(w is None for w in weights)
-                or any(m.bias is not None for m in linears[1:])
-                or mlp.down_proj.tp is not attn.o_proj.tp
-                or qkv_bias is not None and (qkv_bias.dtype != torch.bfloat16 or not qkv_bias.is_contiguous())
-                or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms)
-                or not isinstance(attn.attn.backend, CpuPagedAttention)
-                or attn.attn.sliding_window   # the C++ stack attends to every key: such layers run as modules
-                or not (cache.dtype == torch.bfloat16 or fp8.is_fp8(cache.dtype))
-                or not cache.is_cpu
-                or cache.numel() == 0 or attn.head_dim > kernels.MAX_HEAD_DIM
-                or attn.num_heads // attn.num_kv_heads > kernels.MAX_ROWS   # a kv head's rows fit one work item
-                or norms[0].weight.shape[0] > 8192):
-            return None
-        tiled.add(kv_layout.is_tiled(cache))
-        kv_formats.add(fp8.FORMATS.get(cache.dtype, 0))
-        (qkv, q0), (o, q1), (gate_up, q2), (down, q3) = weights
+        cache, qkv_bias = attn.attn.k_cache, attn.qkv_proj.bias
+        (qkv, q0), (o, q1), (gate_up, q2), (down, q3) = [_linear_weight(m) for m in linears]
         lora.append([0 if m.lora is None else m.lora.desc_ptr for m in linears])
         ptrs.append([norms[0].weight.data_ptr(), qkv, o, norms[1].weight.data_ptr(), gate_up, down,
                      cache.data_ptr(), attn.attn.v_cache.data_ptr(), q0 | q1 << 1 | q2 << 2 | q3 << 3,   # Q_BIT
                      attn.attn.kv_scales.data_ptr(), 0 if qkv_bias is None else qkv_bias.data_ptr(), 0])
-    eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
-    if len(tiled) != 1 or len(eps) != 1 or len(kv_formats) != 1:   # one pool layout and format, one eps
-        return None
+    cache = layers[0].self_attn.attn.k_cache
     ptrs = torch.tensor(ptrs, dtype=torch.int64).reshape(-1, _LAYER_PTRS)
     lora_tables = torch.tensor(lora, dtype=torch.int64) if any(any(row) for row in lora) else None
     if lora_tables is not None:
         ptrs[:, -1] = lora_tables.data_ptr() + torch.arange(len(layers)) * lora_tables.stride(0) * 8
-    return FusedLayers(lib, layers, ptrs, tiled.pop(), kv_formats.pop(), lora_tables)
+    return FusedLayers(kernels.load(), layers, ptrs, kv_layout.is_tiled(cache), fp8.FORMATS.get(cache.dtype, 0),
+                       lora_tables)

@@ -27,6 +27,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# where a family's tensors differ from the Llama names (llama.cpp's gemma3: ffn_norm is the MLP's pre-norm)
+_FAMILY_LAYER_NAMES = {
+    "Gemma3ForCausalLM": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                          "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# llama.cpp stores Gemma's norm weights as 1 + w; transformers (and this loader) give back w
+_NORMS_PLUS_ONE = ("Gemma3ForCausalLM",)
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # the large tokenizer arrays are only needed by the tokenizer conversion, not the model config
 _SKIP_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
@@ -177,11 +184,12 @@ def gguf_model_config(reader) -> ModelConfig:
         has_output="output.weight" in tensors, rope_freq_factors=factors)
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str:
     """Translate a GGUF tensor name (blk.3.attn_q.weight) to its HF name (model.layers.3.self_attn.q_proj.weight)."""
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_LAYER_NAMES, **_FAMILY_LAYER_NAMES.get(architecture, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES and kind in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[stem]}.{kind}"
@@ -198,7 +206,7 @@ def iter_gguf_weights(reader, cfg: ModelConfig,
         behind.release(int(t.data_offset))
         if t.name == _ROPE_FREQS:
             continue  # folded into cfg.rope_scaling
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.architecture)
         heads = None
         if is_llama and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
@@ -208,6 +216,8 @@ def iter_gguf_weights(reader, cfg: ModelConfig,
         weight = _dequantize(t)
         if heads is not None:
             weight = unpermute_qk(weight, heads)
+        if cfg.architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            weight = weight - np.float32(1.0)
         # F32 tensors come back as read-only views of the mapped file; torch wants writable memory
         yield name, torch.from_numpy(np.require(weight, requirements=["C", "W"]))
 

@@ -327,6 +327,14 @@ class SiluAndMul(InferenceModule):
         return F.silu(gate) * up
 
 
+class GeluTanhAndMul(InferenceModule):
+    """gelu(gate, tanh approximation) * up for a fused [.., 2*I] gate|up tensor (GeGLU: Gemma)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] by cos/sin [T, 1, D] (rotate_half convention)."""
     x1, x2 = x.chunk(2, dim=-1)

@@ -9,7 +9,10 @@ import torch
 from kvserve.errors import ModelLoadError
 
 # GGUF general.architecture -> HF architecture name
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
+SLIDING, FULL = "sliding_attention", "full_attention"   # HF's layer_types
+_GEMMA3_PATTERN = 6   # Gemma 3: every sixth layer is global (HF's and llama.cpp's default)
 _ROPE_TYPES = ("default", "linear", "llama3", "gguf_freq_factors")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -38,6 +41,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: torch.dtype | None = None   # the checkpoint's dtype; None for quantized GGUF
+    hidden_act: str = "silu"          # the MLP's gate activation (silu, gelu_pytorch_tanh)
+    sliding_window: int | None = None   # the window of the layers whose layer_types entry is sliding_attention
+    layer_types: list[str] | None = None   # per layer: sliding_attention or full_attention (None: all full)
+    rope_local_theta: float | None = None   # the sliding layers' RoPE base where it differs (Gemma 3)
+    query_pre_attn_scalar: float | None = None   # attention scale = its -1/2 power (Gemma); None: head_dim's
+    final_logit_softcapping: float | None = None   # logits = cap * tanh(logits / cap) (Gemma 2)
+    attn_logit_softcapping: float | None = None    # the same on attention scores (Gemma 2)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -61,8 +71,7 @@ class ModelConfig:
 
     @classmethod
     def _from_hf_fields(cls, arch: str, cfg: dict, hidden: int, heads: int) -> ModelConfig:
-        _check_activation(cfg.get("hidden_act", "silu"))
-        rope_theta, rope_scaling = _hf_rope(cfg)
+        rope_theta, rope_scaling, rope_local = _hf_rope(cfg)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         bias = bool(cfg.get("attention_bias", False))
         return cls(
@@ -77,7 +86,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_hf_context_length(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=True if is_qwen2 else bias,
             o_proj_bias=False if is_qwen2 else bias,
@@ -86,6 +95,13 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             torch_dtype=_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "")),
+            hidden_act=str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"),
+            sliding_window=cfg.get("sliding_window"),
+            layer_types=_hf_layer_types(arch, cfg),
+            rope_local_theta=rope_local,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         )
 
     @classmethod
@@ -106,6 +122,10 @@ class ModelConfig:
                           rope_freq_factors: list[float] | None) -> ModelConfig:
         hidden = int(meta[f"{a}.embedding_length"])
         heads = int(meta[f"{a}.attention.head_count"])
+        layers = int(meta[f"{a}.block_count"])
+        window = meta.get(f"{a}.attention.sliding_window")
+        gemma3 = a == "gemma3"
+        head_dim = int(meta.get(f"{a}.attention.key_length", hidden // heads))
         return cls(
             architecture=GGUF_ARCHITECTURES[a],
             vocab_size=int(meta.get(f"{a}.vocab_size", vocab_rows)),
@@ -114,7 +134,7 @@ class ModelConfig:
             num_hidden_layers=int(meta[f"{a}.block_count"]),
             num_attention_heads=heads,
             num_key_value_heads=int(meta.get(f"{a}.attention.head_count_kv", heads)),
-            head_dim=int(meta.get(f"{a}.attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(meta.get(f"{a}.rope.freq_base", 10000.0)),
             rope_scaling=_gguf_rope(a, meta, rope_freq_factors),
@@ -124,17 +144,58 @@ class ModelConfig:
             qk_norm=a == "qwen3",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=_gguf_eos_ids(meta),
+            hidden_act="gelu_pytorch_tanh" if gemma3 else "silu",
+            sliding_window=int(window) if window else None,
+            # llama.cpp's Gemma 3 graph: every sixth layer global, the local ones on RoPE base 10000
+            layer_types=_pattern(layers, _GEMMA3_PATTERN) if gemma3 and window else None,
+            rope_local_theta=10000.0 if gemma3 else None,
+            # llama.cpp's Gemma 3 attention scale: head_dim's, but hidden / heads' for the 62-layer 27B
+            query_pre_attn_scalar=(hidden // heads if layers == 62 else head_dim) if gemma3 else None,
         )
 
 
-def _check_activation(act: str) -> None:
-    if act not in ("silu", "swish"):
-        raise ModelLoadError(f"hidden_act {act!r} is not supported; only silu (SwiGLU) models are")
+def _pattern(num_layers: int, every: int) -> list[str]:
+    """Sliding layers with every `every`-th one full (Gemma 3's sliding_window_pattern)."""
+    return [FULL if (i + 1) % every == 0 else SLIDING for i in range(num_layers)]
 
 
-def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
+def _hf_layer_types(arch: str, cfg: dict) -> list[str] | None:
+    """Which layers attend through the sliding window, as transformers decides: its own `layer_types` where
+    config.json has them, else each family's rule (Mistral: all; Qwen2: with use_sliding_window, from
+    max_window_layers on; Gemma 3: sliding_window_pattern)."""
+    n, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if cfg.get("layer_types"):
+        types = list(cfg["layer_types"])[:n]
+        if len(types) != n or set(types) - {SLIDING, FULL}:
+            raise ModelLoadError(f"config.json's layer_types {cfg['layer_types']!r} is not one of "
+                                 f"{SLIDING}/{FULL} per layer")
+        return types if window and SLIDING in types else None
+    if not window:
+        return None
+    if arch == "MistralForCausalLM":
+        return [SLIDING] * n
+    if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+        start = int(cfg.get("max_window_layers", n))
+        return [SLIDING if i >= start else FULL for i in range(n)]
+    if arch == "Gemma3ForCausalLM":
+        return _pattern(n, int(cfg.get("sliding_window_pattern", _GEMMA3_PATTERN)))
+    return None
+
+
+def _hf_rope(cfg: dict) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, rope_scaling, the sliding layers' own base or None) from transformers 5 `rope_parameters`
+    (one dict, or one per layer type) or 4.x `rope_theta`/`rope_scaling`/`rope_local_base_freq`."""
     params = dict(cfg.get("rope_parameters") or {})
+    local = params.pop(SLIDING, None)
+    params = dict(params.pop(FULL, None) or params)
+    local_theta = cfg.get("rope_local_base_freq") if local is None else local.get("rope_theta")
+    if local is not None and local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"rope scaling of the sliding layers ({local!r}) is not supported")
+    theta, scaling = _hf_global_rope(cfg, params)
+    return theta, scaling, None if local_theta is None else float(local_theta)
+
+
+def _hf_global_rope(cfg: dict, params: dict) -> tuple[float, dict | None]:
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = params or dict(cfg.get("rope_scaling") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -145,17 +206,6 @@ def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
     scaling["rope_type"] = rope_type
     scaling.pop("type", None)
     return theta, scaling
-
-
-def _hf_context_length(cfg: dict) -> int:
-    length = int(cfg.get("max_position_embeddings", 2048))
-    # no sliding-window attention kernel: serving past the window would silently differ from the
-    # reference, so the context is capped at the window instead (Mistral v0.1, Qwen2 with use_sliding_window)
-    window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", True)
-    if window and uses_window and window < length:
-        return int(window)
-    return length
 
 
 def _gguf_rope(a: str, meta: dict, freq_factors: list[float] | None) -> dict | None:

@@ -1,6 +1,6 @@
 """A draft model's cut vocabulary (speculative_config draft_vocab_size): what each request drafts from.
 
-A request drafts among the first N token ids (the cut output matrix, LlamaForCausalLM.cut_lm_head) and its own
+A request drafts among the first N token ids (the cut output matrix, CausalLM.cut_lm_head) and its own
 tokens past them: those of its prompt and of its output so far (row_logits). A BPE vocabulary puts its frequent
 tokens first, and what lies past them in a code or English answer is mostly copied: an identifier of the prompt, a
 code fence the answer opened, the chat template's end token. While the output keeps bringing tokens past the cut

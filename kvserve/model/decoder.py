@@ -1,0 +1,206 @@
+"""The decoder every family is built from, and the declaration a family makes of its layers.
+
+A family (llama.py, gemma3.py, ...) declares each layer: its attention (scale, sliding window, q/k norm, which RoPE
+table), its MLP's activation, its norms (pre-norm, or Gemma's sandwich of norms around attention and MLP); and the
+model's embedding scale and logit soft-cap. The modules below build themselves from that declaration, with the
+same names for the same roles in every family (self_attn.qkv_proj, o_proj, mlp.gate_up_proj, down_proj), so the
+weight loaders, LoRA, tensor parallelism and the fused C++ stack (fused.py) serve every family that declares.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvserve.attention import Attention
+from kvserve.errors import ModelLoadError
+from kvserve.model.fused import FusedLayers, binding_key, build_fused_layers, is_same_binding, why_not_fused
+from kvserve.model.layers import (GeluTanhAndMul, Linear, MergedLinear, RMSNorm, SiluAndMul, VocabEmbedding,
+                                  apply_rotary, rotate_heads_inplace)
+from kvserve.model.model_config import ModelConfig
+from kvserve.model.rotary import RotaryEmbedding
+from kvserve.module import InferenceModule
+
+ACTIVATIONS = {"silu": SiluAndMul, "swish": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One RoPE table: its base and scaling (HF rope_scaling) over head_dim."""
+    theta: float
+    scaling: dict | None = field(default=None, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one decoder layer computes."""
+    scale: float                       # attention scores = scale * q . k
+    rope: int = 0                      # index into ModelSpec.ropes
+    sliding_window: int | None = None  # a token sees the last W keys up to its own; None: every earlier key
+    qk_norm: bool = False              # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    activation: str = "silu"           # the MLP's gate activation (ACTIVATIONS)
+    sandwich_norms: bool = False       # Gemma: a norm after attention and around the MLP as well
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model's layers as its family declares them."""
+    layers: tuple[LayerSpec, ...]
+    ropes: tuple[RopeSpec, ...]
+    embed_scale: float | None = None   # embeddings times this (Gemma: sqrt(hidden_size)), in the model's dtype
+
+    def describe(self) -> str:
+        """What the log says about the layers: windows, norms, activation."""
+        windows = sorted({s.sliding_window for s in self.layers if s.sliding_window})
+        parts = [f"{len(self.layers)} layers"]
+        if windows:
+            local = sum(1 for s in self.layers if s.sliding_window)
+            parts.append(f"{local} with a sliding window of {'/'.join(map(str, windows))} tokens")
+        acts = sorted({s.activation for s in self.layers})
+        parts.append("activation " + "/".join(acts))
+        if any(s.qk_norm for s in self.layers):
+            parts.append("q/k norm")
+        if any(s.sandwich_norms for s in self.layers):
+            parts.append("sandwich norms")
+        return ", ".join(parts)
+
+
+def check_activation(act: str) -> None:
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(f"hidden_act {act!r} is not supported; supported: {', '.join(sorted(ACTIVATIONS))}")
+
+
+class DecoderAttention(InferenceModule):
+    """Self-attention: fused qkv projection, optional per-head q/k norm, RoPE, paged attention, o_proj."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, d
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": h * d, "k": hkv * d, "v": hkv * d},
+                                     bias=cfg.attention_bias)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.attn = Attention(h, d, spec.scale, hkv)
+        self.attn.sliding_window = spec.sliding_window
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        if self.q_norm is None and rotate_heads_inplace(qkv, self.num_heads + self.num_kv_heads, self.head_dim,
+                                                        cos, sin):
+            # q and k rotated in place inside qkv; the backends take the strided q/k/v views as they are
+            q, k, v = self.qkv_proj.split(qkv)
+            return self.o_proj(self.attn(q, k, v, attn_metadata))
+        q, k, v = self.qkv_proj.split(qkv)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q.flatten(1), k.flatten(1), v.contiguous(), attn_metadata)
+        return self.o_proj(out)
+
+
+class DecoderMLP(InferenceModule):
+    """Gated feed-forward (SwiGLU, GeGLU) with one fused gate|up matmul."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=cfg.mlp_bias)
+        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_fn = ACTIVATIONS[spec.activation]()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(InferenceModule):
+    """Residual block. Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)) (post_attention_layernorm is the MLP's
+    norm). Sandwich (Gemma): x + norm(attn(norm(x))), then x + norm(mlp(norm(x))) (post_attention_layernorm follows
+    attention; pre_ and post_feedforward_layernorm wrap the MLP)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = DecoderAttention(cfg, spec)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps) if spec.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(h, eps) if spec.sandwich_norms else None
+        self.mlp = DecoderMLP(cfg, spec)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (last output, residual stream before it); the adds are fused into the norms."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, attn_metadata)
+        if self.pre_feedforward_layernorm is None:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class DecoderModel(InferenceModule):
+    """Embedding, decoder layers and final norm; one RoPE table per kind the layers declare."""
+
+    def __init__(self, cfg: ModelConfig, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, s) for s in spec.layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_embs = nn.ModuleList(RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, r.theta,
+                                                         r.scaling) for r in spec.ropes)
+        self.use_fused_layers = True   # the one-call C++ layer stack where it applies (kvserve/model/fused.py)
+        self.split_decode_batches = True   # in it, big decode batches shared out between the threads
+        self._fused: FusedLayers | None = None
+        self._fused_refused: tuple | None = None   # the binding on which the fused stack did not apply
+
+    @property
+    def rotary_emb(self) -> RotaryEmbedding:
+        """The first (for most families the only) RoPE table."""
+        return self.rotary_embs[0]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.spec.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.spec.embed_scale, dtype=hidden.dtype)
+        tables = [rope(positions, hidden.dtype) for rope in self.rotary_embs]
+        residual = None
+        # the step that calibrates FP8 KV scales runs the modules, whose Attention sets them (kvserve/attention/fp8.py)
+        calibrating = self.layers and self.layers[0].self_attn.attn.calibrate_kv_scales
+        fused = self._fused_layers() if hidden.dtype == torch.bfloat16 and hidden.is_cpu and not calibrating else None
+        if fused is not None:
+            cos, sin = tables[0]
+            hidden, residual = fused.forward(hidden, cos, sin, attn_metadata, self.split_decode_batches)
+        else:
+            for layer in self.layers:
+                cos, sin = tables[layer.spec.rope]
+                hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
+        if residual is None:   # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
+
+    def fused_status(self) -> str:
+        """Whether the fused stack runs for this model as bound now, and if not which feature keeps it off."""
+        reason = why_not_fused(self.layers) if self.use_fused_layers else "switched off"
+        return "the fused C++ layer stack" if reason is None else f"the layer modules ({reason})"
+
+    def _fused_layers(self) -> FusedLayers | None:
+        if not self.use_fused_layers or not self.layers:
+            return None
+        if self._fused is not None and self._fused.is_current(self.layers):
+            return self._fused
+        if self._fused_refused is not None and is_same_binding(self._fused_refused, self.layers):
+            return None
+        self._fused = build_fused_layers(self.layers)
+        self._fused_refused = None if self._fused is not None else binding_key(self.layers)
+        return self._fused

@@ -121,7 +121,9 @@ def fp8_llm():
 
 @pytest.fixture(scope="module")
 def base_llm():
-    return LLM(dtype="float32", kv_cache_memory="24MiB", max_num_batched_tokens=STEP)
+    # dense weights: the bundled GGUF kept quantized multiplies int8-quantized activations, whose rounding turns
+    # any change in the attention's last bits into a perplexity change of a few tenths of a percent either way
+    return LLM(dtype="float32", kv_cache_memory="24MiB", max_num_batched_tokens=STEP, quantization="none")
 
 
 def test_fp8_pools_hold_four_times_float32_tokens_in_the_same_memory(fp8_llm, base_llm):
@@ -135,11 +137,11 @@ def test_fp8_pools_hold_four_times_float32_tokens_in_the_same_memory(fp8_llm, ba
 def test_calibrated_perplexity_within_two_percent_of_the_unquantized_cache(base_llm):
     """As `kvserve bench perplexity --kv-cache-dtype fp8 --calculate-kv-scales` runs it: the scales come from the
     first step, two whole chunks of the text."""
-    # llama-perplexity's context of 512, six chunks: on fewer or shorter ones the ratio depends on the float
-    # rounding of the kernels (three chunks: +0.9% before the Q4_1 kernels summed a row's last blocks in other
-    # lanes, +2.1% after; six: +1.15% and +1.18%; chunks of 256: +1.5% on one CPU, +2.3% on another)
+    # llama-perplexity's context of 512, six chunks, on the dense weights (base_llm): the C++ kernels and the torch
+    # reference agree on both perplexities to 1e-4, so the ratio measures the FP8 pools alone
     text = open(TEXT, encoding="utf-8").read()[:15000]
-    calibrated = LLM(dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True, kv_cache_memory="24MiB")
+    calibrated = LLM(dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True, kv_cache_memory="24MiB",
+                     quantization="none")
     p8, pb = perplexity(calibrated, text, 512), perplexity(base_llm, text, 512)
     print(f"perplexity: fp8 KV {p8['ppl']:.4f}, float32 KV {pb['ppl']:.4f}")
     assert p8["num_chunks"] == 6 and abs(p8["ppl"] / pb["ppl"] - 1) < 0.02, (p8["ppl"], pb["ppl"])

@@ -2,7 +2,7 @@
 # make test  : set up .venv if needed, then run the whole suite
 # make gpu-compile: compile every Triton kernel variant for sm_80/sm_90 here, without a GPU (make test runs it too)
 # make gpu-check  : on an NVIDIA GPU machine, the CUDA tests and the GPU benchmark (benchmarks/gpu_check.py)
-# make models: fetch the Qwen2.5-Coder 0.5B and 1.5B GGUFs (~1.5 GB) into $KVSERVE_MODELS_DIR (~/.cache/kvserve/models)
+# make models: fetch the Qwen2.5-Coder 0.5B/1.5B and Gemma-3-270M GGUFs (~1.7 GB) into $KVSERVE_MODELS_DIR (~/.cache/kvserve/models)
 # make peers : install vLLM's CPU build and the HF copy of the bundled model under $(PEERS), for make bench
 # make hf-models: bf16 Hugging Face copies of the bundled model and Qwen2.5-Coder-1.5B under $(PEERS) (vLLM cannot
 #               read GGUF offline; --quantization int8 benchmarks quantize a bf16 checkpoint)

@@ -25,11 +25,13 @@ GEMMA3 = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, num_hidde
 
 
 def tiny_hf_config(family: str, **overrides):
-    """A tiny transformers config of `family` (llama, mistral, qwen2, qwen3, gemma3)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """A tiny transformers config of `family` (llama, mistral, qwen2, qwen3, gemma3, phi3)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "gemma3": Gemma3TextConfig}
+               "gemma3": Gemma3TextConfig, "phi3": Phi3Config}
     kwargs = {**TINY, "bos_token_id": 1, "eos_token_id": 2, **(GEMMA3 if family == "gemma3" else {}), **overrides}
+    if family == "phi3":
+        kwargs.setdefault("pad_token_id", 0)   # Phi3Config's default (32000) lies past the tiny vocabulary
     if family == "qwen3":
         kwargs.setdefault("head_dim", 32)  # != hidden/heads, as in real Qwen3 checkpoints
     return classes[family](**kwargs)

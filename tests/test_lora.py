@@ -447,3 +447,18 @@ def test_http_adapters_as_models_runtime_loading_and_metrics(models, expected, t
         assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})).status_code == 404
         assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["base", "sql"]
     asyncio.run(main())
+
+
+def test_an_adapter_on_gemma3_equals_peft(tmp_path):
+    """A family declared beside Llama's (sandwich norms, windows shorter than the outputs, GeGLU): the adapters
+    attach to the same roles."""
+    save_tiny_model("gemma3", tmp_path / "base")
+    load_smollm2_tokenizer().save_pretrained(str(tmp_path / "base"))
+    targets, rank, extra = ADAPTERS["all"]
+    ref = save_adapter(tmp_path / "base", tmp_path / "all", targets, rank, seed=5, **extra)
+    want = [peft_greedy(ref, p, GREEDY.max_tokens) for p in PROMPTS]
+    with ref.disable_adapter():
+        assert want != [peft_greedy(ref, p, GREEDY.max_tokens) for p in PROMPTS]
+    llm = LLM(str(tmp_path / "base"), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              num_kv_blocks=64)
+    assert_matches(run(llm, LoRARequest("all", 1, str(tmp_path / "all"))), want)

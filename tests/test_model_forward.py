@@ -18,6 +18,10 @@ PROMPT = list(range(3, 43))  # 40 tokens: past llama3's original 32-token contex
     ("mistral", {"num_key_value_heads": 1}),
     ("qwen2", {}),
     ("qwen3", {}),
+    ("mistral", {"sliding_window": 8}),   # a window shorter than the prompt, on every layer
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),   # on the second only
+    ("phi3", {}),   # q|k|v and gate|up fused in the checkpoint
+    ("phi3", {"sliding_window": 8}),
 ])
 def test_tiny_model_logits_match_transformers(tmp_path, family, overrides):
     hf = save_tiny_model(family, tmp_path, **overrides)

@@ -496,3 +496,20 @@ def test_quantized_modules_are_assembled_as_their_shards_arrive(tmp_path):
     q = weights[first_q]   # before its module is built: it would replace the first
     with pytest.raises(ModelLoadError, match="appears twice"):
         build_model(cfg).load_weights(weights[:first_q + 1] + [q] + weights[first_q + 1:])
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                       "original_max_position_embeddings": 16}}, "rope scaling type 'longrope' is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
+])
+def test_phi3_features_we_do_not_compute_are_refused_at_load(tmp_path, extra, message):
+    from model_utils import tiny_hf_config
+    from kvserve.model.registry import build_model
+    cfg = tiny_hf_config("phi3").to_dict()
+    cfg.pop("rope_parameters", None)
+    cfg.update(architectures=["Phi3ForCausalLM"], **extra)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=message):
+        build_model(load_hf_config(str(tmp_path)))

@@ -208,6 +208,22 @@ def test_tp2_equals_tp1_on_tiny_qwen(tiny_models, family, monkeypatch):
         tp.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])
+def test_tp2_equals_tp1_on_other_families(tmp_path, family):
+    """Families declared beside Llama's: Gemma 3 (sandwich norms, windows, two RoPE tables, q/k norm), Phi-3 (fused
+    projections in the checkpoint, split before the ranks take their slices)."""
+    save_tiny_model(family, tmp_path, intermediate_size=96, **({"sliding_window": 8} if family == "phi3" else {}))
+    load_smollm2_tokenizer().save_pretrained(str(tmp_path))
+    kwargs = dict(model=str(tmp_path), dtype="float32", max_num_batched_tokens=16, block_size=4, num_kv_blocks=14)
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+    want = _outputs(LLM(**kwargs), PROMPTS, params)
+    tp = LLM(tensor_parallel_size=2, **kwargs)
+    try:
+        _assert_same(_outputs(tp, PROMPTS, params), want, tol=1e-4)
+    finally:
+        tp.llm_engine.shutdown()
+
+
 def _check_worker_death(llm):
     """A worker that dies is reported at once, also while idle; the next step raises EngineDeadError, no hang."""
     engine = llm.llm_engine

@@ -32,6 +32,14 @@ class CausalLM(InferenceModule):
         """The family's layers for this config (kvserve/model/decoder.py)."""
         raise NotImplementedError
 
+    @classmethod
+    def checkpoint_weights(cls, weights: Iterable[tuple[str, torch.Tensor]],
+                           cfg: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under the HF names of the Llama layout (q_proj, ..., gate_proj, up_proj), as the
+        loader reads them, before a tensor-parallel rank takes its slices: where a family's checkpoints store them
+        otherwise (Phi-3's fused projections), it renames or splits them here."""
+        return weights
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg

@@ -18,7 +18,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.model import gguf_loader, weight_cache
 from kvserve.model.model_config import ModelConfig
 from kvserve.model.quantization import int8_weights, quantize_linears_int8, resolve_quantization
-from kvserve.model.registry import build_model
+from kvserve.model.registry import build_model, get_model_class
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -107,6 +107,7 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
         dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype, quantization == "int8")
+    weights = get_model_class(cfg.architecture).checkpoint_weights(weights, cfg)
     plan = shard(cfg) if shard is not None else None
     if plan is not None:
         from kvserve.distributed.plan import shard_weights

@@ -172,7 +172,7 @@ def _hf_layer_types(arch: str, cfg: dict) -> list[str] | None:
         return types if window and SLIDING in types else None
     if not window:
         return None
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return [SLIDING] * n
     if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
         start = int(cfg.get("max_window_layers", n))
@@ -196,6 +196,9 @@ def _hf_rope(cfg: dict) -> tuple[float, dict | None, float | None]:
 
 
 def _hf_global_rope(cfg: dict, params: dict) -> tuple[float, dict | None]:
+    partial = float(params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor {partial} is not supported: RoPE rotates every dimension")
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = params or dict(cfg.get("rope_scaling") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))

@@ -6,6 +6,7 @@ from torch import nn
 from kvserve.errors import ModelLoadError
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.phi3 import Phi3ForCausalLM
 from kvserve.model.model_config import ModelConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -14,6 +15,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,   # ModelConfig.attention_bias turns on the qkv bias
     "Qwen3ForCausalLM": LlamaForCausalLM,   # ModelConfig.qk_norm turns on q_norm/k_norm
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

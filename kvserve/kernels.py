@@ -163,10 +163,11 @@ def _run_compiler(cmd: list[str], deadline: float) -> None:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "kvserve_paged_attention_f32": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64],
-        "kvserve_paged_attention_bf16": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64, i64],
+        "kvserve_paged_attention_f32": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64, f],
+        "kvserve_paged_attention_bf16": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64, i64, f],
         "kvserve_write_kv": [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, p, p],
-        "kvserve_paged_attention_fp8": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64, i64, p, i64],
+        "kvserve_paged_attention_fp8": [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, f, i64, i64, p, i64,
+                                        f],
         "kvserve_write_kv_fp8": [p, i64, p, i64, p, i64, i64, i64, i64, i64, p, p, p],
         "kvserve_rmsnorm_bf16": [p, p, p, p, i64, i64, f],
         "kvserve_rope_bf16": [p, i64, p, p, i64, i64, i64],
@@ -361,22 +362,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor, kernel_args: tuple, num_heads: int, scale: float,
-                    kv_scales: torch.Tensor | None = None, sliding_window: int | None = None) -> None:
+                    kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                    softcap: float | None = None) -> None:
     """out[T, H*D] = causal attention of q[T, H*D] (rows may be strided) over each sequence's paged K/V (either
     layout for bf16, standard for float32 and FP8 pools, whose values kv_scales [K's, V's] multiply);
-    kernel_args: AttentionMetadata.kernel_args. sliding_window W: a token sees only the last W keys up to its own."""
-    window = int(sliding_window or 0)
+    kernel_args: AttentionMetadata.kernel_args. sliding_window W: a token sees only the last W keys up to its own;
+    softcap c: each scaled score s becomes c * tanh(s / c) before the softmax."""
+    window, cap = int(sliding_window or 0), float(softcap or 0.0)
     bs, hkv, d = kv_layout.geometry(k_cache)
     _, tables, table_stride, seq_lens, query_start, num_seqs = kernel_args
     args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables, table_stride,
             seq_lens, query_start, num_seqs, num_heads, hkv, d, bs, scale)
     if k_cache.dtype in fp8.FORMATS:
         lib.kvserve_paged_attention_fp8(*args, q.dtype == torch.bfloat16, fp8.FORMATS[k_cache.dtype],
-                                        kv_scales.data_ptr(), window)
+                                        kv_scales.data_ptr(), window, cap)
     elif q.dtype == torch.bfloat16:
-        lib.kvserve_paged_attention_bf16(*args, kv_layout.is_tiled(k_cache), window)
+        lib.kvserve_paged_attention_bf16(*args, kv_layout.is_tiled(k_cache), window, cap)
     else:
-        lib.kvserve_paged_attention_f32(*args, window)
+        lib.kvserve_paged_attention_f32(*args, window, cap)
 
 
 def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

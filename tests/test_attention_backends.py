@@ -37,14 +37,15 @@ def to_standard(k_cache: torch.Tensor, v_cache: torch.Tensor):
     return k.view(-1, bs, hkv, d), v.view(-1, bs, hkv, d)
 
 
-def run(backend, batch, heads: int, upcast: bool = False, tiled: bool = False, window: int | None = None):
+def run(backend, batch, heads: int, upcast: bool = False, tiled: bool = False, window: int | None = None,
+        softcap: float | None = None):
     """(output, K pool, V pool) of one step; tiled runs on the kernel layout and returns the pools as standard."""
     q, k, v, k_cache, v_cache, meta = batch
     if upcast:
         q, k, v, k_cache, v_cache = (x.float() for x in (q, k, v, k_cache, v_cache))
     k_cache, v_cache = to_tiled(k_cache, v_cache) if tiled else (k_cache.clone(), v_cache.clone())
     out = backend.forward(q, k, v, k_cache, v_cache, meta, heads, (q.shape[1] // heads) ** -0.5,
-                          sliding_window=window)
+                          sliding_window=window, softcap=softcap)
     return (out, *to_standard(k_cache, v_cache)) if tiled else (out, k_cache, v_cache)
 
 
@@ -127,6 +128,24 @@ def test_sliding_window_in_every_cpu_kernel_equals_torch(variant, dtype, tiled, 
         assert torch.equal(kc.float(), kc_ref) and torch.equal(vc.float(), vc_ref)
         full, _, _ = run(TorchPagedAttention(), batch, heads, upcast=True)
         assert (full - exact).abs().max() > 10 * tol   # the window changed the result
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant,dtype,tiled", WINDOW_PATHS)
+def test_logit_softcap_in_every_cpu_kernel_equals_torch(variant, dtype, tiled):
+    """Gemma 2's soft-capping (a small cap, so that it changes the scores), alone and with a window."""
+    lib = kernels.load_variant(variant)
+    if lib is None or tiled and not lib.kvserve_bf16_tiles():
+        pytest.skip(f"the {variant} build has no such kernel on this CPU")
+    for seed, window in enumerate((None, 13)):
+        q, *rest = random_batch(seed, 9, 16, 9, 3, 64, dtype, max_ctx=150)
+        batch = ((q.float() * 4).to(dtype), *rest)   # peaky scores: past the cap's linear range
+        exact, _, _ = run(TorchPagedAttention(), batch, 9, upcast=True, window=window, softcap=2.0)
+        got, _, _ = run(CpuPagedAttention(lib), batch, 9, tiled=tiled, window=window, softcap=2.0)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
+        uncapped, _, _ = run(TorchPagedAttention(), batch, 9, upcast=True, window=window)
+        assert (uncapped - exact).abs().max() > 10 * tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

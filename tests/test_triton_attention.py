@@ -40,17 +40,17 @@ def on_device(batch):
     return (*(x.to(DEVICE) for x in (q, k, v, k_cache, v_cache)), meta)
 
 
-def run_both(batch, heads: int, window: int | None = None, kv_scales=None):
+def run_both(batch, heads: int, window: int | None = None, kv_scales=None, softcap: float | None = None):
     """(triton output, reference output, triton pools, reference pools); the reference computes in float32 on the
     same pool contents."""
     q, k, v, k_cache, v_cache, meta = batch
     d = k_cache.shape[-1]
     kc, vc = k_cache.clone(), v_cache.clone()
-    out = TritonPagedAttention(DEVICE).forward(q, k, v, kc, vc, meta, heads, d ** -0.5, kv_scales, window)
+    out = TritonPagedAttention(DEVICE).forward(q, k, v, kc, vc, meta, heads, d ** -0.5, kv_scales, window, softcap)
     ref_kc, ref_vc = (k_cache.clone(), v_cache.clone()) if fp8.is_fp8(k_cache.dtype) else (k_cache.float(),
                                                                                            v_cache.float())
     ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), ref_kc, ref_vc, meta, heads, d ** -0.5,
-                                        kv_scales, window)
+                                        kv_scales, window, softcap)
     return out, ref, (kc, vc), (ref_kc, ref_vc)
 
 
@@ -80,6 +80,17 @@ def test_sliding_window_equals_the_reference(window):
     # and the window matters: without it the outputs differ where contexts are longer than it
     full, _, _, _ = run_both(batch, heads)
     assert not torch.allclose(full, out, atol=1e-3)
+
+
+def test_logit_softcap_with_a_window_equals_the_reference():
+    """Gemma 2: scores capped at 2 * tanh(s / 2) (small, so that the cap changes them), with its window."""
+    heads, kv_heads, d, bs = 8, 2, 64, 16
+    batch = on_device(random_batch(4, 6, bs, heads, kv_heads, d, torch.float32, max_ctx=120))
+    batch = (batch[0] * 4, *batch[1:])   # peaky scores: past the cap's linear range
+    out, ref, _, _ = run_both(batch, heads, 16, softcap=2.0)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    uncapped, _, _, _ = run_both(batch, heads, 16)
+    assert not torch.allclose(uncapped, out, atol=1e-3)
 
 
 def test_one_long_prefill_over_many_blocks_and_decodes_beside_it():
@@ -171,7 +182,7 @@ def test_the_ops_pass_opcheck():
     scales = torch.ones(2, device=DEVICE)
     torch.library.opcheck(ops.write_kv, (k, v, k_cache.clone(), v_cache.clone(), meta.slot_mapping, scales))
     torch.library.opcheck(ops.unified_attention, (q, k_cache, v_cache, meta.block_table_tensor, meta.seq_lens_tensor,
-                                                  meta.query_start_loc, scales, 8, 0.125, 0))
+                                                  meta.query_start_loc, scales, 8, 0.125, 0, 0.0))
 
 
 def test_a_layer_attention_compiles_with_fullgraph_and_no_host_sync():

@@ -43,9 +43,11 @@ class TorchPagedAttention:
         kv_layout.write_slots(k_cache, v_cache, meta.slot_mapping, k, v)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float,
-                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None):
+                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                softcap: float | None = None):
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]; the pools may be in either layout, or FP8 (kv_scales); a
-        sliding window W lets a token see only the last W keys up to its own."""
+        sliding window W lets a token see only the last W keys up to its own; softcap c turns each scaled score s
+        into c * tanh(s / c) before the softmax."""
         self.write_kv(k_cache, v_cache, k, v, meta, kv_scales)
         _, hkv, d = kv_layout.geometry(k_cache)
         q = q.view(-1, num_heads, d)
@@ -60,11 +62,24 @@ class TorchPagedAttention:
             if sliding_window:
                 ctx = torch.arange(mask.shape[-1], device=mask.device)
                 mask = mask & (g.query_pos[:, None, :, None] - ctx < sliding_window)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale,
-                                                enable_gqa=hkv != num_heads)
+            if softcap:
+                og = _softcapped_attention(qg, kg, vg, mask, scale, softcap)
+            else:
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale,
+                                                    enable_gqa=hkv != num_heads)
             og = og.transpose(1, 2).reshape(-1, num_heads, d)
             out[g.token_rows] = og[g.valid_idx]
         return out.view(-1, num_heads * d)
+
+
+def _softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+    """softmax(cap * tanh(scale * q k^T / cap)) v, masked; q [G, H, Q, D], k/v [G, Hkv, C, D] (GQA repeats)."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / cap) * cap
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)   # a row with no key: zeros
+    return torch.matmul(p, v.float()).to(q.dtype)
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -95,10 +110,12 @@ class CpuPagedAttention(TorchPagedAttention):
                 and d <= kernels.MAX_HEAD_DIM and q.shape[1:].numel() // d // hkv <= kernels.MAX_ROWS)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float,
-                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None):
+                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                softcap: float | None = None):
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
         if not self.supports(q, k_cache):
-            return super().forward(q, k, v, k_cache, v_cache, meta, num_heads, scale, kv_scales, sliding_window)
+            return super().forward(q, k, v, k_cache, v_cache, meta, num_heads, scale, kv_scales, sliding_window,
+                                   softcap)
         if q.dim() != 2 or k.dim() != 2 or v.dim() != 2:
             q, k, v = q.flatten(1), k.flatten(1), v.flatten(1)
         args = meta.kernel_args
@@ -110,7 +127,8 @@ class CpuPagedAttention(TorchPagedAttention):
         if q.stride(1) != 1:
             q = q.contiguous()
         out = q.new_empty(q.shape[0], q.shape[1])
-        kernels.paged_attention(self.lib, q, k_cache, v_cache, out, args, num_heads, scale, kv_scales, sliding_window)
+        kernels.paged_attention(self.lib, q, k_cache, v_cache, out, args, num_heads, scale, kv_scales, sliding_window,
+                                softcap)
         return out
 
 
@@ -153,7 +171,8 @@ class TritonPagedAttention(TorchPagedAttention):
         write(k, v, k_cache, v_cache, meta.slot_mapping, _scales(kv_scales, k))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, num_heads: int, scale: float,
-                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None):
+                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                softcap: float | None = None):
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
         self.write_kv(k_cache, v_cache, k, v, meta, kv_scales)
         q = q.reshape(q.shape[0], -1)
@@ -161,7 +180,7 @@ class TritonPagedAttention(TorchPagedAttention):
             q = q.contiguous()
         attend = self.ops.unified_attention if torch.compiler.is_compiling() else self.ops.launch_unified_attention
         return attend(q, k_cache, v_cache, meta.block_table_tensor, meta.seq_lens_tensor, meta.query_start_loc,
-                      _scales(kv_scales, q), num_heads, scale, int(sliding_window or 0))
+                      _scales(kv_scales, q), num_heads, scale, int(sliding_window or 0), float(softcap or 0.0))
 
 
 def _scales(kv_scales: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

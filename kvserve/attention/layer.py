@@ -25,6 +25,7 @@ class Attention(InferenceModule):
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window   # a token sees only the last sliding_window keys up to its own
+        self.softcap = None   # scaled scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2)
         # bound by bind_kv_cache(), in the backend's layout (kvserve/attention/kv_layout.py)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -40,7 +41,7 @@ class Attention(InferenceModule):
             self.kv_scales.copy_(fp8.calibrated_scales(k, v, self.k_cache.dtype))
             self.calibrate_kv_scales = False
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata,
-                                    self.num_heads, self.scale, self.kv_scales, self.sliding_window)
+                                    self.num_heads, self.scale, self.kv_scales, self.sliding_window, self.softcap)
 
 
 _default_backends = {}

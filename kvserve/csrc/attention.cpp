@@ -13,6 +13,11 @@ constexpr int MAX_KV_ROW = 1024;  // kv heads x head_dim of the SIMD path
 inline int64_t window_first(int64_t limit, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, limit - window + 1) : 0;
 }
+// Logit soft-capping (Gemma 2): a scaled score s becomes cap * tanh(s / cap); cap 0: none. Scores [lo, nv) of a row.
+inline void soft_cap(float* s, int64_t lo, int64_t nv, float cap) {
+  if (cap > 0.f)
+    for (int64_t j = lo; j < nv; ++j) s[j] = cap * std::tanh(s[j] / cap);
+}
 // Where a work item's pass over the keys starts: the chunk (of KC keys, or a block where blocks are shorter) that
 // holds its earliest row's first key. Chunks sit on one grid from position 0 whatever the start, so a row meets
 // its keys in the same chunks in every tile and step, and its result does not depend on them.
@@ -24,15 +29,16 @@ inline int64_t chunk_start(int64_t first, int64_t bs) {
 // One query row's online-softmax step over the chunk's keys kf / vf [0, nv) (float32): scores, exps, and P @ V
 // into its accumulator a, with its running max m and sum l.
 inline void row_update(const float* qr, float* a, float& m, float& l, const float (*kf)[MAX_D],
-                       const float (*vf)[MAX_D], int64_t nv, int64_t D) {
+                       const float (*vf)[MAX_D], int64_t nv, int64_t D, float softcap) {
   float s[KC];
-  float smax = -INFINITY;
   for (int64_t j = 0; j < nv; ++j) {
     float dot = 0.f;
     for (int64_t d = 0; d < D; ++d) dot += qr[d] * kf[j][d];
     s[j] = dot;
-    smax = std::max(smax, dot);
   }
+  soft_cap(s, 0, nv, softcap);
+  float smax = -INFINITY;
+  for (int64_t j = 0; j < nv; ++j) smax = std::max(smax, s[j]);
   const float mnew = std::max(m, smax);
   const float corr = std::exp(m - mnew);
   float psum = 0.f;
@@ -165,7 +171,7 @@ inline void softmax_chunk(float* s, int64_t lo, int64_t nv, float& m, float& l, 
 template <typename T>
 void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table,
                       int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H,
-                      int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window) {
+                      int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window, float softcap) {
   const int64_t G = H / Hkv, R = nt * G, n16 = D / 16;
   alignas(32) float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D];
   alignas(32) float s[MAX_ROWS][KC];
@@ -214,7 +220,9 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
     }
     for (r = 0; r < R; ++r) {   // 2. online softmax
       corr[r] = 1.f;
-      if (nv[r] > 0) softmax_chunk(s[r], lo[r], nv[r], m[r], l[r], corr[r]);
+      if (nv[r] <= 0) continue;
+      soft_cap(s[r], lo[r], nv[r], softcap);
+      softmax_chunk(s[r], lo[r], nv[r], m[r], l[r], corr[r]);
     }
     const float one = 1.f;
     for (r = 0; r < R; r += 2) {   // 3. P @ V: the keys both rows see together, then the longer row's rest alone
@@ -248,7 +256,7 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
 template <typename T, typename KV = T>
 void attend_item(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* table, int64_t ctx_len,
                  int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H, int64_t Hkv,
-                 int64_t D, int64_t bs, float scale, float k_scale, float v_scale, int64_t window) {  // one kv head g
+                 int64_t D, int64_t bs, float scale, float k_scale, float v_scale, int64_t window, float softcap) {  // one kv head g
   const int64_t G = H / Hkv, R = nt * G;
   alignas(64) float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D];
   float m[MAX_ROWS], l[MAX_ROWS];
@@ -276,7 +284,7 @@ void attend_item(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, con
       const int64_t nv = std::min<int64_t>(n, limit[r] - p + 1);  // keys [lo, nv) of this chunk the row sees
       const int64_t lo = std::max<int64_t>(0, first[r] - p);
       if (nv <= lo) continue;
-      row_update(qf[r], acc[r], m[r], l[r], kf + lo, vf + lo, nv - lo, D);
+      row_update(qf[r], acc[r], m[r], l[r], kf + lo, vf + lo, nv - lo, D, softcap);
     }
     p += n;
   }
@@ -332,7 +340,7 @@ inline __m512 qk_partial(const uint16_t* k, const __m512* qv, int nd, const uint
 template <typename T>
 void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table, int64_t ctx_len,
                       int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g0, int64_t ng, int64_t H,
-                      int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window) {
+                      int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window, float softcap) {
   constexpr int CH = KC;
   const int64_t G = H / Hkv, RH = ng * G, R = nt * RH;   // RH: rows per token
   const int nd = int(D / 16);
@@ -384,6 +392,7 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
                         _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(transpose_sum16(part), vscale)));
       }
       if (nv <= 16) _mm512_store_ps(sc + r * CH + 16, neg_inf);
+      soft_cap(sc + r * CH, lo[r], nv, softcap);
     }
     // 2. online softmax: new running max, rescale factor, probabilities
     for (int64_t r = 0; r < R; ++r) {
@@ -503,13 +512,21 @@ inline void tile_pv_rows(const __m512i* const* V, int nseg, int np, const int32_
 
 // online softmax of one row over the chunk's raw scores (s0: keys 0-15, s1: 16-31), keys [lo, nv) visible:
 // updates the running max m and sum l, sets the rescale factor corr and the bf16 probability pairs pp
-inline void softmax_row(__m512 s0, __m512 s1, int64_t lo, int64_t nv, float scale, float& m, float& l, float& corr,
-                        int32_t* pp) {
+inline void softmax_row(__m512 s0, __m512 s1, int64_t lo, int64_t nv, float scale, float softcap, float& m,
+                        float& l, float& corr, int32_t* pp) {
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
   const uint32_t seen = (nv >= 32 ? 0xffffffffu : (1u << nv) - 1) & (0xffffffffu << lo);   // lo < nv <= 32
   const __mmask16 m0 = __mmask16(seen), m1 = __mmask16(seen >> 16);
   s0 = _mm512_mask_blend_ps(m0, neg_inf, _mm512_mul_ps(s0, vscale));
   s1 = _mm512_mask_blend_ps(m1, neg_inf, _mm512_mul_ps(s1, vscale));
+  if (softcap > 0.f) {
+    alignas(64) float s[32];
+    _mm512_store_ps(s, s0);
+    _mm512_store_ps(s + 16, s1);
+    soft_cap(s, lo, nv, softcap);
+    s0 = _mm512_load_ps(s);
+    s1 = _mm512_load_ps(s + 16);
+  }
   const float mnew = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
   const __m512 vm = _mm512_set1_ps(mnew);
   const __m512 z0 = _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(s0, vm)));
@@ -526,7 +543,7 @@ inline void softmax_row(__m512 s0, __m512 s1, int64_t lo, int64_t nv, float scal
 void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
                        const int32_t* table, int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt,
                        int64_t g0, int64_t ng, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale,
-                       int64_t window) {
+                       int64_t window, float softcap) {
   const int64_t G = H / Hkv, RH = nt * G, R = ng * RH;   // RH: rows per kv head
   const int nd2 = int(D / 2), nseg = int(D / 16);
   const int64_t tile = 16 * D;   // elements of one K (or V) tile
@@ -597,8 +614,8 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
         }
         for (int i = 0; i < nr; ++i) {
           const int64_t r = rb + i, nv = std::min<int64_t>(n, limit[r] - p + 1);   // >= 1 for rows from r0
-          softmax_row(s[2 * i], s[2 * i + 1], std::max<int64_t>(0, first[r] - p), nv, scale, m[r], l[r], corr[r],
-                      pp[r]);   // lo < nv for rows before r1
+          softmax_row(s[2 * i], s[2 * i + 1], std::max<int64_t>(0, first[r] - p), nv, scale, softcap, m[r], l[r],
+                      corr[r], pp[r]);   // lo < nv for rows before r1
         }
       }
       for (int64_t rb = r0[gi]; rb < rend; rb += 4) {
@@ -629,7 +646,7 @@ template <typename T, typename KV = T>
 void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* block_tables,
                      int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start, int64_t B, int64_t H,
                      int64_t Hkv, int64_t D, int64_t bs, float scale, bool tiled, const float* kv_scales,
-                     int64_t window) {
+                     int64_t window, float softcap) {
   const int64_t G = H / Hkv;
   bool simd = false;
 #ifdef KV_HAVE_AVX512
@@ -690,7 +707,7 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
     if constexpr (std::is_same<T, uint16_t>::value && std::is_same<KV, uint16_t>::value) {
       if (tiled) {
         attend_item_tiled(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D,
-                          bs, scale, window);
+                          bs, scale, window, softcap);
         continue;
       }
     }
@@ -699,7 +716,7 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
     if constexpr (std::is_same<T, KV>::value) {
       if (simd) {
         attend_item_simd<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D,
-                            bs, scale, window);
+                            bs, scale, window, softcap);
         continue;
       }
     }
@@ -708,13 +725,13 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
     if constexpr (std::is_same<T, KV>::value) {
       if (avx2) {
         attend_item_avx2<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D, bs,
-                            scale, window);
+                            scale, window, softcap);
         continue;
       }
     }
 #endif
     attend_item<T, KV>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D, bs, scale,
-                       k_scale, v_scale, window);
+                       k_scale, v_scale, window, softcap);
   }
 }
 
@@ -794,28 +811,29 @@ int kvserve_bf16_tiles() {
 void kvserve_paged_attention_f32(const float* q, int64_t qs, const float* kc, const float* vc, float* out,
                             const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                             const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                            float scale, int64_t window) {
+                            float scale, int64_t window, float softcap) {
   paged_attention<float>(q, qs, kc, vc, out, tables, table_stride, seq_lens, query_start, B, H, Hkv, D, bs, scale,
-                         false, nullptr, window);
+                         false, nullptr, window, softcap);
 }
 void kvserve_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
                              const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                              const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                             float scale, int64_t tiled, int64_t window) {
+                             float scale, int64_t tiled, int64_t window, float softcap) {
   paged_attention<uint16_t>(q, qs, kc, vc, out, tables, table_stride, seq_lens, query_start, B, H, Hkv, D, bs,
-                            scale, tiled != 0, nullptr, window);
+                            scale, tiled != 0, nullptr, window, softcap);
 }
 // q, out: float32 or bf16 (q_bf16); kc, vc: FP8 pools of format fmt (FP8_E4M3, FP8_E5M2) in the standard layout
 void kvserve_paged_attention_fp8(const void* q, int64_t qs, const uint8_t* kc, const uint8_t* vc, void* out,
                                  const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                                  const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                                 float scale, int64_t q_bf16, int64_t fmt, const float* kv_scales, int64_t window) {
+                                 float scale, int64_t q_bf16, int64_t fmt, const float* kv_scales, int64_t window,
+                                 float softcap) {
   auto run = [&](auto q_t, auto kv_t) {
     using TQ = std::remove_pointer_t<decltype(q_t)>;
     using KV = std::remove_pointer_t<decltype(kv_t)>;
     paged_attention<TQ, KV>(static_cast<const TQ*>(q), qs, reinterpret_cast<const KV*>(kc),
                             reinterpret_cast<const KV*>(vc), static_cast<TQ*>(out), tables, table_stride, seq_lens,
-                            query_start, B, H, Hkv, D, bs, scale, false, kv_scales, window);
+                            query_start, B, H, Hkv, D, bs, scale, false, kv_scales, window, softcap);
   };
   if (q_bf16) {
     if (fmt == FP8_E4M3) run((uint16_t*)nullptr, (fp8_e4m3*)nullptr); else run((uint16_t*)nullptr, (fp8_e5m2*)nullptr);

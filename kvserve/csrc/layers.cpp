@@ -15,13 +15,14 @@ void kvserve_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* w
 void kvserve_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
                              const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                              const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                             float scale, int64_t tiled, int64_t window);
+                             float scale, int64_t tiled, int64_t window, float softcap);
 void kvserve_write_kv(const char* k, int64_t ks, const char* v, int64_t vs, const int64_t* slots, int64_t T, int64_t Hkv,
                  int64_t D, int64_t es, int64_t bs, int64_t tiled, char* kc, char* vc);
 void kvserve_paged_attention_fp8(const void* q, int64_t qs, const uint8_t* kc, const uint8_t* vc, void* out,
                                  const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                                  const int32_t* query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                                 float scale, int64_t q_bf16, int64_t fmt, const float* kv_scales, int64_t window);
+                                 float scale, int64_t q_bf16, int64_t fmt, const float* kv_scales, int64_t window,
+                                 float softcap);
 void kvserve_write_kv_fp8(const void* k, int64_t ks, const void* v, int64_t vs, const int64_t* slots, int64_t T,
                           int64_t Hkv, int64_t D, int64_t x_bf16, int64_t fmt, const float* kv_scales, uint8_t* kc,
                           uint8_t* vc);
@@ -81,14 +82,14 @@ static inline void attend(const int64_t* p, const uint16_t* qkv, int64_t nqkv, u
     uint8_t* vc = reinterpret_cast<uint8_t*>(p[L_V_CACHE]);
     kvserve_write_kv_fp8(k, nqkv, v, nqkv, slots, T, NKV, D, 1, KV_FMT, sc, kc, vc);
     kvserve_paged_attention_fp8(qkv, nqkv, kc, vc, attn, tables, table_stride, seq_lens, query_start, B, NH, NKV, D,
-                                BS, scale, 1, KV_FMT, sc, 0);   // no window: build_fused_layers refuses them
+                                BS, scale, 1, KV_FMT, sc, 0, 0.f);   // no window or cap: the stack refuses them
     return;
   }
   kvserve_write_kv(reinterpret_cast<const char*>(k), nqkv, reinterpret_cast<const char*>(v), nqkv, slots, T, NKV, D,
                    2, BS, TILED, reinterpret_cast<char*>(p[L_K_CACHE]), reinterpret_cast<char*>(p[L_V_CACHE]));
   kvserve_paged_attention_bf16(qkv, nqkv, reinterpret_cast<const uint16_t*>(p[L_K_CACHE]),
                                reinterpret_cast<const uint16_t*>(p[L_V_CACHE]), attn, tables, table_stride, seq_lens,
-                               query_start, B, NH, NKV, D, BS, scale, TILED, 0);
+                               query_start, B, NH, NKV, D, BS, scale, TILED, 0, 0.f);
 }
 
 // dims: T tokens, H hidden, NH / NKV heads, D head dim, I intermediate size, BS block size, TILED pool layout,

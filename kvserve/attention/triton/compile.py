@@ -31,22 +31,25 @@ class Variant:
     head_dim: int
     block_size: int
     window: int = 0
+    softcap: float = 0.0
 
     def label(self) -> str:
         kv = "" if self.kv_dtype == self.dtype else f" kv={self.kv_dtype}"
         window = f" window={self.window}" if self.window else ""
+        cap = f" softcap={self.softcap:g}" if self.softcap else ""
         return (f"{self.dtype}{kv} h={self.heads}/{self.kv_heads} d={self.head_dim} bs={self.block_size}"
-                f"{window}")
+                f"{window}{cap}")
 
 
 def variants() -> list[Variant]:
     """The geometries of the models we serve (GQA 3 at D=64, GQA 6 at D=128, MHA), both block sizes, every dtype,
-    a sliding window, FP8 pools."""
+    a sliding window with logit soft-capping (Gemma 2's shape), FP8 pools."""
     out = []
     for dtype in DTYPES:
         out += [Variant(dtype, dtype, 9, 3, 64, 16), Variant(dtype, dtype, 12, 2, 128, 16),
                 Variant(dtype, dtype, 8, 8, 64, 32)]
     out += [Variant("bfloat16", "bfloat16", 8, 4, 128, 16, window=512),
+            Variant("bfloat16", "bfloat16", 8, 4, 256, 16, window=4096, softcap=50.0),
             Variant("bfloat16", "fp8_e4m3", 9, 3, 64, 16), Variant("bfloat16", "fp8_e5m2", 12, 2, 128, 16)]
     return out
 
@@ -66,7 +69,7 @@ def attention_source(v: Variant):
     from kvserve.attention.triton.ops import attention_meta
     t, kv = DTYPES[v.dtype], FP8.get(v.kv_dtype, DTYPES.get(v.kv_dtype))
     constexprs = attention_meta(v.heads, v.kv_heads, v.head_dim, v.block_size, v.window, v.kv_dtype in FP8,
-                                v.dtype == "float32")
+                                v.dtype == "float32", v.softcap)
     signature = dict(out_ptr=f"*{t}", q_ptr=f"*{t}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}",
                      block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", k_scale_ptr="*fp32",
                      v_scale_ptr="*fp32", scale="fp32", num_seqs="i32", q_stride_t="i32", q_stride_h="i32",

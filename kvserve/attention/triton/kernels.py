@@ -73,7 +73,7 @@ def unified_attention_kernel(
         block_table_stride,
         NUM_KV_HEADS: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        SLIDING_WINDOW: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr):
+        SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr):
     """out[t, h] = softmax(scale * q[t, h] K^T) V over the keys token t sees (see the module docstring)."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,6 +128,10 @@ def unified_attention_kernel(
         else:
             s = tl.dot(q, k)
         s = s * scale
+        if SOFTCAP > 0:   # s -> cap * tanh(s / cap), tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|)
+            e = tl.exp(-2.0 * tl.abs(s) / SOFTCAP)
+            t = (1.0 - e) / (1.0 + e)
+            s = SOFTCAP * tl.where(s < 0, -t, t)
         visible = (key_pos[None, :] <= abs_pos[:, None]) & key_ok[None, :]
         if SLIDING_WINDOW > 0:
             visible = visible & (abs_pos[:, None] - key_pos[None, :] < SLIDING_WINDOW)

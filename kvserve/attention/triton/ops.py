@@ -33,13 +33,14 @@ def write_kv_meta(row: int, cache_dtype: torch.dtype) -> dict:
 
 
 def attention_meta(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, sliding_window: int,
-                   is_fp8: bool, ieee: bool) -> dict:
+                   is_fp8: bool, ieee: bool, softcap: float = 0.0) -> dict:
     """unified_attention_kernel's constexprs for a geometry (the launcher's and compile.py's); ieee: float32 dots
     without TF32."""
     block_q, block_m = tile_shape(num_heads, num_kv_heads)
     return dict(NUM_KV_HEADS=num_kv_heads, NUM_QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim,
                 HEAD_DIM_PADDED=max(MIN_TILE, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-                BLOCK_Q=block_q, BLOCK_M=block_m, SLIDING_WINDOW=sliding_window, FP8=is_fp8, IEEE=ieee)
+                BLOCK_Q=block_q, BLOCK_M=block_m, SLIDING_WINDOW=sliding_window, SOFTCAP=float(softcap), FP8=is_fp8,
+                IEEE=ieee)
 
 
 def launch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -69,9 +70,10 @@ def _write_kv_fake(k, v, k_cache, v_cache, slot_mapping, kv_scales) -> None:
 def launch_unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                              kv_scales: torch.Tensor, num_heads: int, scale: float,
-                             sliding_window: int) -> torch.Tensor:
+                             sliding_window: int, softcap: float = 0.0) -> torch.Tensor:
     """q: [T, num_heads * head_dim] (rows may be strided, elements contiguous) -> [T, num_heads * head_dim]: each
-    token attends to its sequence's cached and new keys through the block table (sliding_window 0: no window)."""
+    token attends to its sequence's cached and new keys through the block table (sliding_window 0: no window;
+    softcap c > 0: scaled scores s become c * tanh(s / c))."""
     num_tokens = q.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     out = q.new_empty(num_tokens, num_heads * head_dim)
@@ -79,7 +81,7 @@ def launch_unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if num_tokens == 0 or num_seqs == 0:
         return out
     meta = attention_meta(num_heads, num_kv_heads, head_dim, block_size, sliding_window, fp8.is_fp8(k_cache.dtype),
-                          q.dtype == torch.float32)
+                          q.dtype == torch.float32, softcap)
     grid = (num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
     kernels.unified_attention_kernel[grid](
         out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, kv_scales, kv_scales[1:], scale,
@@ -90,13 +92,13 @@ def launch_unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 @torch.library.custom_op("kvserve::triton_unified_attention", mutates_args=())
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kv_scales: torch.Tensor, num_heads: int,
-                      scale: float, sliding_window: int) -> torch.Tensor:
+                      scale: float, sliding_window: int, softcap: float) -> torch.Tensor:
     """launch_unified_attention as an op."""
     return launch_unified_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, kv_scales,
-                                    num_heads, scale, sliding_window)
+                                    num_heads, scale, sliding_window, softcap)
 
 
 @unified_attention.register_fake
 def _unified_attention_fake(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, kv_scales, num_heads,
-                            scale, sliding_window):
+                            scale, sliding_window, softcap):
     return q.new_empty(q.shape[0], num_heads * k_cache.shape[3])

@@ -24,12 +24,19 @@ GEMMA3 = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, num_hidde
                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 
 
+# Gemma 2: every other layer local, soft-caps small enough to change the scores and logits of a tiny random model
+GEMMA2 = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=3,
+              attn_logit_softcapping=1.5, final_logit_softcapping=2.0)
+
+
 def tiny_hf_config(family: str, **overrides):
-    """A tiny transformers config of `family` (llama, mistral, qwen2, qwen3, gemma3, phi3)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    """A tiny transformers config of `family` (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3)."""
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "gemma3": Gemma3TextConfig, "phi3": Phi3Config}
-    kwargs = {**TINY, "bos_token_id": 1, "eos_token_id": 2, **(GEMMA3 if family == "gemma3" else {}), **overrides}
+               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config}
+    kwargs = {**TINY, "bos_token_id": 1, "eos_token_id": 2, **{"gemma2": GEMMA2, "gemma3": GEMMA3}.get(family, {}),
+              **overrides}
     if family == "phi3":
         kwargs.setdefault("pad_token_id", 0)   # Phi3Config's default (32000) lies past the tiny vocabulary
     if family == "qwen3":
@@ -96,12 +103,18 @@ _HF_TO_GGUF = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+# llama.cpp's Gemma 2/3 names: ffn_norm is the MLP's pre-norm, and the norms after attention and the MLP
+_GEMMA_TO_GGUF = {**_HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     """The GGUF tensor name llama.cpp's converter gives an HF parameter."""
     if hf_name.startswith("model.layers."):
         _, _, n, rest = hf_name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
-        return f"blk.{n}.{_HF_TO_GGUF[module]}.{kind}"
+        names = _GEMMA_TO_GGUF if arch.startswith("gemma") else _HF_TO_GGUF
+        return f"blk.{n}.{names[module]}.{kind}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf_name]
 
@@ -126,13 +139,18 @@ def write_tiny_gguf(path: Path, hf_model, arch: str = "llama", qtype: str = "F32
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    if arch.startswith("gemma"):
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(cfg, key, None):
+                w.add_float32(f"{arch}.{key}", getattr(cfg, key))
     w.add_uint32("tokenizer.ggml.bos_token_id", 1)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     tied = cfg.tie_word_embeddings
     for name, t in hf_model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
-        _add_gguf_tensor(w, gguf_name(name), _converted(name, t, cfg, arch), qtype, raw_overrides or {})
+        _add_gguf_tensor(w, gguf_name(name, arch), _converted(name, t, cfg, arch), qtype, raw_overrides or {})
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -144,6 +162,8 @@ def _converted(name: str, t: torch.Tensor, cfg, arch: str):
     a = t.detach().float().numpy()
     if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
         a = llama_cpp_permute(a, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
+    if arch.startswith("gemma") and name.endswith("norm.weight"):
+        a = a + 1   # llama.cpp's converter stores Gemma's norms as 1 + w
     return a
 
 

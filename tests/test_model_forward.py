@@ -22,6 +22,7 @@ PROMPT = list(range(3, 43))  # 40 tokens: past llama3's original 32-token contex
     ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),   # on the second only
     ("phi3", {}),   # q|k|v and gate|up fused in the checkpoint
     ("phi3", {"sliding_window": 8}),
+    ("gemma2", {}),   # soft-capped attention and logits, every other layer local
 ])
 def test_tiny_model_logits_match_transformers(tmp_path, family, overrides):
     hf = save_tiny_model(family, tmp_path, **overrides)

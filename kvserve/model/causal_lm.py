@@ -65,14 +65,20 @@ class CausalLM(InferenceModule):
         if cut:
             if self.cut_lm_head is None:
                 raise ValueError("compute_logits(cut=True) before restrict_vocab")
-            return self.cut_lm_head(hidden).float()
+            return self._capped(self.cut_lm_head(hidden).float())
         if self.lm_head is not None:
             logits = self.lm_head(hidden).float()
         elif self.packed_lm_head is not None:
             logits = packed_linear(hidden, self.packed_lm_head).float()
         else:
             logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        logits = self._capped(logits)
         return logits if self.tp is None else self.tp.gather_columns(logits, *self.tp_vocab)
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The declared final soft-cap (Gemma 2), in transformers' order of operations."""
+        cap = self.model.spec.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def row_logits(self, hidden: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor:
         """float32 logits [N, len(ids)] of the output matrix's rows `ids` only (ascending; after restrict_vocab): a
@@ -81,7 +87,7 @@ class CausalLM(InferenceModule):
         if self._rows_head is None or self._rows_head[0] != ids:
             self._rows_head = (ids, *self._head_of_rows(ids))
         _, head, columns = self._rows_head
-        logits = head(hidden).float()
+        logits = self._capped(head(hidden).float())
         return logits if columns is None else logits[:, columns]
 
     def _head_of_rows(self, ids: tuple[int, ...]) -> tuple[Linear, torch.Tensor | None]:

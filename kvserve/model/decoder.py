@@ -41,6 +41,7 @@ class LayerSpec:
     qk_norm: bool = False              # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     activation: str = "silu"           # the MLP's gate activation (ACTIVATIONS)
     sandwich_norms: bool = False       # Gemma: a norm after attention and around the MLP as well
+    softcap: float | None = None       # scaled scores s become softcap * tanh(s / softcap) (Gemma 2)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     ropes: tuple[RopeSpec, ...]
     embed_scale: float | None = None   # embeddings times this (Gemma: sqrt(hidden_size)), in the model's dtype
+    final_softcap: float | None = None   # logits become cap * tanh(logits / cap) (Gemma 2)
 
     def describe(self) -> str:
         """What the log says about the layers: windows, norms, activation."""
@@ -63,6 +65,10 @@ class ModelSpec:
             parts.append("q/k norm")
         if any(s.sandwich_norms for s in self.layers):
             parts.append("sandwich norms")
+        caps = sorted({s.softcap for s in self.layers if s.softcap})
+        if caps or self.final_softcap:
+            parts.append(f"soft-capped attention {'/'.join(f'{c:g}' for c in caps) or '-'} and logits "
+                         f"{self.final_softcap or '-'}")
         return ", ".join(parts)
 
 
@@ -85,6 +91,7 @@ class DecoderAttention(InferenceModule):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         self.attn = Attention(h, d, spec.scale, hkv)
         self.attn.sliding_window = spec.sliding_window
+        self.attn.softcap = spec.softcap
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)

@@ -120,6 +120,7 @@ def _layer_refusal(layer, tp) -> str | None:
         (spec.activation not in ("silu", "swish"), f"activation {spec.activation}"),
         (spec.rope != 0, "a second RoPE table"),
         (attn.attn.sliding_window, "a sliding window"),   # the C++ stack attends to every key
+        (attn.attn.softcap, "attention soft-capping"),
         (any(_linear_weight(m) is None for m in linears),
          "a linear without a packed bf16 or quantized weight (packed bf16 needs AVX-512 BF16)"),
         (any(m.bias is not None for m in linears[1:]), "a bias on o, gate/up or down"),

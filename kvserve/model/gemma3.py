@@ -6,7 +6,6 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from kvserve.errors import ModelLoadError
 from kvserve.model.causal_lm import CausalLM
 from kvserve.model.decoder import LayerSpec, ModelSpec, RopeSpec, check_activation
 from kvserve.model.model_config import SLIDING, ModelConfig
@@ -17,15 +16,14 @@ DEFAULT_QUERY_PRE_ATTN_SCALAR = 256
 
 def gemma3_spec(cfg: ModelConfig) -> ModelSpec:
     check_activation(cfg.hidden_act)
-    if cfg.attn_logit_softcapping or cfg.final_logit_softcapping:
-        raise ModelLoadError("logit soft-capping is not supported (Gemma 3 checkpoints do not use it)")
     types = cfg.layer_types or [None] * cfg.num_hidden_layers
     scale = float(cfg.query_pre_attn_scalar or DEFAULT_QUERY_PRE_ATTN_SCALAR) ** -0.5
     ropes = (RopeSpec(cfg.rope_theta, cfg.rope_scaling), RopeSpec(cfg.rope_local_theta or DEFAULT_LOCAL_THETA))
     layers = tuple(LayerSpec(scale=scale, rope=1 if kind == SLIDING else 0, qk_norm=True, activation=cfg.hidden_act,
-                             sandwich_norms=True, sliding_window=cfg.sliding_window if kind == SLIDING else None)
+                             sandwich_norms=True, sliding_window=cfg.sliding_window if kind == SLIDING else None,
+                             softcap=cfg.attn_logit_softcapping)
                    for kind in types)
-    return ModelSpec(layers, ropes, embed_scale=cfg.hidden_size ** 0.5)
+    return ModelSpec(layers, ropes, embed_scale=cfg.hidden_size ** 0.5, final_softcap=cfg.final_logit_softcapping)
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -28,12 +28,11 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # where a family's tensors differ from the Llama names (llama.cpp's gemma3: ffn_norm is the MLP's pre-norm)
-_FAMILY_LAYER_NAMES = {
-    "Gemma3ForCausalLM": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-                          "post_ffw_norm": "post_feedforward_layernorm"},
-}
+_GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_FAMILY_LAYER_NAMES = {"Gemma2ForCausalLM": _GEMMA_NAMES, "Gemma3ForCausalLM": _GEMMA_NAMES}
 # llama.cpp stores Gemma's norm weights as 1 + w; transformers (and this loader) give back w
-_NORMS_PLUS_ONE = ("Gemma3ForCausalLM",)
+_NORMS_PLUS_ONE = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # the large tokenizer arrays are only needed by the tokenizer conversion, not the model config
 _SKIP_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")

@@ -10,7 +10,7 @@ from kvserve.errors import ModelLoadError
 
 # GGUF general.architecture -> HF architecture name
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "gemma3": "Gemma3ForCausalLM"}
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 SLIDING, FULL = "sliding_attention", "full_attention"   # HF's layer_types
 _GEMMA3_PATTERN = 6   # Gemma 3: every sixth layer is global (HF's and llama.cpp's default)
 _ROPE_TYPES = ("default", "linear", "llama3", "gguf_freq_factors")
@@ -124,7 +124,7 @@ class ModelConfig:
         heads = int(meta[f"{a}.attention.head_count"])
         layers = int(meta[f"{a}.block_count"])
         window = meta.get(f"{a}.attention.sliding_window")
-        gemma3 = a == "gemma3"
+        gemma3, gemma = a == "gemma3", a in ("gemma2", "gemma3")
         head_dim = int(meta.get(f"{a}.attention.key_length", hidden // heads))
         return cls(
             architecture=GGUF_ARCHITECTURES[a],
@@ -144,13 +144,18 @@ class ModelConfig:
             qk_norm=a == "qwen3",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=_gguf_eos_ids(meta),
-            hidden_act="gelu_pytorch_tanh" if gemma3 else "silu",
+            hidden_act="gelu_pytorch_tanh" if gemma else "silu",
             sliding_window=int(window) if window else None,
-            # llama.cpp's Gemma 3 graph: every sixth layer global, the local ones on RoPE base 10000
-            layer_types=_pattern(layers, _GEMMA3_PATTERN) if gemma3 and window else None,
+            # llama.cpp's Gemma graphs: every sixth layer global (Gemma 3, whose local layers take RoPE base 10000),
+            # every other (Gemma 2)
+            layer_types=_pattern(layers, _GEMMA3_PATTERN if gemma3 else 2) if gemma and window else None,
             rope_local_theta=10000.0 if gemma3 else None,
-            # llama.cpp's Gemma 3 attention scale: head_dim's, but hidden / heads' for the 62-layer 27B
-            query_pre_attn_scalar=(hidden // heads if layers == 62 else head_dim) if gemma3 else None,
+            # llama.cpp's Gemma attention scale: head_dim's, but hidden / heads' for the 27Bs (Gemma 3: 62 layers,
+            # Gemma 2: 46)
+            query_pre_attn_scalar=(hidden // heads if layers == (62 if gemma3 else 46) else head_dim) if gemma
+            else None,
+            attn_logit_softcapping=meta.get(f"{a}.attn_logit_softcapping"),
+            final_logit_softcapping=meta.get(f"{a}.final_logit_softcapping"),
         )
 
 
@@ -179,6 +184,8 @@ def _hf_layer_types(arch: str, cfg: dict) -> list[str] | None:
         return [SLIDING if i >= start else FULL for i in range(n)]
     if arch == "Gemma3ForCausalLM":
         return _pattern(n, int(cfg.get("sliding_window_pattern", _GEMMA3_PATTERN)))
+    if arch == "Gemma2ForCausalLM":
+        return _pattern(n, 2)   # every other layer local, the first one too
     return None
 
 

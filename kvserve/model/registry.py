@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from kvserve.errors import ModelLoadError
+from kvserve.model.gemma2 import Gemma2ForCausalLM
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.phi3 import Phi3ForCausalLM
@@ -14,6 +15,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,   # ModelConfig.attention_bias turns on the qkv bias
     "Qwen3ForCausalLM": LlamaForCausalLM,   # ModelConfig.qk_norm turns on q_norm/k_norm
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
 }

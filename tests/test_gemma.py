@@ -1,7 +1,9 @@
-"""Gemma 3: a tiny random checkpoint gives transformers' logits (windows shorter than the prompt, local and global
-layers on their own RoPE bases, q/k norm, GeGLU, sandwich norms, scaled embeddings), and the engine's greedy output
-equals transformers' through batching, chunked prefill, preemption and the prefix cache; the real Gemma-3-270M
-GGUF (make models) gives the logits transformers gives for the same file, on a prompt past its 512-token window."""
+"""Gemma 2 and 3: a tiny random checkpoint gives transformers' logits (windows shorter than the prompt; Gemma 3's
+local and global layers on their own RoPE bases and q/k norm; Gemma 2's soft-capped attention and logits; GeGLU,
+sandwich norms, scaled embeddings), and the engine's greedy output equals transformers' through batching, chunked
+prefill, preemption and the prefix cache; a Gemma 2 GGUF written as llama.cpp's converter writes one loads to the
+same logits; the real Gemma-3-270M GGUF (make models) gives the logits transformers gives for the same file, on a
+prompt past its 512-token window."""
 from __future__ import annotations
 
 import pytest
@@ -9,20 +11,20 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention import bind_kv_cache, build_attention_metadata
-from model_utils import hf_logits, load_ours, run_single_sequence, save_tiny_model
+from model_utils import hf_logits, load_ours, run_single_sequence, save_tiny_model, write_tiny_gguf
 
 PROMPT = list(range(3, 43))   # 40 tokens: five windows of 8
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(path, transformers model) of a tiny random Gemma 3."""
-    path = tmp_path_factory.mktemp("gemma3")
-    return str(path), save_tiny_model("gemma3", path)
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def tiny(tmp_path_factory, request):
+    """(path, transformers model) of a tiny random Gemma 2 or 3."""
+    path = tmp_path_factory.mktemp(request.param)
+    return str(path), save_tiny_model(request.param, path)
 
 
-def test_tiny_gemma3_logits_match_transformers(tiny):
+def test_tiny_gemma_logits_match_transformers(tiny):
     path, hf = tiny
     ours, cfg = load_ours(path)
     assert [layer.self_attn.attn.sliding_window for layer in ours.model.layers] == [8, None, 8]
@@ -31,9 +33,25 @@ def test_tiny_gemma3_logits_match_transformers(tiny):
     for layer in ours.model.layers:   # the windows matter: without them the logits are another model's
         layer.self_attn.attn.sliding_window = None
     assert (run_single_sequence(ours, PROMPT) - expected).abs().max() > 1e-2
+    if cfg.architecture == "Gemma2ForCausalLM":   # and so do the caps
+        ours, _ = load_ours(path)
+        for layer in ours.model.layers:
+            layer.self_attn.attn.softcap = None
+        assert (run_single_sequence(ours, PROMPT) - expected).abs().max() > 1e-2
+        assert run_single_sequence(ours, PROMPT).abs().max() <= cfg.final_logit_softcapping
 
 
-def test_tiny_gemma3_chunks_and_batches_match_one_shot(tiny):
+def test_a_gemma2_gguf_loads_to_the_same_logits(tmp_path):
+    """llama.cpp's names (ffn_norm before the MLP, post_attention_norm, post_ffw_norm), its norms stored as 1 + w,
+    its soft-cap and window keys (a GGUF has no query scale: llama.cpp takes head_dim's, so the model does too)."""
+    hf = save_tiny_model("gemma2", tmp_path / "hf", query_pre_attn_scalar=32)
+    ours, cfg = load_ours(str(write_tiny_gguf(tmp_path / "tiny.gguf", hf, arch="gemma2")))
+    assert cfg.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (1.5, 2.0)
+    torch.testing.assert_close(run_single_sequence(ours, PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_tiny_gemma_chunks_and_batches_match_one_shot(tiny):
     """Prefill in chunks that start inside and past the window, then decode, beside a second sequence."""
     path, hf = tiny
     ours, _ = load_ours(path)

@@ -92,7 +92,7 @@ def test_engine_greedy_equals_transformers(tiny, gguf_path):
     expected = [_hf_greedy(hf, p) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    for kwargs in ({}, dict(max_num_batched_tokens=7, num_kv_blocks=16, block_size=4, max_num_seqs=4,
+    for kwargs in ({}, dict(max_num_batched_tokens=7, num_kv_blocks=40, block_size=4, max_num_seqs=4,
                             enable_prefix_caching=True)):
         llm = LLM(model=path, tokenizer=gguf_path, dtype="float32", **kwargs)
         for _ in range(2):

@@ -45,6 +45,8 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor  # [B] int32
     block_table_tensor: torch.Tensor  # [B, max blocks] int32, padded with 0
     device: torch.device | str = "cpu"
+    # the metadata of KV groups 1, 2, ... (kvserve/core/kv_groups.py): the same tokens through their block tables
+    kv_groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
     _groups: list[AttnGroup] | None = field(default=None, repr=False)
     _kernel_args: tuple | None = field(default=None, repr=False)
 
@@ -124,6 +126,15 @@ def build_attention_metadata(query_lens, seq_lens, block_tables: list[list[int]]
                              query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
                              block_size=block_size, query_start_loc=to32(query_start), seq_lens_tensor=to32(seq_lens),
                              block_table_tensor=to32(tables), device=device)
+
+
+def build_group_metadata(query_lens, seq_lens, group_tables: list[list[list[int]]], block_size: int,
+                         device: torch.device | str = "cpu") -> AttentionMetadata:
+    """The metadata of a step over several KV groups: group 0's, holding the others' (kv_groups)."""
+    first, *rest = (build_attention_metadata(query_lens, seq_lens, tables, block_size, device)
+                    for tables in group_tables)
+    first.kv_groups = rest
+    return first
 
 
 def single_sequence_metadata(num_tokens: int, block_size: int = 16, device="cpu") -> AttentionMetadata:

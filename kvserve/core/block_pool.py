@@ -90,11 +90,16 @@ class FreeBlockQueue:
 class BlockPool:
     """All KV blocks of the cache; hands them out, takes them back, remembers full blocks by hash."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False):
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # reserve_null: block 0 is never handed out; sliding-window tables put it where a block left the window
+        self.null_block = self.blocks[0] if reserve_null else None
+        if self.null_block is not None:
+            self.null_block.ref_cnt = 1
+        self.num_usable = num_blocks - reserve_null
+        self.free_queue = FreeBlockQueue(self.blocks[1:] if reserve_null else self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
 
     @property
@@ -102,7 +107,7 @@ class BlockPool:
         return self.free_queue.num_free_blocks
 
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the head of the free list, evicting their cached content."""
@@ -148,7 +153,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.num_usable:
             return False
         for block in self.blocks:
             block.block_hash = None

@@ -1,9 +1,13 @@
-"""KVCacheManager: each request's block table, slot allocation and prefix-cache lookups.
+"""KVCacheManager: each request's block tables, slot allocation and prefix-cache lookups.
 
     request tokens:  | block 0 | block 1 | block 2 | blk 3 (partial) |
     cached (hit):    |<---- get_computed_blocks ---->|
     computed:        |<---------- num_computed_tokens ------->|
     allocate_slots:  makes room for the next num_new_tokens, taking new blocks only when the tail is full
+
+A request has one block table per KV group (kvserve/core/kv_groups.py; one group unless the model has sliding-
+window layers). A sliding-window group's table puts the null block where a block has left the window of every
+query to come, and gives the block back to the pool (still cached under its hash, like any freed block).
 
 Forked requests (the n samples of one prompt) share blocks; the first write into a block that another
 request still holds copies it first (copy-on-write): allocate_slots swaps in a fresh block and queues
@@ -11,22 +15,28 @@ a (src, dst) copy that the model runner performs before the forward pass.
 """
 from __future__ import annotations
 
+import hashlib
+
 from kvserve.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from kvserve.core.kv_groups import KVGroups, cdiv
 from kvserve.core.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["KVCacheManager", "cdiv"]
 
 
 class KVCacheManager:
-    """Owns the BlockPool; maps request ids to their blocks."""
+    """Owns the BlockPool; maps request ids to their blocks (req_to_blocks: the first group's table; extra_tables:
+    the other groups')."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, groups: KVGroups | None = None):
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.groups = groups or KVGroups.single(1)
+        self.windows = self.groups.windows
+        self.pool = BlockPool(num_blocks, enable_caching, reserve_null=self.groups.has_windows)
+        self.null = self.pool.null_block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.extra_tables: dict[str, list[list[KVCacheBlock]]] = {}
         self.num_cached_blocks: dict[str, int] = {}   # leading blocks of the request already in the cache map
         self.pending_copies: list[tuple[int, int]] = []   # copy-on-write (src, dst) block ids for the next forward
 
@@ -34,49 +44,130 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold (the null block of sliding-window tables is not one)."""
+        return self.pool.num_usable
+
     def usage(self) -> float:
         return self.pool.usage()
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def blocks_needed(self, num_tokens: int, chunk: int) -> int:
+        """Blocks one sequence of num_tokens tokens holds at most, computed in steps of up to `chunk` tokens."""
+        return self.groups.blocks_needed(num_tokens, chunk, self.block_size)
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of cached full blocks for this request's tokens, and how many tokens they hold."""
+    def _tables(self, request_id: str) -> list[list[KVCacheBlock]]:
+        if request_id not in self.req_to_blocks:
+            return []
+        return [self.req_to_blocks[request_id], *self.extra_tables.get(request_id, ())]
+
+    def get_block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        tables = self._tables(request_id)
+        return [b.block_id for b in tables[group]] if tables else []
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """Every group's table of the request (one list per group)."""
+        return [self.get_block_ids(request_id, g) for g in range(len(self.windows))]
+
+    def _held(self, blocks) -> list[KVCacheBlock]:
+        return [b for b in blocks if b is not self.null]
+
+    def _group_hash(self, block_hash: BlockHash, group: int) -> BlockHash:
+        """The cache key of a block of `group` (group 0: the block's own hash)."""
+        if group == 0:
+            return block_hash
+        value = hashlib.sha256(block_hash.value + b"kv group" + group.to_bytes(4, "little")).digest()
+        return BlockHash(value, block_hash.token_ids, (*block_hash.extra_keys, ("kv group", group)))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list, int]:
+        """Longest run of cached full blocks for this request's tokens, and how many tokens they hold. With several
+        groups the hits are one list per group: full-attention groups need every block of the run, a sliding
+        group only those the window of the first token after it reaches (null before them)."""
         if not self.enable_caching or req.params.prompt_logprobs is not None:
             return [], 0   # prompt logprobs need every prompt position computed
         self._update_block_hashes(req, req.num_tokens)
         # the last token is always recomputed so there are logits to sample from
-        max_hit_blocks = (req.num_tokens - 1) // self.block_size
-        hits = []
-        for block_hash in req.block_hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        hashes = req.block_hashes[:(req.num_tokens - 1) // self.block_size]
+        if len(self.windows) == 1 and self.windows[0] is None:
+            hits = []
+            for block_hash in hashes:
+                block = self.pool.get_cached_block(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
+            return hits, len(hits) * self.block_size
+        return self._group_hits(hashes)
 
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens; None when the pool cannot (preempt or wait)."""
-        blocks = self.req_to_blocks.setdefault(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
-        shared = [i for i in range(num_computed // self.block_size, min(len(blocks), num_required))
-                  if blocks[i].ref_cnt > 1]
+    def _group_hits(self, hashes: list[BlockHash]) -> tuple[list[list[KVCacheBlock]], int]:
+        def cached(g: int, i: int) -> KVCacheBlock | None:
+            return self.pool.get_cached_block(self._group_hash(hashes[i], g))
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        n = 0
+        while n < len(hashes) and all(cached(g, n) for g in full):
+            n += 1
+        for n in range(n, -1, -1):   # the longest run whose last windows are cached too
+            firsts = [self._first_needed(g, n * self.block_size) for g in range(len(self.windows))]
+            if all(cached(g, i) for g, first in enumerate(firsts) if self.windows[g] is not None
+                   for i in range(first, n)):
+                break
+        hits = [[self.null] * first + [cached(g, i) for i in range(first, n)] for g, first in enumerate(firsts)]
+        return hits, n * self.block_size
+
+    def _first_needed(self, group: int, position: int) -> int:
+        """The first block a query at `position` (or later) reads in `group`."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks=()) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens; None when the pool cannot (preempt or wait).
+        new_computed_blocks: get_computed_blocks' hits (with several groups, one list per group)."""
+        rid = req.request_id
+        fresh = rid not in self.req_to_blocks
+        if fresh:
+            self.req_to_blocks[rid] = []
+            if len(self.windows) > 1:
+                self.extra_tables[rid] = [[] for _ in self.windows[1:]]
+        tables = self._tables(rid)
+        hits = [list(new_computed_blocks)] if len(self.windows) == 1 else \
+            (list(new_computed_blocks) or [[] for _ in self.windows])
+        bs = self.block_size
+        num_computed = req.num_computed_tokens + len(hits[0]) * bs
+        num_required = cdiv(num_computed + num_new_tokens, bs)
+        need, releasable, plans = 0, 0, []
+        for g, blocks in enumerate(tables):
+            first = self._first_needed(g, num_computed)   # blocks before it: out of every window to come
+            gone = [i for i in range(min(first, len(blocks))) if blocks[i] is not self.null]
+            new = max(0, num_required - len(blocks) - len(hits[g]))
+            start = len(blocks) + len(hits[g])
+            real = sum(1 for i in range(start, start + new) if i >= first)
+            shared = [i for i in range(num_computed // bs, min(len(blocks), num_required))
+                      if blocks[i] is not self.null and blocks[i].ref_cnt > 1]
+            need += real + len(shared)
+            releasable += sum(1 for i in gone if blocks[i].ref_cnt == 1)
+            plans.append((first, gone, new, start, shared))
         # cached blocks nobody holds sit on the free list; touching them uses up free capacity too
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + len(shared) > self.pool.num_free_blocks - num_free_hits:
-            if not blocks:
-                del self.req_to_blocks[req.request_id]
+        num_free_hits = sum(1 for g in hits for b in g if b is not self.null and b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks + releasable - num_free_hits:
+            if fresh:
+                self.req_to_blocks.pop(rid)
+                self.extra_tables.pop(rid, None)
             return None
-        for i in shared:
-            blocks[i] = self._copy_on_write(blocks[i])
-        self.pool.touch(list(new_computed_blocks))
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        blocks.extend(new_blocks)
-        return new_blocks
+        allocated = []
+        for g, (blocks, (first, gone, new, start, shared)) in enumerate(zip(tables, plans)):
+            out = [blocks[i] for i in gone]
+            for i in gone:
+                blocks[i] = self.null
+            self._drop_copies_into(out)
+            self.pool.free_blocks(out)
+            for i in shared:
+                blocks[i] = self._copy_on_write(blocks[i])
+            self.pool.touch(self._held(hits[g]))
+            blocks.extend(hits[g])
+            taken = self.pool.get_new_blocks(sum(1 for i in range(start, start + new) if i >= first))
+            allocated += taken
+            taken.reverse()
+            blocks.extend(taken.pop() if i >= first else self.null for i in range(start, start + new))
+        return allocated
 
     def _copy_on_write(self, block: KVCacheBlock) -> KVCacheBlock:
         [copy] = self.pool.get_new_blocks(1)
@@ -91,29 +182,38 @@ class KVCacheManager:
 
     def fork(self, src: Request, dst: Request) -> None:
         """Let `dst` share every block `src` holds (parallel samples of one prompt)."""
-        blocks = self.req_to_blocks[src.request_id]
-        self.pool.touch(blocks)
-        self.req_to_blocks[dst.request_id] = list(blocks)
+        tables = self._tables(src.request_id)
+        for blocks in tables:
+            self.pool.touch(self._held(blocks))
+        self.req_to_blocks[dst.request_id] = list(tables[0])
+        if len(tables) > 1:
+            self.extra_tables[dst.request_id] = [list(b) for b in tables[1:]]
         self.num_cached_blocks[dst.request_id] = self.num_cached_blocks.get(src.request_id, 0)
 
     def free_tail(self, req: Request, num_tokens: int) -> int:
         """Free the request's blocks past the first `num_tokens` tokens (those only drafts used); returns how many."""
-        blocks = self.req_to_blocks.get(req.request_id)
         keep = cdiv(num_tokens, self.block_size)
-        if not blocks or len(blocks) <= keep:
-            return 0
-        tail = blocks[keep:]
-        del blocks[keep:]
-        self._drop_copies_into(tail)
-        self.pool.free_blocks(reversed(tail))
-        return len(tail)
+        freed = 0
+        for blocks in self._tables(req.request_id):
+            if len(blocks) <= keep:
+                continue
+            tail = self._held(blocks[keep:])
+            del blocks[keep:]
+            self._drop_copies_into(tail)
+            self.pool.free_blocks(reversed(tail))
+            freed += len(tail)
+        return freed
 
     def free(self, req: Request) -> None:
         """Release the request's blocks; the tail goes on the free list first, so it is evicted first."""
-        blocks = self.req_to_blocks.pop(req.request_id, [])
+        tables = self._tables(req.request_id)
+        self.req_to_blocks.pop(req.request_id, None)
+        self.extra_tables.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)
-        self._drop_copies_into(blocks)
-        self.pool.free_blocks(reversed(blocks))
+        for blocks in tables:
+            held = self._held(blocks)
+            self._drop_copies_into(held)
+            self.pool.free_blocks(reversed(held))
 
     def _drop_copies_into(self, blocks: list[KVCacheBlock]) -> None:
         # a copy into a block freed in the same step (a preempted or aborted request's copy-on-write) must not
@@ -147,7 +247,8 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(req, num_full * self.block_size)
-        blocks = self.req_to_blocks[req.request_id]
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        for g, blocks in enumerate(self._tables(req.request_id)):
+            for i in range(start, num_full):
+                if blocks[i] is not self.null:
+                    self.pool.cache_block(blocks[i], self._group_hash(req.block_hashes[i], g))
         self.num_cached_blocks[req.request_id] = num_full

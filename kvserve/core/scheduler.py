@@ -312,11 +312,11 @@ class Scheduler:
 
     def _why_it_can_never_run(self, req: Request) -> ContextLengthExceededError | None:
         """Why `req` could not run even alone on an empty pool; None when it can."""
-        num_blocks = cdiv(req.num_tokens, self.kv.block_size)
+        num_blocks = self.kv.blocks_needed(req.num_tokens, self.max_num_batched_tokens)
         why = None
-        if num_blocks > self.kv.pool.num_blocks:
+        if num_blocks > self.kv.num_usable_blocks:
             why = (f"its {req.num_tokens} tokens need {num_blocks} KV blocks, but the whole KV cache has "
-                   f"{self.kv.pool.num_blocks}")
+                   f"{self.kv.num_usable_blocks}")
         elif not self.enable_chunked_prefill and req.num_tokens > self.max_num_batched_tokens:
             why = (f"its {req.num_tokens} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens} and "
                    "chunked prefill is off")

@@ -23,8 +23,8 @@ class StepMessage:
     positions: np.ndarray        # int64 [T]
     query_lens: np.ndarray       # int64 [B]
     seq_lens: np.ndarray         # int64 [B]
-    block_tables: np.ndarray     # int64 [sum of table lengths], each sequence's blocks one after another
-    table_lens: np.ndarray       # int64 [B]
+    block_tables: np.ndarray     # int64 [sum of table lengths], each sequence's blocks one after another, group by
+    table_lens: np.ndarray       # int64 [G * B]             group (KV groups, kvserve/core/kv_groups.py)
     block_copies: np.ndarray     # int64 [C, 2] (source, destination)
     logits_rows: np.ndarray      # int64 [sum of call lengths]: the hidden rows of each compute_logits call
     logits_lens: np.ndarray      # int64 [calls]
@@ -36,7 +36,13 @@ class StepMessage:
         return len(self.input_ids)
 
     def tables(self) -> list[list[int]]:
-        return _split(self.block_tables, self.table_lens)
+        """Each sequence's block table of the first KV group."""
+        return _split(self.block_tables, self.table_lens)[:len(self.query_lens)]
+
+    def group_tables(self) -> list[list[list[int]]]:
+        """Every KV group's tables: [group][sequence]."""
+        tables, b = _split(self.block_tables, self.table_lens), len(self.query_lens)
+        return [tables[g:g + b] for g in range(0, len(tables), b)] if b else [[]]
 
     def logits_calls(self) -> list[np.ndarray]:
         """The rows of every compute_logits call of the step, in order."""
@@ -44,8 +50,11 @@ class StepMessage:
         return [self.logits_rows[e - n:e] for e, n in zip(ends, self.logits_lens)]
 
     @staticmethod
-    def build(input_ids, positions, query_lens, seq_lens, tables: list[list[int]], block_copies,
+    def build(input_ids, positions, query_lens, seq_lens, tables: list, block_copies,
               logits_calls: list, lora_rows=(), lora_slots: list = ()) -> StepMessage:
+        """tables: each sequence's block table, or (several KV groups) each sequence's tables, one per group."""
+        if tables and tables[0] and isinstance(tables[0][0], list):
+            tables = [seq[g] for g in range(len(tables[0])) for seq in tables]   # group-major
         flat = [b for t in tables for b in t]
         rows = np.concatenate([np.asarray(r, np.int64) for r in logits_calls]) if logits_calls else []
         return StepMessage(_i64(input_ids), _i64(positions), _i64(query_lens), _i64(seq_lens), _i64(flat),

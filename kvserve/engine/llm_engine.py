@@ -82,7 +82,7 @@ class LLMEngine:
         self.kv_cache_dtype = fp8.kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.kv = self.runner.init_kv_cache(config, self.kv_cache_dtype, self.max_model_len,
                                             self.max_num_batched_tokens)
-        self.num_kv_blocks = self.kv.pool.num_blocks
+        self.num_kv_blocks = self.kv.pool.num_blocks   # the tensor-parallel ranks' pools: the null block too
         if self.executor is not None:
             self.executor.init_kv_cache(self.num_kv_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
@@ -170,8 +170,17 @@ class LLMEngine:
 
     @property
     def num_kv_pool_tokens(self) -> int:
-        """Tokens the whole KV cache holds: no single sequence can be longer."""
-        return self.num_kv_blocks * self.block_size
+        """Tokens the whole KV cache holds: no single sequence can be longer (with sliding-window layers, the
+        longest sequence whose blocks fit the pool)."""
+        kv, bs = self.kv, self.block_size
+        if not kv.groups.has_windows:
+            return kv.num_usable_blocks * bs
+        lo, hi = 0, max(self.max_model_len, kv.num_usable_blocks * bs)   # blocks_needed grows with the length
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if kv.blocks_needed(mid, self.max_num_batched_tokens) <= kv.num_usable_blocks \
+                else (lo, mid - 1)
+        return lo
 
     # ----- set-up -----
     def _max_num_batched_tokens(self) -> int:
@@ -339,9 +348,10 @@ class LLMEngine:
         return max_tokens
 
     def _pool_message(self, num_prompt: int, num_output: int, remedy: str) -> str:
-        return (f"the request needs {cdiv(num_prompt + num_output, self.block_size)} KV blocks for {num_prompt} "
-                f"prompt + {num_output} output tokens, but the whole KV cache has {self.num_kv_blocks} blocks "
-                f"({self.num_kv_pool_tokens} tokens); {remedy} or raise kv_cache_memory (--kv-cache-memory)")
+        need = self.kv.blocks_needed(num_prompt + num_output, self.max_num_batched_tokens)
+        return (f"the request needs {need} KV blocks for {num_prompt} prompt + {num_output} output tokens, but the "
+                f"whole KV cache has {self.kv.num_usable_blocks} blocks ({self.num_kv_pool_tokens} tokens); {remedy} "
+                "or raise kv_cache_memory (--kv-cache-memory)")
 
     def abort_request(self, request_ids) -> list[RequestOutput]:
         """Abort requests by id; frees their KV blocks at once and returns their final outputs."""

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.attention import (attention_layers, bind_kv_cache, build_attention_metadata, get_backend,
-                               kv_cache_bytes_per_block, single_sequence_metadata)
+from kvserve.attention import (attention_layers, bind_kv_cache, build_attention_metadata, build_group_metadata,
+                               get_backend, kv_cache_bytes_per_block, single_sequence_metadata, window_groups)
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.core.kv_groups import KVGroups
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.message import StepMessage
@@ -69,6 +70,7 @@ class ModelRunner:
         # speculative decoding with a draft model: it runs with the target over the tokens whose KV it lacks (its own
         # KV pools, the same block tables; _write_draft_kv), then guesses the next drafts (propose_drafts)
         self.draft_model = draft_model
+        self.kv_groups: KVGroups | None = None   # init_kv_cache: the KV groups of sliding-window layers
         self.kv: KVCacheManager | None = None   # set by init_kv_cache()
         self.vocab_size = vocab_size
         self.device = device
@@ -101,12 +103,16 @@ class ModelRunner:
         """Size the KV cache (on CUDA after profiling a full step), bind the model's pools, return their manager.
         dtype: the pools' (the model's, or FP8: kvserve/attention/fp8.py)."""
         self.attention_backend = get_backend(config.attention_backend, self.device)
+        self.kv_groups = self._kv_groups()
         num_blocks = self._num_kv_blocks(config, dtype, max_model_len, max_num_batched_tokens)
         for m in self.models:
             bind_kv_cache(m, num_blocks, config.block_size, dtype, self.device, self.attention_backend,
-                          calculate_kv_scales=config.calculate_kv_scales)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+                          calculate_kv_scales=config.calculate_kv_scales,
+                          groups=self.kv_groups if m is self.model else None)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_groups)
         why_not = why_no_graphs(config, self.device, self.attention_backend.name, self.lora is not None)
+        if why_not is None and self.kv_groups is not None and self.kv_groups.num_groups > 1:
+            why_not = "the KV groups of sliding-window layers (their block tables) are not in the graphs' buffers"
         if why_not is None:
             self.use_decode_graphs(config.max_num_seqs, max_model_len, config.block_size, capture=True)
         elif self.device.type == "cuda":
@@ -119,11 +125,26 @@ class ModelRunner:
         self.decode_graphs = build_decode_graphs(self.model, max_num_seqs, max_model_len, block_size, self.device,
                                                  capture)
 
+    def _kv_groups(self) -> KVGroups | None:
+        """The target's KV groups where it has sliding-window layers (kvserve/core/kv_groups.py), else None. A draft
+        model reads the first group's tables: that group must be a full-attention one."""
+        groups = window_groups(self.model)
+        if groups is None:
+            return None
+        if self.draft_model is not None and groups.windows[0] is not None:
+            logger.info("kvserve: KV: every layer keeps its whole context: the draft model reads the target's "
+                        "block tables, and every layer of the target has a sliding window")
+            return None
+        logger.info("kvserve: KV: %s; blocks that leave a window go back to the pool",
+                    groups.describe())
+        return groups
+
     def _num_kv_blocks(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
                        max_num_batched_tokens: int) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        per_block = sum(kv_cache_bytes_per_block(m, config.block_size, dtype) for m in self.models)
+        per_block = sum(kv_cache_bytes_per_block(m, config.block_size, dtype,
+                                                 self.kv_groups if m is self.model else None) for m in self.models)
         budget = config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
             budget = self._profile_cuda_budget(config, dtype, min(max_num_batched_tokens, max_model_len))
@@ -133,8 +154,10 @@ class ModelRunner:
         if num < 1:
             raise InvalidRequestError(f"kv_cache_memory {budget} bytes is less than one KV block ({per_block} bytes)",
                                       "kv_cache_memory")
-        # no point holding more blocks than max_num_seqs full-length sequences can use
-        return int(min(num, cdiv(max_model_len, config.block_size) * config.max_num_seqs))
+        # no point holding more blocks than max_num_seqs full-length sequences can use (and the null block)
+        groups = self.kv_groups or KVGroups.single(1)
+        longest = groups.blocks_needed(max_model_len, max_num_batched_tokens or max_model_len, config.block_size)
+        return int(min(num, longest * config.max_num_seqs + groups.has_windows))
 
     def _profile_cuda_budget(self, config: EngineConfig, dtype: torch.dtype, num_tokens: int) -> int:
         """Run one forward over a full token budget, then give the KV cache what utilization leaves."""
@@ -200,7 +223,7 @@ class ModelRunner:
             pos.append(np.arange(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(self.kv.get_block_ids(req.request_id))
+            tables.append(self.kv.get_group_block_ids(req.request_id))
             if start + n == req.num_tokens + num_drafts:
                 sample_reqs.append(req)
                 sample_rows.extend(range(row + n - 1 - num_drafts, row + n))
@@ -241,8 +264,8 @@ class ModelRunner:
             n = len(msg.input_ids)
             hidden = graphs.run(msg.input_ids, msg.positions, msg.seq_lens, tables)
             return hidden, graphs.input_ids[:n], graphs.positions[:n]
-        meta = build_attention_metadata(msg.query_lens.tolist(), msg.seq_lens.tolist(), tables,
-                                        self.kv.block_size, self.device)
+        meta = build_group_metadata(msg.query_lens.tolist(), msg.seq_lens.tolist(), msg.group_tables(),
+                                    self.kv.block_size, self.device)
         ids, positions = self._long(msg.input_ids), self._long(msg.positions)
         if self.lora is None or not len(msg.lora_rows):
             return self.model(ids, positions, meta), ids, positions

@@ -95,6 +95,7 @@ def test_engine_greedy_equals_transformers(tiny, gguf_path):
     for kwargs in ({}, dict(max_num_batched_tokens=7, num_kv_blocks=40, block_size=4, max_num_seqs=4,
                             enable_prefix_caching=True)):
         llm = LLM(model=path, tokenizer=gguf_path, dtype="float32", **kwargs)
+        assert llm.llm_engine.kv.groups.windows == (None, 8, 8)   # the local layers' blocks leave the pool
         for _ in range(2):
             outputs = llm.generate(inputs, params, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outputs] == expected

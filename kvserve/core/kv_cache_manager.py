@@ -35,6 +35,7 @@ class KVCacheManager:
         self.windows = self.groups.windows
         self.pool = BlockPool(num_blocks, enable_caching, reserve_null=self.groups.has_windows)
         self.null = self.pool.null_block
+        self.flat = not self.groups.has_windows   # one group, every block kept: hits are one list
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.extra_tables: dict[str, list[list[KVCacheBlock]]] = {}
         self.num_cached_blocks: dict[str, int] = {}   # leading blocks of the request already in the cache map
@@ -88,7 +89,7 @@ class KVCacheManager:
         self._update_block_hashes(req, req.num_tokens)
         # the last token is always recomputed so there are logits to sample from
         hashes = req.block_hashes[:(req.num_tokens - 1) // self.block_size]
-        if len(self.windows) == 1 and self.windows[0] is None:
+        if self.flat:
             hits = []
             for block_hash in hashes:
                 block = self.pool.get_cached_block(block_hash)
@@ -128,8 +129,7 @@ class KVCacheManager:
             if len(self.windows) > 1:
                 self.extra_tables[rid] = [[] for _ in self.windows[1:]]
         tables = self._tables(rid)
-        hits = [list(new_computed_blocks)] if len(self.windows) == 1 else \
-            (list(new_computed_blocks) or [[] for _ in self.windows])
+        hits = [list(new_computed_blocks)] if self.flat else (list(new_computed_blocks) or [[] for _ in self.windows])
         bs = self.block_size
         num_computed = req.num_computed_tokens + len(hits[0]) * bs
         num_required = cdiv(num_computed + num_new_tokens, bs)
@@ -152,16 +152,19 @@ class KVCacheManager:
                 self.req_to_blocks.pop(rid)
                 self.extra_tables.pop(rid, None)
             return None
-        allocated = []
+        # every group's hits leave the free list before any block is taken from it: a free cached block one group
+        # hits must not become another group's new block
         for g, (blocks, (first, gone, new, start, shared)) in enumerate(zip(tables, plans)):
             out = [blocks[i] for i in gone]
             for i in gone:
                 blocks[i] = self.null
             self._drop_copies_into(out)
             self.pool.free_blocks(out)
+            self.pool.touch(self._held(hits[g]))
+        allocated = []
+        for g, (blocks, (first, gone, new, start, shared)) in enumerate(zip(tables, plans)):
             for i in shared:
                 blocks[i] = self._copy_on_write(blocks[i])
-            self.pool.touch(self._held(hits[g]))
             blocks.extend(hits[g])
             taken = self.pool.get_new_blocks(sum(1 for i in range(start, start + new) if i >= first))
             allocated += taken

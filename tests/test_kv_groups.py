@@ -106,3 +106,32 @@ def test_random_workloads_never_drop_a_block_in_reach_or_leak(ops, budget, windo
                                    if r.num_computed_tokens + k == r.num_tokens})
     assert not s.has_unfinished_requests()
     assert kv.num_free_blocks == kv.num_usable_blocks   # nothing leaked
+
+
+def test_copy_on_write_copies_each_shared_pool_once(tmp_path):
+    """Layers of different groups share pools: a batch of copies whose source is another copy's destination
+    must read the block before it is overwritten, as one pass does, however many layers view the pool."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvserve.attention import attention_layers, bind_kv_cache, window_groups
+    from kvserve.worker.model_runner import ModelRunner
+    from model_utils import load_ours, save_tiny_model
+    save_tiny_model("gemma3", tmp_path)
+    model, _ = load_ours(str(tmp_path))
+    groups = window_groups(model)
+    assert groups.num_groups == 3 and groups.group_size == 1   # one pool pair, viewed by all 3 layers
+    bind_kv_cache(model, 12, 4, torch.float32, groups=groups)
+    pools = {a.k_cache.data_ptr(): a.k_cache for a in attention_layers(model)}
+    assert len(pools) == 1
+    for pool in pools.values():
+        pool.copy_(torch.arange(pool.numel(), dtype=torch.float32).view(pool.shape))
+    before = {p: t.clone() for p, t in pools.items()}
+    copies = [(2, 9), (4, 10), (6, 2), (8, 4)]   # block 2 is read, then written
+    ModelRunner._copy_blocks(SimpleNamespace(models=[model], device="cpu"), copies)
+    for p, pool in pools.items():
+        want = before[p].clone()
+        for src, dst in copies:
+            want[dst] = before[p][src]
+        assert torch.equal(pool, want)

@@ -136,7 +136,11 @@ class KVCacheManager:
         need, releasable, plans = 0, 0, []
         for g, blocks in enumerate(tables):
             first = self._first_needed(g, num_computed)   # blocks before it: out of every window to come
-            gone = [i for i in range(min(first, len(blocks))) if blocks[i] is not self.null]
+            gone = []   # a table's nulls are a prefix (windows only move on): its blocks before `first` end it
+            for i in range(min(first, len(blocks)) - 1, -1, -1):
+                if blocks[i] is self.null:
+                    break
+                gone.append(i)
             new = max(0, num_required - len(blocks) - len(hits[g]))
             start = len(blocks) + len(hits[g])
             real = sum(1 for i in range(start, start + new) if i >= first)

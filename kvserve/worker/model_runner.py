@@ -468,8 +468,12 @@ class ModelRunner:
         """Copy-on-write: duplicate shared blocks into the fresh ones before they are written."""
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
+        done = set()   # KV groups: layers share pools, and a pool copied twice would read a block already overwritten
         for layer in (a for m in self.models for a in attention_layers(m)):
             for cache in (layer.k_cache, layer.v_cache):
+                if cache.data_ptr() in done:
+                    continue
+                done.add(cache.data_ptr())
                 raw = cache.view(torch.uint8)   # bytes: torch has no index_copy_ for float8 pools
                 raw.index_copy_(0, dst, raw.index_select(0, src))
 

@@ -14,7 +14,6 @@ from kvserve import kernels
 from kvserve.attention import fp8
 from kvserve.model.quantization import describe as describe_weights
 from kvserve.config import EngineConfig
-from kvserve.core.kv_cache_manager import cdiv
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor, ParentState

@@ -10,15 +10,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.attention import (attention_layers, bind_kv_cache, build_attention_metadata, build_group_metadata,
-                               get_backend, kv_cache_bytes_per_block, single_sequence_metadata, window_groups)
+from kvserve.attention import (attention_layers, build_attention_metadata, build_group_metadata,
+                               single_sequence_metadata)
 from kvserve.config import EngineConfig
-from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_groups import KVGroups
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.message import StepMessage
-from kvserve.errors import EngineDeadError, InvalidRequestError
+from kvserve.errors import EngineDeadError
 from kvserve.model.layers import Linear
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
@@ -28,7 +28,8 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_sampling import next_drafts, sampled_drafts
 from kvserve.spec_decode.draft_vocab import DraftVocab, draft_logits, own_ids, request_vocab
 from kvserve.structured_output import build_grammar_bitmask
-from kvserve.worker.cuda_graphs import DecodeGraphs, build_decode_graphs, why_no_graphs
+from kvserve.worker.cuda_graphs import DecodeGraphs
+from kvserve.worker.kv_setup import KVCacheSetup
 
 
 @dataclass
@@ -43,7 +44,6 @@ class StepInputs:
 
 
 logger = logging.getLogger("kvserve")
-DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def _plain_weight_bytes(model: torch.nn.Module) -> int:
@@ -61,7 +61,7 @@ def _return_freed_memory() -> None:
         pass
 
 
-class ModelRunner:
+class ModelRunner(KVCacheSetup):
     """Runs the model for scheduled requests and samples one token for each that reached its end."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, device: torch.device, seed: int = 0,
@@ -98,87 +98,6 @@ class ModelRunner:
         return [self.model] if self.draft_model is None else [self.model, self.draft_model]
 
     # ----- the KV cache: the runner owns all device memory -----
-    def init_kv_cache(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
-                      max_num_batched_tokens: int) -> KVCacheManager:
-        """Size the KV cache (on CUDA after profiling a full step), bind the model's pools, return their manager.
-        dtype: the pools' (the model's, or FP8: kvserve/attention/fp8.py)."""
-        self.attention_backend = get_backend(config.attention_backend, self.device)
-        self.kv_groups = self._kv_groups()
-        num_blocks = self._num_kv_blocks(config, dtype, max_model_len, max_num_batched_tokens)
-        for m in self.models:
-            bind_kv_cache(m, num_blocks, config.block_size, dtype, self.device, self.attention_backend,
-                          calculate_kv_scales=config.calculate_kv_scales,
-                          groups=self.kv_groups if m is self.model else None)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_groups)
-        why_not = why_no_graphs(config, self.device, self.attention_backend.name, self.lora is not None)
-        if why_not is None and self.kv_groups is not None and self.kv_groups.num_groups > 1:
-            why_not = "the KV groups of sliding-window layers (their block tables) are not in the graphs' buffers"
-        if why_not is None:
-            self.use_decode_graphs(config.max_num_seqs, max_model_len, config.block_size, capture=True)
-        elif self.device.type == "cuda":
-            logger.info("kvserve: decode steps run eagerly: %s", why_not)
-        return self.kv
-
-    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int, capture: bool) -> None:
-        """Run decode steps through DecodeGraphs' padded buffers, captured as CUDA graphs where `capture` (the
-        CPU tests run the same path eagerly)."""
-        self.decode_graphs = build_decode_graphs(self.model, max_num_seqs, max_model_len, block_size, self.device,
-                                                 capture)
-
-    def _kv_groups(self) -> KVGroups | None:
-        """The target's KV groups where it has sliding-window layers (kvserve/core/kv_groups.py), else None. A draft
-        model reads the first group's tables: that group must be a full-attention one."""
-        groups = window_groups(self.model)
-        if groups is None:
-            return None
-        if self.draft_model is not None and groups.windows[0] is not None:
-            logger.info("kvserve: KV: every layer keeps its whole context: the draft model reads the target's "
-                        "block tables, and every layer of the target has a sliding window")
-            return None
-        logger.info("kvserve: KV: %s; blocks that leave a window go back to the pool",
-                    groups.describe())
-        return groups
-
-    def _num_kv_blocks(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
-                       max_num_batched_tokens: int) -> int:
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        per_block = sum(kv_cache_bytes_per_block(m, config.block_size, dtype,
-                                                 self.kv_groups if m is self.model else None) for m in self.models)
-        budget = config.kv_cache_memory
-        if budget is None and self.device.type == "cuda":
-            budget = self._profile_cuda_budget(config, dtype, min(max_num_batched_tokens, max_model_len))
-        if budget is None:
-            budget = DEFAULT_CPU_KV_BYTES
-        num = budget // per_block
-        if num < 1:
-            raise InvalidRequestError(f"kv_cache_memory {budget} bytes is less than one KV block ({per_block} bytes)",
-                                      "kv_cache_memory")
-        # no point holding more blocks than max_num_seqs full-length sequences can use (and the null block)
-        groups = self.kv_groups or KVGroups.single(1)
-        longest = groups.blocks_needed(max_model_len, max_num_batched_tokens or max_model_len, config.block_size)
-        return int(min(num, longest * config.max_num_seqs + groups.has_windows))
-
-    def _profile_cuda_budget(self, config: EngineConfig, dtype: torch.dtype, num_tokens: int) -> int:
-        """Run one forward over a full token budget, then give the KV cache what utilization leaves."""
-        bs = config.block_size
-        bind_kv_cache(self.model, cdiv(num_tokens, bs), bs, dtype, self.device, self.attention_backend)
-        sampled = self.profile_step(config, num_tokens)
-        torch.cuda.synchronize(self.device)
-        bind_kv_cache(self.model, 0, bs, dtype, self.device, self.attention_backend)   # drop the profiling cache
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        budget = int(total * config.gpu_memory_utilization - (total - free) - peak_activations)
-        if budget <= 0:
-            raise InvalidRequestError(
-                f"gpu_memory_utilization {config.gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves nothing "
-                f"for the KV cache: {(total - free) / 2**30:.1f} GiB in use (weights), "
-                f"{peak_activations / 2**30:.1f} GiB for the largest step (a forward over {num_tokens} tokens, "
-                f"then logits and sampling for {sampled} rows); lower max_num_batched_tokens, max_num_seqs or "
-                "num_speculative_tokens, raise gpu_memory_utilization, or set kv_cache_memory", "kv_cache_memory")
-        return budget
-
     @torch.inference_mode()
     def profile_step(self, config: EngineConfig, num_tokens: int) -> int:
         """The largest step's work, to measure its peak memory: a forward over num_tokens tokens (the model's KV

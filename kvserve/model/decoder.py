@@ -101,11 +101,15 @@ class DecoderAttention(InferenceModule):
             q, k, v = self.qkv_proj.split(qkv)
             return self.o_proj(self.attn(q, k, v, attn_metadata))
         q, k, v = self.qkv_proj.split(qkv)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.q_norm is not None:   # a row per head (contiguous: the norm's one-kernel path takes it), then RoPE
+            q = self.q_norm(q.reshape(-1, d)).view(-1, h * d)
+            k = self.k_norm(k.reshape(-1, d)).view(-1, hkv * d)
+            if rotate_heads_inplace(q, h, d, cos, sin):
+                if not rotate_heads_inplace(k, hkv, d, cos, sin):   # (q and k take the same paths)
+                    k = apply_rotary(k.view(-1, hkv, d), cos, sin).flatten(1)
+                return self.o_proj(self.attn(q, k, v, attn_metadata))
+        q, k = apply_rotary(q.reshape(-1, h, d), cos, sin), apply_rotary(k.reshape(-1, hkv, d), cos, sin)
         out = self.attn(q.flatten(1), k.flatten(1), v.contiguous(), attn_metadata)
         return self.o_proj(out)
 

@@ -44,22 +44,36 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[tor
     raise ModelLoadError(f"rope scaling type {kind!r} is not supported")
 
 
+# cos/sin tables for every position up to the context cost 2 x max_position x head_dim floats per RoPE kind (Gemma
+# 3's two at 32k tokens: 128 MB); above this size they are computed for each step's positions instead (the same
+# values: the same float32 products and cos/sin), which costs a few more small ops per step
+MAX_TABLE_BYTES = 32 << 20
+
+
 class RotaryEmbedding(InferenceModule):
-    """Rotary position embedding (HF rotate_half layout) with cos/sin precomputed for every position."""
+    """Rotary position embedding (HF rotate_half layout): cos/sin of each step's positions, from tables of every
+    position where they are small (MAX_TABLE_BYTES), else computed for them (no host sync either way)."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
         self.head_dim = head_dim
-        inv_freq, pos_scale = rope_inv_freq(head_dim, base, scaling)
-        t = torch.arange(max_position, dtype=torch.float32) * pos_scale
-        freqs = torch.outer(t, inv_freq)
+        inv_freq, self.pos_scale = rope_inv_freq(head_dim, base, scaling)
+        # buffers are not persistent: rebuilt from the config, never read from a checkpoint
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        small = 2 * max_position * head_dim * 4 <= MAX_TABLE_BYTES
+        cos, sin = self._angles(torch.arange(max_position)) if small else (None, None)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = (positions.to(torch.float32) * self.pos_scale)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        # not persistent: rebuilt from the config, never read from a checkpoint
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        return emb.cos(), emb.sin()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, head_dim] for `positions`, ready to broadcast over heads."""
-        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
-        return cos, sin
+        if self.cos_cache is not None:
+            cos, sin = self.cos_cache[positions], self.sin_cache[positions]
+        else:
+            cos, sin = self._angles(positions)
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)

@@ -141,6 +141,7 @@ class KVCacheManager:
                 if blocks[i] is self.null:
                     break
                 gone.append(i)
+            gone.reverse()   # oldest first: the first to be evicted from the free list
             new = max(0, num_required - len(blocks) - len(hits[g]))
             start = len(blocks) + len(hits[g])
             real = sum(1 for i in range(start, start + new) if i >= first)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -95,10 +96,14 @@ class LLMEngine:
                                                          config.grammar_compile_timeout_s)
         self._ids = itertools.count()
         self._failed: dict[str, KVServeError] = {}   # parent request id -> why it failed, until taken
-        logger.info("kvserve: loaded %s (%s, %s%s) in %.1fs; KV cache %d blocks x %d tokens = %d tokens%s",
+        groups = self.kv.groups
+        kv_size = (f"{self.num_kv_blocks} blocks x {config.block_size} tokens = {self.num_kv_pool_tokens} tokens"
+                   if not groups.has_windows else
+                   f"{self.num_kv_blocks} pages of {groups.group_size} layers x {config.block_size} tokens, "
+                   f"{self.num_kv_pool_tokens} tokens in the longest sequence")
+        logger.info("kvserve: loaded %s (%s, %s%s) in %.1fs; KV cache %s%s",
                     config.model or "SmolLM2-135M-Instruct (bundled)", str(self.dtype).removeprefix("torch."),
-                    self.device, self.parallel_description(),
-                    time.perf_counter() - t0, self.num_kv_blocks, config.block_size, self.num_kv_pool_tokens,
+                    self.device, self.parallel_description(), time.perf_counter() - t0, kv_size,
                     self.kv_cache_description())
         fused_stack = self.runs_fused_stack()
         self.kernel_summary = kernels.summary(self.dtype, self.device, self.kv_cache_dtype, fused_stack)
@@ -167,7 +172,7 @@ class LLMEngine:
         return (f"{c.max_loras} adapter{'s' if c.max_loras > 1 else ''} of rank <= {c.max_lora_rank} per step "
                 f"({self.lora.table_bytes / 2**20:.1f} MiB of slots), {c.max_cpu_loras} kept in memory")
 
-    @property
+    @functools.cached_property
     def num_kv_pool_tokens(self) -> int:
         """Tokens the whole KV cache holds: no single sequence can be longer (with sliding-window layers, the
         longest sequence whose blocks fit the pool)."""

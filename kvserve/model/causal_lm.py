@@ -1,5 +1,5 @@
 """The causal LM around a family's decoder (kvserve/model/decoder.py): the output matrix and logits, the weights'
-loading, tensor parallelism (a speculative draft's cut and requantized heads: spec_decode/draft_weights.py)."""
+loading, tensor parallelism (a speculative draft's cut and requantized heads: draft_heads.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -11,7 +11,7 @@ from kvserve.model.layers import (Linear, PackedWeight, VocabEmbedding, load_pac
                                   prepack_linears)
 from kvserve.model.model_config import ModelConfig
 from kvserve.module import InferenceModule
-from kvserve.spec_decode.draft_weights import DraftHeads
+from kvserve.model.draft_heads import DraftHeads
 
 
 class CausalLM(DraftHeads, InferenceModule):

@@ -1,6 +1,8 @@
 """A speculative draft model's output matrices: a cut head over the first token ids (restrict_vocab), the rows of
 any other ids (row_logits), the head and the layers requantized to Q4_0 (quantize_head_q4_0, quantize_layers_q4_0).
-The causal LM (kvserve/model/causal_lm.py) takes them as a mixin: a target never calls them."""
+The causal LM (kvserve/model/causal_lm.py) takes them as a mixin: a target never calls them. (Here, not in
+spec_decode/: kvserve.model's package imports causal_lm, so a module outside it that imports kvserve.model and is
+imported by causal_lm would be found half-initialised whenever it was imported first.)"""
 from __future__ import annotations
 
 from collections import Counter

@@ -10,12 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.errors import ModelLoadError
-from kvserve.model import ModelConfig, load_hf_config, load_tokenizer, resolve_dtype
-from kvserve.model.gguf_loader import unpermute_qk
+from kvserve.model import load_tokenizer
 from kvserve.model.causal_lm import CausalLM
-PACKED_MODULES = CausalLM.packed_modules
-from kvserve.model.loader import cpu_has_fast_bf16, default_model_path
+from kvserve.model.gguf_loader import unpermute_qk
+from kvserve.model.loader import default_model_path
 from model_utils import bundled_ours, llama_cpp_permute, load_ours, save_tiny_model, write_tiny_gguf
+
+PACKED_MODULES = CausalLM.packed_modules
 
 
 def our_tensor(model, hf_name: str) -> torch.Tensor:
@@ -158,45 +159,6 @@ def test_hf_dir_sharded_with_index(tmp_path):
     assert_same_weights(ours, hf)
 
 
-def test_hf_config_fields(tmp_path):
-    save_tiny_model("llama", tmp_path, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                        "original_max_position_embeddings": 32})
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    cfg = load_hf_config(str(tmp_path))
-    assert cfg.rope_theta == 5e5 and cfg.rope_scaling["rope_type"] == "llama3"
-    assert cfg.rope_scaling["factor"] == 8.0 and "rope_theta" not in cfg.rope_scaling
-    assert cfg.eos_token_ids == [2, 7] and cfg.torch_dtype == torch.float32
-
-
-def test_hf_config_legacy_rope_fields():
-    cfg = ModelConfig.from_hf_config({
-        "architectures": ["MistralForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 1e6, "max_position_embeddings": 32768,
-        "rope_scaling": {"type": "linear", "factor": 2.0}, "sliding_window": 4096, "torch_dtype": "bfloat16"})
-    assert cfg.rope_theta == 1e6 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
-    assert (cfg.num_key_value_heads, cfg.head_dim) == (2, 4)
-    assert cfg.max_position_embeddings == 32768  # not capped: every attention backend has the window
-    assert cfg.sliding_window == 4096 and cfg.layer_types == ["sliding_attention"]   # Mistral: every layer
-    assert cfg.torch_dtype == torch.bfloat16
-
-
-def test_gguf_metadata_qwen2_and_qwen3_keys():
-    base = {"block_count": 2, "context_length": 4096, "embedding_length": 64, "feed_forward_length": 128,
-            "attention.head_count": 4, "attention.head_count_kv": 2, "rope.freq_base": 1e6,
-            "attention.layer_norm_rms_epsilon": 1e-6}
-    for arch, head_dim in [("qwen2", 16), ("qwen3", 32)]:
-        meta = {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in base.items()},
-                "tokenizer.ggml.eos_token_id": 5, "tokenizer.ggml.eot_token_id": 6}
-        if arch == "qwen3":
-            meta["qwen3.attention.key_length"] = 32
-        cfg = ModelConfig.from_gguf_metadata(meta, vocab_rows=300, has_output=True)
-        assert cfg.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
-        assert (cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings) == (head_dim, 300, False)
-        assert cfg.attention_bias == (arch == "qwen2") and cfg.qk_norm == (arch == "qwen3")
-        assert cfg.eos_token_ids == [5, 6]
-
-
 def test_bfloat16_load_and_float32_logits(tmp_path):
     save_tiny_model("llama", tmp_path)
     ours, _ = load_ours(str(tmp_path), dtype="bfloat16")
@@ -252,12 +214,6 @@ def test_unknown_architecture(tmp_path):
         load_ours(str(tmp_path))
 
 
-def test_unsupported_rope_scaling(tmp_path):
-    save_tiny_model("llama", tmp_path, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
-    with pytest.raises(ModelLoadError, match="'yarn' is not supported"):
-        load_ours(str(tmp_path))
-
-
 def test_missing_tensor_is_listed(tmp_path):
     save_tiny_model("llama", tmp_path)
     weights = load_file(str(tmp_path / "model.safetensors"))
@@ -301,16 +257,7 @@ def test_index_names_a_missing_shard(tmp_path):
         load_ours(str(tmp_path))
 
 
-# --- dtype and tokenizer ---------------------------------------------------------------------------------
-
-def test_resolve_dtype():
-    assert resolve_dtype("float32", "cpu") == torch.float32
-    assert resolve_dtype("bf16", "cpu") == torch.bfloat16
-    assert resolve_dtype("half", "cpu") == torch.float16
-    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
-    with pytest.raises(ModelLoadError, match="unknown dtype"):
-        resolve_dtype("int4", "cpu")
-
+# --- tokenizer ----------------------------------------------------------------------------------------------
 
 def test_gguf_tokenizer_chat_template_and_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # a cold tokenizer cache
@@ -497,19 +444,3 @@ def test_quantized_modules_are_assembled_as_their_shards_arrive(tmp_path):
     with pytest.raises(ModelLoadError, match="appears twice"):
         build_model(cfg).load_weights(weights[:first_q + 1] + [q] + weights[first_q + 1:])
 
-
-@pytest.mark.parametrize("extra,message", [
-    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
-                       "original_max_position_embeddings": 16}}, "rope scaling type 'longrope' is not supported"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
-    ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
-])
-def test_phi3_features_we_do_not_compute_are_refused_at_load(tmp_path, extra, message):
-    from model_utils import tiny_hf_config
-    from kvserve.model.registry import build_model
-    cfg = tiny_hf_config("phi3").to_dict()
-    cfg.pop("rope_parameters", None)
-    cfg.update(architectures=["Phi3ForCausalLM"], **extra)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=message):
-        build_model(load_hf_config(str(tmp_path)))

@@ -18,14 +18,14 @@ class Attention(InferenceModule):
     """Paged multi-head / grouped-query attention over the layer's KV cache blocks."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window   # a token sees only the last sliding_window keys up to its own
-        self.softcap = None   # scaled scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2)
+        self.softcap = softcap   # scaled scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2)
         # bound by bind_kv_cache(), in the backend's layout (kvserve/attention/kv_layout.py)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)

@@ -149,7 +149,7 @@ class KVCacheManager:
                       if blocks[i] is not self.null and blocks[i].ref_cnt > 1]
             need += real + len(shared)
             releasable += sum(1 for i in gone if blocks[i].ref_cnt == 1)
-            plans.append((first, gone, new, start, shared))
+            plans.append((first, gone, new, start, shared, real))
         # cached blocks nobody holds sit on the free list; touching them uses up free capacity too
         num_free_hits = sum(1 for g in hits for b in g if b is not self.null and b.ref_cnt == 0)
         if need > self.pool.num_free_blocks + releasable - num_free_hits:
@@ -159,7 +159,7 @@ class KVCacheManager:
             return None
         # every group's hits leave the free list before any block is taken from it: a free cached block one group
         # hits must not become another group's new block
-        for g, (blocks, (first, gone, new, start, shared)) in enumerate(zip(tables, plans)):
+        for g, (blocks, (first, gone, new, start, shared, real)) in enumerate(zip(tables, plans)):
             out = [blocks[i] for i in gone]
             for i in gone:
                 blocks[i] = self.null
@@ -167,11 +167,11 @@ class KVCacheManager:
             self.pool.free_blocks(out)
             self.pool.touch(self._held(hits[g]))
         allocated = []
-        for g, (blocks, (first, gone, new, start, shared)) in enumerate(zip(tables, plans)):
+        for g, (blocks, (first, gone, new, start, shared, real)) in enumerate(zip(tables, plans)):
             for i in shared:
                 blocks[i] = self._copy_on_write(blocks[i])
             blocks.extend(hits[g])
-            taken = self.pool.get_new_blocks(sum(1 for i in range(start, start + new) if i >= first))
+            taken = self.pool.get_new_blocks(real)
             allocated += taken
             taken.reverse()
             blocks.extend(taken.pop() if i >= first else self.null for i in range(start, start + new))

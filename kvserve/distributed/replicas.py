@@ -66,7 +66,8 @@ class ReplicaActor:
         e = self.llm
         return {"max_model_len": e.max_model_len, "vocab_size": e.vocab_size, "dtype": e.dtype,
                 # blocks of the longest sequence (the router's capacity; with KV groups, not the pool's pages)
-                "num_kv_blocks": e.num_kv_pool_tokens // e.block_size, "block_size": e.block_size, "kernel_summary": e.kernel_summary,
+                "num_kv_blocks": e.num_kv_pool_tokens // e.block_size, "block_size": e.block_size,
+                "kernel_summary": e.kernel_summary,
                 "weights_summary": e.weights_summary, "kv_cache": e.kv_cache_description(),
                 "parallel": e.parallel_description()}
 

@@ -89,9 +89,7 @@ class DecoderAttention(InferenceModule):
         self.o_proj = Linear(h * d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
-        self.attn = Attention(h, d, spec.scale, hkv)
-        self.attn.sliding_window = spec.sliding_window
-        self.attn.softcap = spec.softcap
+        self.attn = Attention(h, d, spec.scale, hkv, spec.sliding_window, spec.softcap)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)

@@ -32,9 +32,8 @@ class KVCacheSetup:
                           calculate_kv_scales=config.calculate_kv_scales,
                           groups=self.kv_groups if m is self.model else None)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_groups)
-        why_not = why_no_graphs(config, self.device, self.attention_backend.name, self.lora is not None)
-        if why_not is None and self.kv_groups is not None and self.kv_groups.num_groups > 1:
-            why_not = "the KV groups of sliding-window layers (their block tables) are not in the graphs' buffers"
+        why_not = why_no_graphs(config, self.device, self.attention_backend.name, self.lora is not None,
+                                self.kv_groups.num_groups if self.kv_groups is not None else 1)
         if why_not is None:
             self.use_decode_graphs(config.max_num_seqs, max_model_len, config.block_size, capture=True)
         elif self.device.type == "cuda":

@@ -172,18 +172,23 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kvserve_rmsnorm_bf16": [p, p, p, p, i64, i64, f],
         "kvserve_rope_bf16": [p, i64, p, p, i64, i64, i64],
         "kvserve_silu_mul_bf16": [p, i64, p, i64, i64],
+        "kvserve_gelu_tanh_mul_bf16": [p, i64, p, i64, i64],
+        "kvserve_qk_norm_bf16": [p, i64, p, p, i64, i64, i64, i64, f],
         "kvserve_gemv_pack": [p, i64, i64, p],
         "kvserve_argmax_f32": [p, i64, i64, i64, p],
         "kvserve_apply_bitmask_f32": [p, i64, p, i64, p, i64, i64],
         "kvserve_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
-        "kvserve_llama_layers_bf16": [p, p, p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64,
-                                      i64, i64, f, f, p, i64, p, p],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = None
-    lib.kvserve_llama_layers_bf16.restype = ctypes.c_int   # 0, or -1 - the layer whose linear refused its weights
+    lib.kvserve_decoder_stack_bf16.argtypes = [p]   # a StackArgs (kvserve/model/fused.py)
+    lib.kvserve_decoder_stack_bf16.restype = ctypes.c_int   # 0, or -1 - the layer whose linear refused its weights
+    lib.kvserve_stack_layout.argtypes = [p]
+    lib.kvserve_stack_layout.restype = i64
+    lib.kvserve_stack_scratch_per_token.argtypes = [i64] * 5
+    lib.kvserve_stack_scratch_per_token.restype = i64
     lib.kvserve_shm_all_reduce.argtypes = [p, i64, i64, i64, p, p, i64, i64, ctypes.c_double]
     lib.kvserve_shm_all_reduce.restype = ctypes.c_int
     lib.kvserve_shm_abort.argtypes = [p]

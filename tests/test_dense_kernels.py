@@ -163,3 +163,49 @@ def test_fused_bf16_layer_ops_equal_the_torch_ops(rows, monkeypatch):
         assert (a.float() - b.float()).abs().max().item() <= 0.0625 * b.float().abs().max().item() / 64
         assert (a != b).float().mean().item() < 0.01   # rare 1-ulp differences (exp, summation order)
     assert torch.equal(fast_qkv, slow_qkv.view(rows, -1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 300])
+def test_gelu_tanh_and_head_norm_kernels_equal_the_torch_ops(rows, monkeypatch):
+    """GELU-tanh-and-mul (Gemma's GeGLU) and the in-place per-head q/k norm (Qwen3, Gemma 3) against torch's ops."""
+    from kvserve.model import layers
+    g = torch.Generator().manual_seed(rows)
+    bf = torch.bfloat16
+    gate_up = (torch.randn(rows, 2 * 1000, generator=g) * 4).to(bf)   # 1000: a scalar tail after the vectors
+    gate_up[0, :6] = torch.tensor([100.0, -100.0, 0.0, -0.0, 1e-30, -95.0])   # exp overflow and underflow
+    q_norm, k_norm = layers.RMSNorm(64, 1e-6).to(bf), layers.RMSNorm(64, 1e-6).to(bf)
+    q_norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    k_norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    qkv = torch.randn(rows, 12 * 64, generator=g).to(bf)
+    fast_act = layers.GeluTanhAndMul()(gate_up)
+    fast_qkv = qkv.clone()
+    assert layers.qk_norm_inplace(fast_qkv, q_norm, k_norm, 8, 2, 64)
+    monkeypatch.setattr(layers, "_fast_lib", lambda x: None)
+    slow_act = layers.GeluTanhAndMul()(gate_up)
+    assert not layers.qk_norm_inplace(qkv.clone(), q_norm, k_norm, 8, 2, 64)
+    heads = qkv.view(rows, 12, 64)
+    slow_qkv = torch.cat([q_norm(heads[:, :8].reshape(-1, 64)).view(rows, -1),
+                          k_norm(heads[:, 8:10].reshape(-1, 64)).view(rows, -1), qkv[:, 640:]], dim=1)
+    for a, b in ((fast_act, slow_act), (fast_qkv, slow_qkv)):
+        assert (a.float() - b.float()).abs().max().item() <= b.float().abs().max().item() / 64
+        assert (a != b).float().mean().item() < 0.01   # rare 1-ulp differences (exp, tanh, summation order)
+    assert torch.equal(fast_qkv[:, 640:], qkv[:, 640:])   # v untouched
+
+
+@needs_kernels
+def test_activation_kernels_agree_bit_for_bit_between_the_avx512_and_avx2_builds():
+    """SiLU- and GELU-tanh-and-mul compute the same float32 values on 16 lanes and on 8: the AVX2 build (what an
+    AVX2 machine runs) gives the AVX-512 build's bits."""
+    from kvserve.kernels import load_variant
+    native, avx2 = load_variant("native"), load_variant("no-avx512")
+    if native is None or avx2 is None or not native.kvserve_has_packed_matmul():
+        pytest.skip("needs a CPU with AVX-512 BF16 to compare the two builds")
+    x = (torch.randn(37, 2 * 1000, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    for name in ("kvserve_silu_mul_bf16", "kvserve_gelu_tanh_mul_bf16"):
+        outs = []
+        for lib in (native, avx2):
+            out = x.new_empty(37, 1000)
+            getattr(lib, name)(x.data_ptr(), x.stride(0), out.data_ptr(), 37, 1000)
+            outs.append(out)
+        assert torch.equal(*outs), name

@@ -1,6 +1,9 @@
 """The one-call C++ layer stack (kvserve/model/fused.py) gives bit-identical results to the per-layer modules."""
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ from kvserve.attention import (TorchPagedAttention, attention_layers, bind_kv_ca
                                kv_layout)
 from kvserve.config import EngineConfig
 from kvserve.model import load_model
+from kvserve.model.fused import struct_layout
 from model_utils import load_ours, save_tiny_model, write_tiny_gguf
 
 _lib = kernels.load()
@@ -216,11 +220,45 @@ def test_fused_stack_splitting_a_decode_batch_between_threads_is_bit_identical(t
         assert all(torch.equal(a, b) for a, b in zip(split_pools, pools))
 
 
-def test_layers_the_stack_does_not_cover_run_as_modules(tmp_path):
-    """q/k norms (Qwen3) have no place in the fused stack: the modules run."""
-    model = _tiny_bf16(tmp_path, "qwen3")
-    _run_steps(model, 16)
-    assert model.model._fused is None and model.model._fused_refused is not None
+# every family's declared features in the stack: windows shorter than the prompts (mistral, gemma), q/k norm
+# (qwen3, gemma3), a second RoPE table (gemma3), soft-capped attention (gemma2), GELU-tanh and sandwich norms (gemma)
+FAMILIES = {"mistral": {"sliding_window": 8}, "qwen3": {}, "gemma2": {}, "gemma3": {}, "phi3": {}}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_every_family_runs_the_fused_stack_bit_identical_to_the_modules(tmp_path, family, quantization):
+    """Each family's tiny model, dense bf16 linears (where the CPU has their GEMM) and int8 ones: STEPS and a split
+    decode batch, logits and pools bit-identical to the modules; then on FP8 pools."""
+    if quantization == "none" and not _lib.kvserve_has_packed_matmul():
+        pytest.skip("dense bf16 linears in the stack need AVX-512 BF16")
+    save_tiny_model(family, tmp_path, **FAMILIES[family])
+    model, _ = load_model(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cpu",
+                                       quantization=quantization))
+    model.prepack()
+    check_quantized_stack(model)
+    model.model.use_fused_layers = model.model.split_decode_batches = True
+    check_quantized_stack(model, torch.float8_e5m2, torch.tensor([0.05, 0.01]))
+
+
+def test_the_stack_refuses_what_it_has_no_kernel_for_and_says_which(tmp_path):
+    """An activation the stack does not know keeps the modules, and fused_status names it."""
+    model = _tiny_bf16(tmp_path, "llama", hidden_size=128, intermediate_size=96) \
+        if _lib.kvserve_has_packed_matmul() else _tiny_quantized_bf16(tmp_path, "Q8_0", hidden_size=128,
+                                                                       intermediate_size=96)
+    bind_kv_cache(model, num_blocks=4, block_size=16, dtype=torch.bfloat16)
+    assert model.model.fused_status() == "the fused C++ layer stack"
+    layer = model.model.layers[1]
+    layer.spec = dataclasses.replace(layer.spec, activation="relu2")
+    assert model.model.fused_status() == "the layer modules (layer 1: activation relu2)"
+
+
+def test_the_stack_structs_match_the_library_layout():
+    """The ctypes mirrors of layers.cpp's structs (fused.py) have the library's sizes and field offsets."""
+    n = _lib.kvserve_stack_layout(None)
+    layout = (ctypes.c_int64 * n)()
+    _lib.kvserve_stack_layout(layout)
+    assert list(layout) == struct_layout()
 
 
 def test_more_query_heads_per_kv_head_than_a_work_item_holds_run_as_modules(tmp_path):
@@ -249,18 +287,6 @@ def test_fused_stack_adds_qwen2_qkv_biases_bit_identical_to_the_modules(tmp_path
     if quantization == "int8":   # check_quantized_stack ends on the modules
         model.model.use_fused_layers = model.model.split_decode_batches = True
         check_quantized_stack(model, torch.float8_e4m3fn, torch.tensor([0.05, 0.01]))
-
-
-@needs_bf16_gemm
-def test_a_layer_with_a_sliding_window_runs_as_modules(tmp_path):
-    """The stack attends to every key: a model with a windowed layer keeps its modules (whose C++ attention backend
-    refuses windows loudly) rather than ignore the window."""
-    from kvserve.model.fused import build_fused_layers
-    model = _tiny_bf16(tmp_path)
-    bind_kv_cache(model, num_blocks=4, block_size=16, dtype=torch.bfloat16)
-    assert build_fused_layers(model.model.layers) is not None
-    model.model.layers[1].self_attn.attn.sliding_window = 8
-    assert build_fused_layers(model.model.layers) is None
 
 
 def test_torch_backend_and_float32_run_as_modules(tmp_path):
@@ -311,6 +337,27 @@ def test_engine_with_chunks_prefix_hits_and_shared_samples_identical_with_and_wi
     params = SamplingParams(n=2, max_tokens=20, temperature=0.8, seed=7, ignore_eos=True, logprobs=2)
     runs = _outputs_with_and_without(llm, "use_fused_layers", prompts, params, 2)
     assert llm.llm_engine.model.model._fused is not None and len(runs[True]) == 12
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_engine_on_kv_groups_identical_with_and_without_fused_stack(tmp_path, gguf_path, family):
+    """A tiny Gemma in bf16 (sliding-window layers in their own KV group, whose blocks leave the pool) through the
+    engine: chunks of 7 tokens, a pool small enough to preempt, the prefix cache hit on the second round."""
+    if not _lib.kvserve_has_packed_matmul():
+        pytest.skip("dense bf16 linears in the stack need AVX-512 BF16")
+    save_tiny_model(family, tmp_path)
+    llm = LLM(model=str(tmp_path), tokenizer=gguf_path, dtype="bfloat16", max_num_batched_tokens=7, num_kv_blocks=40,
+              block_size=4, max_num_seqs=4, enable_prefix_caching=True)
+    assert llm.llm_engine.kv.groups.windows == (None, 8, 8)
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 256, (13,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": shared + torch.randint(3, 256, (n,), generator=g).tolist()} for n in (3, 11, 30)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    runs = _outputs_with_and_without(llm, "use_fused_layers", prompts, params, 2)
+    assert llm.llm_engine.model.model._fused is not None
+    stats = llm.llm_engine.scheduler.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert runs[True] == runs[False]
 
 

@@ -43,62 +43,120 @@ void kvserve_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t
     }
   }
 }
+// out[t] = bf16(bf16(gelu(gate)) * up) for x[t] = gate | up (I each), gelu's tanh approximation (GeGLU, Gemma) in
+// torch's order: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = sign(y) (1 - 2 / (exp(2 |y|) + 1))
+// (so 1 + tanh(y) is 0 for y far below 0, as torch's is)
+void kvserve_gelu_tanh_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I) {
+  constexpr float beta = 0.7978845608028654f, kappa = 0.044715f;
+  #pragma omp parallel for if (T * I > 65536)
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* g = x + t * xs;
+    const uint16_t* u = g + I;
+    uint16_t* o = out + t * I;
+    int64_t i = 0;
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+    const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), half = _mm512_set1_ps(.5f);
+    const __m512 vb = _mm512_set1_ps(beta), vk = _mm512_set1_ps(kappa);
+    const __m512i sign = _mm512_set1_epi32(int(0x80000000u));
+    for (; i + 16 <= I; i += 16) {
+      const __m512 gv = load16(g + i), uv = load16(u + i);
+      const __m512 y = _mm512_mul_ps(vb, _mm512_add_ps(gv, _mm512_mul_ps(vk, _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv))));
+      const __m512i ys = _mm512_and_si512(_mm512_castps_si512(y), sign);
+      const __m512 ay = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(y), ys));
+      const __m512 e = exp512(_mm512_mul_ps(two, ay));
+      const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+      const __m512 tanh = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(th), ys));
+      const __m512 s = _mm512_mul_ps(_mm512_mul_ps(half, gv), _mm512_add_ps(one, tanh));
+      store16_bf16(o + i, _mm512_mul_ps(round_bf16(s), uv));
+    }
+#elif defined(KV_HAVE_AVX2)
+    const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(.5f);
+    const __m256 vb = _mm256_set1_ps(beta), vk = _mm256_set1_ps(kappa), sign = _mm256_set1_ps(-0.f);
+    for (; i + 8 <= I; i += 8) {
+      const __m256 gv = load8(g + i), uv = load8(u + i);
+      const __m256 y = _mm256_mul_ps(vb, _mm256_add_ps(gv, _mm256_mul_ps(vk, _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv))));
+      const __m256 ys = _mm256_and_ps(y, sign);
+      const __m256 e = exp256(_mm256_mul_ps(two, _mm256_xor_ps(y, ys)));
+      const __m256 tanh = _mm256_xor_ps(_mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one))), ys);
+      const __m256 s = _mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, tanh));
+      store8(o + i, _mm256_mul_ps(round_bf16_8(s), uv));
+    }
+#endif
+    for (; i < I; ++i) {
+      const float gf = bf16_to_f32(g[i]);
+      const float y = beta * (gf + kappa * (gf * gf * gf));
+      const float th = std::copysign(1.f - 2.f / (std::exp(2.f * std::fabs(y)) + 1.f), y);
+      const float s = bf16_to_f32(f32_to_bf16(.5f * gf * (1.f + th)));
+      o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+    }
+  }
+}
+// one row of kvserve_rmsnorm_bf16 (N <= 8192); o may be xr (the row is read whole before it is written)
+static void rmsnorm_row(const uint16_t* xr, uint16_t* rr, const uint16_t* w, uint16_t* o, int64_t N, float eps) {
+  float buf[8192];
+  float ss = 0.f;
+  int64_t i = 0;
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+  __m512 ssv = _mm512_setzero_ps();
+  for (; i + 16 <= N; i += 16) {
+    __m512 r = load16(xr + i);
+    if (rr) {
+      r = round_bf16(_mm512_add_ps(r, load16(rr + i)));
+      store16_bf16(rr + i, r);
+    }
+    _mm512_storeu_ps(buf + i, r);
+    ssv = _mm512_fmadd_ps(r, r, ssv);
+  }
+  ss = _mm512_reduce_add_ps(ssv);
+#elif defined(KV_HAVE_AVX2)
+  __m256 ssv = _mm256_setzero_ps();
+  for (; i + 8 <= N; i += 8) {
+    __m256 r = load8(xr + i);
+    if (rr) {
+      r = round_bf16_8(_mm256_add_ps(r, load8(rr + i)));
+      store8(rr + i, r);
+    }
+    _mm256_storeu_ps(buf + i, r);
+    ssv = _mm256_fmadd_ps(r, r, ssv);
+  }
+  ss = hsum8(ssv);
+#endif
+  for (int64_t j = i; j < N; ++j) {
+    float r = bf16_to_f32(xr[j]);
+    if (rr) { r = bf16_to_f32(f32_to_bf16(r + bf16_to_f32(rr[j]))); rr[j] = f32_to_bf16(r); }
+    buf[j] = r;
+    ss += r * r;
+  }
+  const float inv = 1.f / std::sqrt(ss / float(N) + eps);
+  i = 0;
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; i + 16 <= N; i += 16)
+    store16_bf16(o + i, _mm512_mul_ps(load16(w + i), round_bf16(_mm512_mul_ps(_mm512_loadu_ps(buf + i), vinv))));
+#elif defined(KV_HAVE_AVX2)
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (; i + 8 <= N; i += 8)
+    store8(o + i, _mm256_mul_ps(load8(w + i), round_bf16_8(_mm256_mul_ps(_mm256_loadu_ps(buf + i), vinv))));
+#endif
+  for (; i < N; ++i) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(buf[i] * inv)));
+}
 // out = rmsnorm(x [+ residual]) * w, bf16 rounding as torch's ops: r = bf16(x + residual) (written back to
 // residual), y = bf16(r * rsqrt(mean(r^2) + eps)), out = bf16(w * y)
 void kvserve_rmsnorm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out, int64_t T, int64_t N,
                      float eps) {
   #pragma omp parallel for if (T * N > 65536)
-  for (int64_t t = 0; t < T; ++t) {
-    const uint16_t* xr = x + t * N;
-    uint16_t* rr = residual ? residual + t * N : nullptr;
-    uint16_t* o = out + t * N;
-    float buf[8192];
-    float ss = 0.f;
-    int64_t i = 0;
-#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
-    __m512 ssv = _mm512_setzero_ps();
-    for (; i + 16 <= N; i += 16) {
-      __m512 r = load16(xr + i);
-      if (rr) {
-        r = round_bf16(_mm512_add_ps(r, load16(rr + i)));
-        store16_bf16(rr + i, r);
-      }
-      _mm512_storeu_ps(buf + i, r);
-      ssv = _mm512_fmadd_ps(r, r, ssv);
+  for (int64_t t = 0; t < T; ++t) rmsnorm_row(x + t * N, residual ? residual + t * N : nullptr, w, out + t * N, N, eps);
+}
+// per-head q/k norm in place (Qwen3, Gemma 3): each of the first nh heads of every row of x by qw [D], the next nkv
+// heads by kw [D], the rounding of kvserve_rmsnorm_bf16 on the heads as rows
+void kvserve_qk_norm_bf16(uint16_t* x, int64_t xs, const uint16_t* qw, const uint16_t* kw, int64_t T, int64_t nh,
+                          int64_t nkv, int64_t D, float eps) {
+  #pragma omp parallel for if (T * (nh + nkv) * D > 65536)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      uint16_t* row = x + t * xs + h * D;
+      rmsnorm_row(row, nullptr, h < nh ? qw : kw, row, D, eps);
     }
-    ss = _mm512_reduce_add_ps(ssv);
-#elif defined(KV_HAVE_AVX2)
-    __m256 ssv = _mm256_setzero_ps();
-    for (; i + 8 <= N; i += 8) {
-      __m256 r = load8(xr + i);
-      if (rr) {
-        r = round_bf16_8(_mm256_add_ps(r, load8(rr + i)));
-        store8(rr + i, r);
-      }
-      _mm256_storeu_ps(buf + i, r);
-      ssv = _mm256_fmadd_ps(r, r, ssv);
-    }
-    ss = hsum8(ssv);
-#endif
-    for (int64_t j = i; j < N; ++j) {
-      float r = bf16_to_f32(xr[j]);
-      if (rr) { r = bf16_to_f32(f32_to_bf16(r + bf16_to_f32(rr[j]))); rr[j] = f32_to_bf16(r); }
-      buf[j] = r;
-      ss += r * r;
-    }
-    const float inv = 1.f / std::sqrt(ss / float(N) + eps);
-    i = 0;
-#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (; i + 16 <= N; i += 16)
-      store16_bf16(o + i, _mm512_mul_ps(load16(w + i), round_bf16(_mm512_mul_ps(_mm512_loadu_ps(buf + i), vinv))));
-#elif defined(KV_HAVE_AVX2)
-    const __m256 vinv = _mm256_set1_ps(inv);
-    for (; i + 8 <= N; i += 8)
-      store8(o + i, _mm256_mul_ps(load8(w + i), round_bf16_8(_mm256_mul_ps(_mm256_loadu_ps(buf + i), vinv))));
-#endif
-    for (; i < N; ++i) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(buf[i] * inv)));
-  }
 }
 // rotate (rotate_half convention) the first nh heads of every row of x in place:
 // x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), cos/sin [T, D] bf16

@@ -17,7 +17,7 @@ from kvserve.attention import Attention
 from kvserve.errors import ModelLoadError
 from kvserve.model.fused import FusedLayers, binding_key, build_fused_layers, is_same_binding, why_not_fused
 from kvserve.model.layers import (GeluTanhAndMul, Linear, MergedLinear, RMSNorm, SiluAndMul, VocabEmbedding,
-                                  apply_rotary, rotate_heads_inplace)
+                                  apply_rotary, qk_norm_inplace, rotate_heads_inplace)
 from kvserve.model.model_config import ModelConfig
 from kvserve.model.rotary import RotaryEmbedding
 from kvserve.module import InferenceModule
@@ -93,14 +93,15 @@ class DecoderAttention(InferenceModule):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        if self.q_norm is None and rotate_heads_inplace(qkv, self.num_heads + self.num_kv_heads, self.head_dim,
-                                                        cos, sin):
-            # q and k rotated in place inside qkv; the backends take the strided q/k/v views as they are
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        normed = self.q_norm is None or qk_norm_inplace(qkv, self.q_norm, self.k_norm, h, hkv, d)
+        if normed and rotate_heads_inplace(qkv, h + hkv, d, cos, sin):
+            # q and k normalized and rotated in place inside qkv (the fused stack's kernels, in its order); the
+            # backends take the strided q/k/v views as they are
             q, k, v = self.qkv_proj.split(qkv)
             return self.o_proj(self.attn(q, k, v, attn_metadata))
         q, k, v = self.qkv_proj.split(qkv)
-        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.q_norm is not None:   # a row per head (contiguous: the norm's one-kernel path takes it), then RoPE
+        if not normed:   # a row per head (contiguous: the norm's one-kernel path takes it), then RoPE
             q = self.q_norm(q.reshape(-1, d)).view(-1, h * d)
             k = self.k_norm(k.reshape(-1, d)).view(-1, hkv * d)
             if rotate_heads_inplace(q, h, d, cos, sin):
@@ -188,8 +189,7 @@ class DecoderModel(InferenceModule):
         calibrating = self.layers and self.layers[0].self_attn.attn.calibrate_kv_scales
         fused = self._fused_layers() if hidden.dtype == torch.bfloat16 and hidden.is_cpu and not calibrating else None
         if fused is not None:
-            cos, sin = tables[0]
-            hidden, residual = fused.forward(hidden, cos, sin, attn_metadata, self.split_decode_batches)
+            hidden, residual = fused.forward(hidden, tables, attn_metadata, self.split_decode_batches)
         else:
             for layer in self.layers:
                 cos, sin = tables[layer.spec.rope]

@@ -331,6 +331,11 @@ class GeluTanhAndMul(InferenceModule):
     """gelu(gate, tanh approximation) * up for a fused [.., 2*I] gate|up tensor (GeGLU: Gemma)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = _fast_lib(x)
+        if lib is not None and lib.silu_mul_fast and x.shape[-1] % 2 == 0:   # one pass, rounding like torch's two
+            out = x.new_empty(x.shape[0], x.shape[1] // 2)
+            lib.kvserve_gelu_tanh_mul_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1] // 2)
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
@@ -339,6 +344,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x [T, H, D] by cos/sin [T, 1, D] (rotate_half convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def qk_norm_inplace(x: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, num_kv_heads: int,
+                    head_dim: int) -> bool:
+    """Normalize the first num_heads heads of every row of x [T, >= (num_heads + num_kv_heads) * D] by q_norm and
+    the next num_kv_heads by k_norm, in place with one C++ kernel (bf16 on the CPU; the rounding of RMSNorm on
+    each head as a row); False, touching nothing, where it does not apply."""
+    lib = _fast_lib(x)
+    if lib is None or head_dim > 8192 or q_norm.weight.dtype != x.dtype or k_norm.weight.dtype != x.dtype \
+            or q_norm.eps != k_norm.eps:
+        return False
+    lib.kvserve_qk_norm_bf16(x.data_ptr(), x.stride(0), q_norm.weight.data_ptr(), k_norm.weight.data_ptr(),
+                             x.shape[0], num_heads, num_kv_heads, head_dim, q_norm.eps)
+    return True
 
 
 def rotate_heads_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor,

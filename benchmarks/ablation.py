@@ -24,6 +24,7 @@ from kvserve.attention import CpuPagedAttention, TorchPagedAttention, attention_
 from kvserve.entrypoints.bench import random_workload
 from kvserve.model import layers
 from kvserve.model.layers import Linear, restore_unpacked_weights
+from kvserve.model.linear_method import DENSE
 
 CONFIGS = ["torch ops only", "+ C++ paged attention", "+ packed bf16 weights", "+ fused norm/rope/silu",
            "+ one-call layer stack", "+ decode batches split between threads"]
@@ -36,8 +37,8 @@ def configure(llm, level: int, packs: dict, fast_lib) -> None:
         a.backend = backend
     for m in model.modules():
         if isinstance(m, Linear):
-            m.packed = packs.get(m) if level >= 2 else None
-    model.packed_lm_head = packs.get("lm_head") if level >= 2 else None
+            m.method = packs.get(m) if level >= 2 else DENSE
+    model.tied_head = packs.get("lm_head") if level >= 2 else DENSE
     layers._fast_lib = fast_lib if level >= 3 else (lambda x: None)
     model.model.use_fused_layers = level >= 4
     model.model.split_decode_batches = level >= 5
@@ -75,8 +76,8 @@ def main() -> None:
     engine = llm.llm_engine
     model = engine.model
     restore_unpacked_weights(model)   # the configurations without packs run F.linear on them
-    packs = {m: m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None}
-    packs["lm_head"] = model.packed_lm_head
+    packs = {m: m.method for m in model.modules() if isinstance(m, Linear) and m.method is not DENSE}
+    packs["lm_head"] = model.tied_head
     fast_lib = layers._fast_lib
     work = random_workload(args.num_prompts, (64, 512), (32, 256), 0, engine.vocab_size,
                            engine.tokenizer.all_special_ids)

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention import CpuPagedAttention, TorchPagedAttention, attention_layers
-from kvserve.model import layers
+from kvserve.model import layers, linear_method
 
 PLAIN = ["The history of the printing press", "In a small village by the sea, there lived", "def fibonacci(n):",
          "The three laws of thermodynamics are", "Once upon a time, a robot",
@@ -58,17 +58,17 @@ def main() -> None:
     model = llm.llm_engine.model
     layers.restore_unpacked_weights(model)   # for oneDNN's packs and the unpacked configurations
     linears = [m for m in model.modules() if isinstance(m, layers.Linear)]
-    kernel_packs = [m.packed for m in linears] + [model.packed_lm_head]
-    onednn_packs = layers.prepack_weights([m.weight for m in linears] + [model.model.embed_tokens.weight],
+    kernel_packs = [m.method for m in linears] + [model.tied_head]
+    onednn_packs = linear_method.prepack_weights([m.weight for m in linears] + [model.model.embed_tokens.weight],
                                           onednn=True)
     fast_lib = layers._fast_lib
 
     def configure(attention, packs, fused: bool) -> None:
         for a in attention_layers(model):
             a.backend = attention
-        for m, p in zip(linears, packs or [None] * len(linears)):
-            m.packed = p
-        model.packed_lm_head = packs[-1] if packs else None
+        for m, p in zip(linears, packs or [linear_method.DENSE] * len(linears)):
+            m.method = p
+        model.tied_head = packs[-1] if packs else linear_method.DENSE
         layers._fast_lib = fast_lib if fused else (lambda x: None)
 
     configs = {

@@ -17,6 +17,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.layers import Linear, restore_unpacked_weights
+from kvserve.model.linear_method import DENSE
 
 PROMPT = list(range(1000, 1032))
 
@@ -24,9 +25,9 @@ PROMPT = list(range(1000, 1032))
 def switch(model, packs: dict, on: bool) -> None:
     for m, pack in packs.items():
         if m == "lm_head":
-            model.packed_lm_head = pack if on else None
+            model.tied_head = pack if on else DENSE
         else:
-            m.packed = pack if on else None
+            m.method = pack if on else DENSE
 
 
 def timed(llm: LLM, prompts, max_tokens: int) -> float:
@@ -53,8 +54,8 @@ def main() -> None:
     llm = LLM(model=args.model, dtype="float32", enable_prefix_caching=False, max_model_len=2048, quantization="none")
     model = llm.llm_engine.model
     restore_unpacked_weights(model)   # F.linear needs the plain weights back
-    packs = {m: m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None}
-    packs["lm_head"] = model.packed_lm_head
+    packs = {m: m.method for m in model.modules() if isinstance(m, Linear) and m.method is not DENSE}
+    packs["lm_head"] = model.tied_head
     runs = {"F.linear (MKL)": [], "oneDNN packed": []}
     timed(llm, [{"prompt_token_ids": PROMPT}], 8)   # warm-up
     for _ in range(args.repeats):

@@ -16,7 +16,7 @@ import torch
 from matmul import best_of   # benchmarks/matmul.py, beside this script
 
 from kvserve import kernels
-from kvserve.model.layers import packed_linear, prepack_weights
+from kvserve.model.linear_method import prepack_weights
 from kvserve.model.quantization import QuantizedWeight, quantize_int8, quantize_q8_0, quantized_matmul
 
 SHAPES = [(8960, 1536), (1536, 8960)]   # gate|up halves and down of Qwen2.5-Coder-1.5B
@@ -41,7 +41,7 @@ def main() -> None:
             xb, xd = x.bfloat16(), x.to(dense_dtype)
             t8 = best_of(lambda: quantized_matmul(xb, int8)) * 1e3
             tq = best_of(lambda: quantized_matmul(xb, q8)) * 1e3
-            td = best_of(lambda: packed_linear(xd, dense)) * 1e3
+            td = best_of(lambda: dense.apply(None, xd)) * 1e3
             gmac = m * n * k / t8 / 1e6
             print(f"{n}x{k} M={m:4d}  INT8 {t8:8.2f} ms ({gmac:6.1f} GMAC/s)  Q8_0 {tq:8.2f} ms ({tq / t8:4.2f}x)  "
                   f"dense {str(dense_dtype).removeprefix('torch.')} {td:8.2f} ms ({td / t8:4.2f}x)")

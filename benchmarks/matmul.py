@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvserve import kernels
-from kvserve.model.layers import packed_linear, prepack_weights
+from kvserve.model.linear_method import prepack_weights
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LM_HEAD = (49152, 576)
@@ -52,7 +52,7 @@ def main() -> None:
         for m in map(int, args.rows.split(",")):
             xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {w.shape[1] for w in weights}}
             flop = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
-            t = {path: best_of(lambda: [packed_linear(xs[w.shape[1]], pk) for w, pk in zip(weights, pp)])
+            t = {path: best_of(lambda: [pk.apply(None, xs[w.shape[1]]) for w, pk in zip(weights, pp)])
                  for path, pp in paths.items()}
             print(f"{m:4d} {name:<8} {t['onednn'] * 1e3:9.2f} {flop / t['onednn'] / 1e9:7.0f} "
                   f"{t['kernel'] * 1e3:10.2f} {flop / t['kernel'] / 1e9:7.0f} {t['onednn'] / t['kernel']:5.2f}x")

@@ -301,7 +301,7 @@ def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | No
         return f"{device.type}: torch ops"
     st = status()
     dt = str(dtype).removeprefix("torch.")
-    from kvserve.model.layers import onednn_available
+    from kvserve.model.linear_method import onednn_available
     matmuls = (f"{dt} matmuls by oneDNN on prepacked weights" if dtype == torch.float32 and
                onednn_available(torch.float32) else f"{dt} matmuls in torch")
     if not st.built:

@@ -11,18 +11,19 @@ needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="no C++ compil
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_packed_linear_equals_f_linear_in_bfloat16(bias):
     """oneDNN's packed path (where the C++ matmul kernels do not build) agrees with F.linear to bf16 rounding."""
-    from kvserve.model.layers import Linear, onednn_available, packed_linear, prepack_weights
+    from kvserve.model.layers import Linear
+    from kvserve.model.linear_method import OneDNNMethod, onednn_available, prepack_weights
     lin = Linear(64, 96, bias=bias).to(torch.bfloat16)
     for p in lin.parameters():
         torch.nn.init.normal_(p)
     if not onednn_available(torch.bfloat16):
         pytest.skip("oneDNN has no bf16 linear on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
     pack, = prepack_weights([lin.weight], onednn=True)
-    assert pack.onednn is not None and pack.kernel is None
+    assert isinstance(pack, OneDNNMethod)
     for rows in (7, 300):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         plain = lin(x)
-        packed = packed_linear(x, pack, lin.bias)
+        packed = pack.apply(lin, x, lin.bias)
         # close, not bit-equal: the pack's blocked layout and F.linear's plain weight take different oneDNN (or
         # ATen) paths whose float32 summation orders differ by CPU, and a bf16 rounding can then differ; without a
         # bias, nearly every value is the same bits (a bias is added after rounding the product to bf16)
@@ -36,7 +37,8 @@ def test_onednn_packed_linear_agrees_with_f_linear_in_float32_and_unpacks_exactl
     """float32 Linears are packed for oneDNN on the CPU: the product agrees with F.linear to rounding at every
     row count (1-8 rows are why: MKL's F.linear reads the weight once per row there), strided and 3-d inputs
     included, and the plain weight comes back exactly from the pack."""
-    from kvserve.model.layers import Linear, can_prepack, onednn_available, prepack_linears, unpack_weight
+    from kvserve.model.layers import Linear, prepack_linears
+    from kvserve.model.linear_method import OneDNNMethod, can_prepack, onednn_available
     if not onednn_available(torch.float32):
         pytest.skip("this torch has no oneDNN")
     g = torch.Generator().manual_seed(int(bias))
@@ -45,27 +47,28 @@ def test_onednn_packed_linear_agrees_with_f_linear_in_float32_and_unpacks_exactl
         p.copy_(torch.randn(p.shape, generator=g))
     lin.weight[0, 0] = -0.0
     assert can_prepack(lin.weight) and prepack_linears(lin)[0] == 1
-    assert lin.packed.onednn is not None and lin.packed.kernel is None
+    assert isinstance(lin.method, OneDNNMethod) and lin.method.can_unpack()
     for rows in (1, 2, 3, 6, 8, 9, 37, 300):
         x = torch.randn(rows, 100, generator=g)[:, :96]
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
     x3 = torch.randn(2, 5, 96, generator=g)
     torch.testing.assert_close(lin(x3), torch.nn.functional.linear(x3, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
-    assert torch.equal(unpack_weight(lin.packed, 96), lin.weight)
+    assert torch.equal(lin.method.unpack(96), lin.weight)
 
 
 def test_float32_serving_keeps_one_copy_of_the_weights():
     """The engine drops each float32 Linear's plain weight once it is packed for oneDNN; restoring gives back
     exactly the loaded weights."""
     from kvserve import LLM
-    from kvserve.model.layers import Linear, onednn_available, restore_unpacked_weights
+    from kvserve.model.layers import Linear, restore_unpacked_weights
+    from kvserve.model.linear_method import OneDNNMethod, onednn_available
     from model_utils import load_ours
     if not onednn_available(torch.float32):
         pytest.skip("this torch has no oneDNN")
     llm = LLM(dtype="float32", max_model_len=256, enable_prefix_caching=False, quantization="none")
     model = llm.llm_engine.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight.is_meta and m.packed.onednn is not None for m in linears)
+    assert linears and all(m.weight.is_meta and isinstance(m.method, OneDNNMethod) for m in linears)
     assert llm.llm_engine.runner.released_weight_bytes == sum(4 * m.weight.numel() for m in linears)
     restore_unpacked_weights(model)
     fresh, _ = load_ours(None, "float32")
@@ -79,8 +82,8 @@ def test_prepack_with_release_drops_each_plain_weight_as_its_pack_is_made(dtype,
     plain weights before it are freed already (no reference left); the packs multiply as those made with the
     plain weights kept do. A pack that cannot give its weight back (bf16 for oneDNN) keeps it."""
     import weakref
-    from kvserve.model import layers
-    if not layers.can_prepack(torch.empty(4, 8, dtype=dtype)):
+    from kvserve.model import layers, linear_method
+    if not linear_method.can_prepack(torch.empty(4, 8, dtype=dtype)):
         pytest.skip(f"no packed path for {dtype} here")
 
     def model() -> torch.nn.Module:
@@ -90,10 +93,10 @@ def test_prepack_with_release_drops_each_plain_weight_as_its_pack_is_made(dtype,
         return m
     kept, released = model(), model()
     assert layers.prepack_linears(kept)[0] == 5 and not any(lin.weight.is_meta for lin in kept)
-    releasable = layers._can_unpack(kept[0].packed, dtype)
+    releasable = kept[0].method.can_unpack()
     plain = [weakref.ref(lin.weight) for lin in released]
     alive_at_each_pack = []
-    spied = (kernels, "pack_weight") if kept[0].packed.kernel is not None else (layers, "_onednn_pack")
+    spied = (kernels, "pack_weight") if kept[0].method.kind == "packed bf16" else (linear_method, "_onednn_pack")
     pack = getattr(*spied)
 
     def spy(*args):
@@ -114,14 +117,15 @@ def test_matmul_kernels_are_as_close_to_float32_as_f_linear(out_features):
     """The C++ matmuls (GEMV up to 8 rows, register tiles of 6 rows x 64 columns beyond, a remainder of 1-2 rows
     sharing the last two tiles; strided rows; 3-d input; N not a multiple of 16 or 64) round like F.linear: their
     error against the float32 product is within bf16 rounding, as F.linear's is."""
-    from kvserve.model.layers import Linear, can_prepack, prepack_linears
+    from kvserve.model.layers import Linear, prepack_linears
+    from kvserve.model.linear_method import PackedBf16Method, can_prepack
     g = torch.Generator().manual_seed(out_features)
     lin = Linear(576, out_features).to(torch.bfloat16)
     lin.weight.copy_(torch.randn(out_features, 576, generator=g))
     if not kernels.load().kvserve_has_packed_matmul():
         pytest.skip("no AVX-512 BF16: no C++ matmul kernels")
     assert can_prepack(lin.weight) and prepack_linears(lin)[0] == 1
-    assert lin.packed.kernel is not None and lin.packed.onednn is None   # one packed copy, not two
+    assert isinstance(lin.method, PackedBf16Method)   # one packed copy, not two
     for rows in [*range(1, 15), 20, 32, 37, 100, 257, 1030]:   # 13, 14, 20, 32: last tiles 4 + 3 or 4 + 4
         wide = torch.randn(rows, 600, generator=g).to(torch.bfloat16)
         x = wide[:, :576]   # rows with a stride of 600

@@ -378,19 +378,20 @@ def test_speculative_verification_in_the_fused_stack_is_identical_to_the_modules
 def test_serving_keeps_one_copy_of_the_packed_weights():
     """The engine drops each packed Linear's plain bf16 weight (serving reads only the pack); restoring them from
     the packs gives back exactly the loaded weights, and the engine's tokens do not change."""
-    from kvserve.model.layers import Linear, restore_unpacked_weights, unpack_weight
+    from kvserve.model.layers import Linear, restore_unpacked_weights
+    from kvserve.model.linear_method import DENSE, PackedBf16Method
     from model_utils import load_ours
     llm = LLM(dtype="bfloat16", quantization="none", max_model_len=256, enable_prefix_caching=False)
     model = llm.llm_engine.model
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     before = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight.is_meta and m.packed.kernel is not None for m in linears)
+    assert linears and all(m.weight.is_meta and isinstance(m.method, PackedBf16Method) for m in linears)
     assert llm.llm_engine.runner.released_weight_bytes == sum(2 * m.weight.numel() for m in linears)
-    pack, linears[0].packed = linears[0].packed, None
+    pack, linears[0].method = linears[0].method, DENSE
     with pytest.raises(RuntimeError, match="released after packing"):   # never used silently
         linears[0](torch.ones(1, linears[0].weight.shape[1], dtype=torch.bfloat16))
-    linears[0].packed = pack
+    linears[0].method = pack
     restore_unpacked_weights(model)
     fresh, _ = load_ours(None, "bfloat16")
     for (name, got), (_, want) in zip(model.named_parameters(), fresh.named_parameters()):
@@ -399,8 +400,7 @@ def test_serving_keeps_one_copy_of_the_packed_weights():
     odd = torch.randn(100, 48).to(torch.bfloat16)   # N not a multiple of 16
     out = torch.empty(kernels.packed_numel(100, 48), dtype=torch.bfloat16)
     kernels.pack_weight(_lib, odd, out)
-    from kvserve.model.layers import PackedWeight
-    assert torch.equal(unpack_weight(PackedWeight(100, kernel=out), 48), odd)
+    assert torch.equal(PackedBf16Method(100, out, _lib).unpack(48), odd)
 
 
 def test_engine_tokens_and_logprobs_identical_with_and_without_the_decode_split():

@@ -82,3 +82,25 @@ def test_phi3_features_we_do_not_compute_are_refused_at_load(tmp_path, extra, me
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=message):
         build_model(load_hf_config(str(tmp_path)))
+
+
+def test_a_bpe_tokenizer_drops_its_python_vocabulary_and_merges_and_tokenizes_the_same():
+    """transformers' Gemma/Llama tokenizers keep the Python vocabulary and merges they built their Rust tokenizer
+    from (hundreds of MB for Gemma's 262,144 tokens); release_build_state drops them, and the tokenizer encodes,
+    decodes and saves as before."""
+    import tempfile
+    from transformers import AutoTokenizer, GemmaTokenizer
+    from kvserve.model.tokenizer import release_build_state
+    letters = "abcdehlorw▁"
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *letters, "he", "ll", "hell",
+                                         "hello", "▁w", "▁wo", "or", "▁wor"])}
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("▁", "w"), ("▁w", "o"), ("o", "r"), ("▁wo", "r")]
+    tok = GemmaTokenizer(vocab=vocab, merges=merges)
+    text = "hello world, hello"
+    ids = tok.encode(text)
+    assert release_build_state(tok) is tok and tok._vocab == {} and tok._merges == []
+    assert tok.encode(text) == ids and tok.decode(ids) == tok.decode(ids, skip_special_tokens=False)
+    assert {"hello", "▁wor"} <= set(tok.convert_ids_to_tokens(ids))   # the merges apply
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        assert AutoTokenizer.from_pretrained(d).encode(text) == ids

@@ -431,7 +431,7 @@ def test_quantized_modules_are_assembled_as_their_shards_arrive(tmp_path):
 
     def stream():
         for i, item in enumerate(weights):
-            if qkv.packed is not None and qkv.packed.quant is not None and not built_at:
+            if qkv.quantized is not None and not built_at:
                 built_at.append(i)
             yield item
     model.load_weights(stream())

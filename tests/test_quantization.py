@@ -42,7 +42,7 @@ def test_bundled_model_keeps_its_quantized_weights(quantized_llm):
     assert {f for m in linears for f in m.quantized.formats()} == {"Q4_1"}
     embed = model.model.embed_tokens
     assert embed.quantized.formats() == ["Q8_0"] and embed.weight.is_meta
-    assert model.packed_lm_head.quant is embed.quantized   # tied: the lm_head multiplies the same blocks
+    assert model.tied_head is embed.method   # tied: the lm_head multiplies the same blocks
     assert "Q4_1 x120" in engine.weights_summary and "Q8_0 x1" in engine.weights_summary
     quantized_bytes = sum(m.quantized.nbytes for m in linears) + embed.quantized.nbytes
     dense_bytes = sum(p.numel() * 4 for m in linears for p in [m.weight]) + embed.weight.numel() * 4
@@ -214,7 +214,7 @@ def test_int8_on_an_hf_checkpoint_matches_the_float_model(tmp_path, family):
     embed = int8.model.embed_tokens
     assert embed.quantized.formats() == ["INT8"] and embed.quantized.source == "int8" and embed.weight.is_meta
     if family == "qwen2":
-        assert int8.packed_lm_head.quant is embed.quantized
+        assert int8.tied_head is embed.method
     assert (family == "qwen2") == (int8.model.layers[0].self_attn.qkv_proj.bias is not None)
     ids = [5, 9, 200, 31, 7, 77, 120, 3] * 3
     q, d = run_single_sequence(int8, ids), run_single_sequence(dense, ids)

@@ -10,6 +10,7 @@ import torch
 
 from kvserve.errors import InvalidRequestError
 from kvserve.model.layers import Linear
+from kvserve.model.linear_method import QuantizedMethod
 
 from model_utils import save_tiny_model
 from spec_utils import GREEDY_30, STRESS, make_llm, tokens
@@ -132,7 +133,7 @@ def test_layers_requantized_to_q4_0_are_ggmls_q4_0_of_their_rows(tmp_path, weigh
         part = qkv.quantized.segments[0]
         kept = to_q4_0(replace_rows(part, slice(0, 32)))
         mixed = QuantizedWeight([kept, replace_rows(part, slice(32, None))])
-        qkv.packed.quant = mixed
+        qkv.method = QuantizedMethod(mixed)
         stored["0.self_attn.qkv_proj"] = mixed.dequantize()
         kept_bytes = mixed.segments[0].data.clone()
     replaced = model.quantize_layers_q4_0(stored_only=weights != "float32")

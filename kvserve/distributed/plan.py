@@ -18,14 +18,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from kvserve.errors import InvalidRequestError
+from kvserve.model.linear_roles import DECODER_LINEARS
 from kvserve.model.model_config import ModelConfig
 from kvserve.model.quantization import KERNEL_FORMATS, QuantizedTensor
 
 logger = logging.getLogger("kvserve")
 
-# HF projection name -> how it is split: "q"/"kv" heads' rows, "inter" rows, "o"/"down" input columns
-_SPLITS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "o", "gate_proj": "inter", "up_proj": "inter",
-           "down_proj": "down"}
+# HF projection name -> how it is split: "q"/"kv" heads' rows, "inter" rows, "o"/"down" input columns (the
+# decoder's declared linears)
+_SPLITS = {p.checkpoint: p.split for r in DECODER_LINEARS for p in r.projections}
+_LINEAR_SPLITS = {(r.name, i): p.split for r in DECODER_LINEARS for i, p in enumerate(r.projections)}
 
 
 @dataclass(frozen=True)
@@ -51,23 +53,27 @@ class ShardPlan:
         """The rank's part of one projection's LoRA pair (A [r, K], scale * B [N, r]): a column-parallel
         projection keeps its output rows of B, a row-parallel one its input columns of A (the group's all-reduce
         sums the partial products, as it does the base's)."""
+        start, count = self.rank_slice(_LINEAR_SPLITS[(linear, shard)])
+        if _LINEAR_SPLITS[(linear, shard)] in ("o", "down"):
+            return a[:, start:start + count].contiguous(), b
+        return a, b[start:start + count].contiguous()
+
+    def rank_slice(self, split: str) -> tuple[int, int]:
+        """(start, count) of the rank's rows (column-parallel) or input columns (row-parallel) for a split kind."""
         d = self.head_dim
-        if linear == "qkv_proj":
-            start, count = self.q_heads if shard == 0 else self.kv_heads
-            return a, b[start * d:(start + count) * d].contiguous()
-        if linear == "gate_up_proj":
-            return a, b[self.intermediate[0]:sum(self.intermediate)].contiguous()
-        if linear == "o_proj":
-            return a[:, self.q_heads[0] * d:sum(self.q_heads) * d].contiguous(), b
-        return a[:, self.intermediate[0]:sum(self.intermediate)].contiguous(), b   # down_proj
+        if split in ("q", "o"):
+            return self.q_heads[0] * d, self.q_heads[1] * d
+        if split == "kv":
+            return self.kv_heads[0] * d, self.kv_heads[1] * d
+        return self.intermediate   # inter, down
 
 
 def full_projection_shapes(cfg: ModelConfig) -> dict[tuple[str, int], tuple[int, int]]:
     """(linear, shard) -> (in, out features) of the whole model's projections (what an adapter was trained on)."""
     h, q, kv, i = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
         cfg.intermediate_size
-    return {("qkv_proj", 0): (h, q), ("qkv_proj", 1): (h, kv), ("qkv_proj", 2): (h, kv), ("o_proj", 0): (q, h),
-            ("gate_up_proj", 0): (h, i), ("gate_up_proj", 1): (h, i), ("down_proj", 0): (i, h)}
+    shapes = {"q": (h, q), "kv": (h, kv), "inter": (h, i), "o": (q, h), "down": (i, h)}
+    return {key: shapes[split] for key, split in _LINEAR_SPLITS.items()}
 
 
 def make_plans(cfg: ModelConfig, size: int) -> list[ShardPlan]:
@@ -128,20 +134,12 @@ def shard_tensor(name: str, t, plan: ShardPlan):
     """One tensor's slice for the rank (unchanged where every rank holds all of it: norms, o/down biases)."""
     parts = name.split(".")
     kind = next((_SPLITS[p] for p in parts if p in _SPLITS), None)
-    is_weight = parts[-1] == "weight"
-    d = plan.head_dim
     if name.startswith("model.embed_tokens.") or name.startswith("lm_head."):
         return _rows(t, *plan.vocab)
-    if kind == "q":
-        return _rows(t, plan.q_heads[0] * d, plan.q_heads[1] * d)
-    if kind == "kv":
-        return _rows(t, plan.kv_heads[0] * d, plan.kv_heads[1] * d)
-    if kind == "inter":
-        return _rows(t, *plan.intermediate)
-    if kind == "o" and is_weight:
-        return _cols(t, plan.q_heads[0] * d, plan.q_heads[1] * d)
-    if kind == "down" and is_weight:
-        return _cols(t, *plan.intermediate)
+    if kind in ("q", "kv", "inter"):
+        return _rows(t, *plan.rank_slice(kind))
+    if kind in ("o", "down") and parts[-1] == "weight":
+        return _cols(t, *plan.rank_slice(kind))
     return t
 
 

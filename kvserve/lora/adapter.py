@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 
 from kvserve.errors import LoRAError
 from kvserve.lora.request import LoRARequest
+from kvserve.model.linear_roles import DECODER_LINEARS
 
-# a PEFT target module -> (our linear, its shard)
-TARGET_MODULES = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
-}
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# a PEFT target module (a checkpoint projection) -> (our linear, its shard), from the decoder's declared linears
+TARGET_MODULES = {p.checkpoint: (r.name, i) for r in DECODER_LINEARS for i, p in enumerate(r.projections)}
+_BLOCKS = {p.checkpoint: r.block for r in DECODER_LINEARS for p in r.projections}   # HF's module path
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(" + "|".join(sorted(set(_BLOCKS.values())))
+                  + r")\.(\w+)\.lora_([AB])\.weight$")
 
 
 @dataclass
@@ -76,17 +76,12 @@ def load_adapter(request: LoRARequest, shapes: dict[tuple[str, int], tuple[int, 
             raise LoRAError(f"the adapter at {path} does not fit this base model: layer {layer} {module} takes "
                             f"{a.shape[1]} inputs to {b.shape[0]} outputs, the model's {in_features} to "
                             f"{out_features}{_trained_on(config)}")
-        scale = _alpha(config, f"model.layers.{layer}.{_block_of(module)}.{module}") / (
+        scale = _alpha(config, f"model.layers.{layer}.{_BLOCKS[module]}.{module}") / (
             math.sqrt(rank) if config.get("use_rslora") else rank)
         adapter.weights[(layer, linear, shard)] = (a.float().contiguous(), (b.float() * scale).contiguous())
         adapter.rank = max(adapter.rank, rank)
     adapter.load_time_s = time.perf_counter() - start
     return adapter
-
-
-def _block_of(module: str) -> str:
-    """The block a projection sits in, in HF's module names."""
-    return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
 
 
 def _read_config(path: str) -> dict:

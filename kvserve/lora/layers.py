@@ -15,9 +15,7 @@ import numpy as np
 import torch
 
 from kvserve import kernels
-
-# the adaptable linears of a decoder layer, in the fused stack's order (layers.cpp lora()), with their block
-LORA_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+from kvserve.model.linear_roles import DECODER_LINEARS
 
 
 class LoRAMapping:
@@ -107,14 +105,14 @@ class LoRAWeights:
 
 
 def _adaptable_linears(layer):
-    """(name, linear, shard sizes) of a decoder layer's adaptable linears, in LORA_LINEARS' order."""
-    for block, name in LORA_LINEARS:
-        linear = getattr(getattr(layer, block), name)
-        yield name, linear, list(getattr(linear, "shard_sizes", {None: linear.weight.shape[0]}).values())
+    """(name, linear, shard sizes) of a decoder layer's adaptable linears: every one it declares (DECODER_LINEARS)."""
+    for role in DECODER_LINEARS:
+        linear = role.of(layer)
+        yield role.name, linear, list(getattr(linear, "shard_sizes", {None: linear.weight.shape[0]}).values())
 
 
 def install_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> tuple[LoRAMapping, dict]:
-    """Give every adaptable linear of a Llama-family model its adapter slots; returns the step mapping they share
+    """Give every adaptable linear of a decoder model its adapter slots; returns the step mapping they share
     and {(layer, linear name): LoRAWeights}."""
     device = model.model.norm.weight.device   # never a shape-only (meta) weight
     mapping = LoRAMapping()

@@ -1,4 +1,4 @@
-"""Model code (Llama family) and loaders for HF safetensors directories and GGUF files."""
+"""Model code (every family on one declared decoder) and loaders for HF safetensors directories and GGUF files."""
 from kvserve.model.loader import (default_model_path, load_hf_config, load_model, load_model_config, resolve_device,
                                   resolve_dtype)
 from kvserve.model.model_config import ModelConfig

@@ -7,8 +7,9 @@ from collections.abc import Iterable
 import torch
 
 from kvserve.model.decoder import DecoderModel, ModelSpec
-from kvserve.model.layers import (Linear, PackedWeight, VocabEmbedding, load_packed_weights, packed_linear,
-                                  prepack_linears)
+from kvserve.model.linear_roles import DECODER_LINEARS
+from kvserve.model.layers import Linear, VocabEmbedding, load_packed_weights, prepack_linears
+from kvserve.model.linear_method import DENSE, LinearMethod
 from kvserve.model.model_config import ModelConfig
 from kvserve.module import InferenceModule
 from kvserve.model.draft_heads import DraftHeads
@@ -18,11 +19,8 @@ class CausalLM(DraftHeads, InferenceModule):
     """Causal LM over one step's flattened tokens: forward -> hidden states, compute_logits -> float32 logits. A
     family subclasses it with its declaration (declare) and, where its checkpoints need it, its weight names."""
 
-    # HF checkpoint projection name -> (our fused module, shard id)
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
-    }
+    # HF checkpoint projection name -> (our fused module, shard id), from the decoder's declared linears
+    packed_modules = {p.checkpoint: (r.name, p.shard) for r in DECODER_LINEARS for p in r.projections if p.shard}
 
     @classmethod
     def declare(cls, cfg: ModelConfig) -> ModelSpec:
@@ -42,8 +40,9 @@ class CausalLM(DraftHeads, InferenceModule):
         self.config = cfg
         self.model = DecoderModel(cfg, self.declare(cfg))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        # tied embeddings: packed by prepack(), or the quantized table itself (load_weights)
-        self.packed_lm_head: PackedWeight | None = None
+        # tied embeddings: the method that multiplies the embedding table as the head (packed by prepack(), or the
+        # quantized table's own, load_weights)
+        self.tied_head: LinearMethod = DENSE
         self.cut_lm_head: Linear | None = None   # the output matrix's first rows (restrict_vocab)
         # restrict_vocab: a dense output matrix's plain rows, kept for row_logits after prepack() releases them
         self._plain_head: torch.Tensor | None = None
@@ -65,10 +64,8 @@ class CausalLM(DraftHeads, InferenceModule):
             return self._capped(self.cut_lm_head(hidden).float())
         if self.lm_head is not None:
             logits = self.lm_head(hidden).float()
-        elif self.packed_lm_head is not None:
-            logits = packed_linear(hidden, self.packed_lm_head).float()
         else:
-            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.tied_head.apply(self.model.embed_tokens, hidden).float()
         logits = self._capped(logits)
         return logits if self.tp is None else self.tp.gather_columns(logits, *self.tp_vocab)
 
@@ -81,8 +78,9 @@ class CausalLM(DraftHeads, InferenceModule):
         """Make this rank's shard (built from ShardPlan.local_config, loaded through shard_weights) one part of the
         group: o and down are row-parallel, the embedding and head vocab-parallel (kvserve/distributed/plan.py)."""
         for layer in self.model.layers:
-            layer.self_attn.o_proj.tp = comm
-            layer.mlp.down_proj.tp = comm
+            for role in DECODER_LINEARS:
+                if role.row_parallel:
+                    role.of(layer).tp = comm
         self.model.embed_tokens.tp = comm
         self.model.embed_tokens.vocab_start = vocab_start
         self.tp = comm
@@ -95,7 +93,7 @@ class CausalLM(DraftHeads, InferenceModule):
         tied = [embed.weight] if self.lm_head is None and embed.quantized is None else []
         num, extra = prepack_linears(self, tied, release=release)
         if extra:
-            self.packed_lm_head = extra[0]
+            self.tied_head = extra[0]
         return num
 
     def _output_matrix(self) -> Linear | VocabEmbedding:
@@ -108,15 +106,13 @@ class CausalLM(DraftHeads, InferenceModule):
         for m in self.modules():
             if isinstance(m, (Linear, VocabEmbedding)) and m.weight.is_meta:   # released or quantized: storage again
                 m.weight = torch.nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype), requires_grad=False)
-            if isinstance(m, Linear):   # packed copies of the old weights are stale now
-                m.packed = None
-            elif isinstance(m, VocabEmbedding):
-                m.quantized = None
-        self.packed_lm_head = None
+            if isinstance(m, (Linear, VocabEmbedding)):   # packed copies of the old weights are stale now
+                m.method = DENSE
+        self.tied_head = DENSE
         load_packed_weights(self, self.adapt_weights(weights), self.packed_modules, self._skip)
         embed = self.model.embed_tokens
-        if self.lm_head is None and embed.quantized is not None:   # tied: the quantized table is the head's pack
-            self.packed_lm_head = PackedWeight(embed.weight.shape[0], quant=embed.quantized)
+        if self.lm_head is None and embed.quantized is not None:   # tied: the quantized table is the head's
+            self.tied_head = embed.method
 
     def adapt_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint's HF-named tensors as the modules take them (a family may rewrite some)."""

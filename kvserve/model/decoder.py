@@ -84,7 +84,7 @@ class DecoderAttention(InferenceModule):
         super().__init__()
         h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, d
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": h * d, "k": hkv * d, "v": hkv * d},
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": h * d, "k": hkv * d, "v": hkv * d},   # linear_roles.py
                                      bias=cfg.attention_bias)
         self.o_proj = Linear(h * d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from kvserve import kernels
-from kvserve.model.layers import Linear, PackedWeight
+from kvserve.model.layers import Linear
+from kvserve.model.linear_method import DENSE, keep_quantized
 from kvserve.model.quantization import INT8, INT8_GROUP, QuantizedWeight, is_wider_than_q4_0, to_q4_0
 
 
@@ -56,14 +57,14 @@ class DraftHeads:
         """A head that multiplies `quant`; its weight is shape-only."""
         n, k = quant.out_features, self.config.hidden_size
         head = Linear(k, n)
-        head.packed = PackedWeight(n, quant=quant)
         head.weight = nn.Parameter(torch.empty(n, k, dtype=dtype, device="meta"), requires_grad=False)
+        keep_quantized(head, quant)
         return head
 
     def _set_quantized_head(self, quant: QuantizedWeight, dtype: torch.dtype) -> None:
         """A head of its own (untying a tied model's) that multiplies `quant`."""
         self.lm_head = self._quantized_head(quant, dtype)
-        self.packed_lm_head = None
+        self.tied_head = DENSE
 
     def restrict_vocab(self, n: int) -> None:
         """Logits for the first n token ids as well (compute_logits(cut=True): a speculative draft model's
@@ -131,9 +132,7 @@ class DraftHeads:
             else:
                 new = QuantizedWeight([to_q4_0(s) if is_wider_than_q4_0(s) else s for s in quant.segments])
                 replaced.update(s.format for s in quant.segments if is_wider_than_q4_0(s))
-            m.packed = PackedWeight(new.out_features, quant=new)
-            m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"),
-                                    requires_grad=False)
+            keep_quantized(m, new)
         return replaced
 
     def _check_q4_0(self, what: str) -> None:

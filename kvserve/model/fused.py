@@ -20,6 +20,7 @@ import torch
 from kvserve import kernels
 from kvserve.attention import fp8, kv_layout
 from kvserve.attention.backends import CpuPagedAttention
+from kvserve.model.linear_roles import DECODER_LINEARS
 
 MAX_ROPES = 4   # layers.cpp's
 _ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}   # layers.cpp's Activation
@@ -69,13 +70,12 @@ def _linear_desc(m) -> LinearDesc:
 
 
 def _layer_desc(layer, group: int) -> LayerDesc:
-    attn, mlp, spec, inner = layer.self_attn, layer.mlp, layer.spec, layer.self_attn.attn
+    attn, spec, inner = layer.self_attn, layer.spec, layer.self_attn.attn
     norm = lambda m: None if m is None else m.weight.data_ptr()   # noqa: E731
     return LayerDesc(
         norm(layer.input_layernorm), norm(layer.post_attention_layernorm), norm(layer.pre_feedforward_layernorm),
         norm(layer.post_feedforward_layernorm), norm(attn.q_norm), norm(attn.k_norm),
-        _linear_desc(attn.qkv_proj), _linear_desc(attn.o_proj), _linear_desc(mlp.gate_up_proj),
-        _linear_desc(mlp.down_proj), inner.k_cache.data_ptr(), inner.v_cache.data_ptr(), inner.kv_scales.data_ptr(),
+        *(_linear_desc(role.of(layer)) for role in DECODER_LINEARS), inner.k_cache.data_ptr(), inner.v_cache.data_ptr(), inner.kv_scales.data_ptr(),
         spec.rope, group, inner.sliding_window or 0, _ACTIVATIONS[spec.activation], inner.scale, inner.softcap or 0.0)
 
 
@@ -167,7 +167,7 @@ def _bound(layers) -> tuple:
 
 
 def _bound_layer(attn) -> tuple:
-    return attn.attn.k_cache, attn.attn.v_cache, attn.attn.kv_scales, attn.qkv_proj.packed, attn.qkv_proj.lora
+    return attn.attn.k_cache, attn.attn.v_cache, attn.attn.kv_scales, attn.qkv_proj.method, attn.qkv_proj.lora
 
 
 def _ref(x):
@@ -179,12 +179,9 @@ def is_same_binding(key: tuple, layers) -> bool:
 
 
 def _linear_weight(m) -> tuple[int, int] | None:
-    """(pointer, 1 if quantized) of what the stack multiplies for Linear m, or None where it cannot."""
-    if m.quantized is not None:
-        return m.quantized.desc_ptr, 1
-    if m.packed is not None and m.packed.kernel is not None:
-        return m.packed.kernel_ptr, 0
-    return None
+    """(pointer, 1 if quantized) of what the stack multiplies for Linear m (its method's), or None where it
+    cannot."""
+    return m.method.kernel_weight()
 
 
 def _bf16_rows(t: torch.Tensor | None) -> bool:
@@ -193,8 +190,8 @@ def _bf16_rows(t: torch.Tensor | None) -> bool:
 
 def _layer_refusal(layer, tp) -> str | None:
     """Which feature of this layer the stack has no kernel for, or None."""
-    attn, mlp, spec = layer.self_attn, layer.mlp, layer.spec
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    attn, spec = layer.self_attn, layer.spec
+    linears = [role.of(layer) for role in DECODER_LINEARS]
     norms = [n for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                          layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm) if n is not None]
     cache = attn.attn.k_cache
@@ -203,8 +200,8 @@ def _layer_refusal(layer, tp) -> str | None:
         (spec.rope >= MAX_ROPES, f"more than {MAX_ROPES} RoPE tables"),
         (any(_linear_weight(m) is None for m in linears),
          "a linear without a packed bf16 or quantized weight (packed bf16 needs AVX-512 BF16)"),
-        (mlp.down_proj.tp is not tp or attn.o_proj.tp is not tp or attn.qkv_proj.tp is not None
-         or mlp.gate_up_proj.tp is not None, "a tensor-parallel split it does not know"),
+        (any(m.tp is not (tp if role.row_parallel else None) for m, role in zip(linears, DECODER_LINEARS)),
+         "a tensor-parallel split it does not know"),
         (not all(_bf16_rows(m.bias) for m in linears), "a linear bias not in bf16"),
         (not all(_bf16_rows(n.weight) for n in norms), "norms not in bf16"),
         (len({n.eps for n in norms}) != 1, "norms with different eps"),

@@ -2,9 +2,7 @@
 linears, activations."""
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,18 +10,20 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.errors import ModelLoadError
-from kvserve.model.quantization import QuantizedTensor, QuantizedWeight, embedding_rows, quantized_matmul
+from kvserve.model.linear_method import DENSE, LinearMethod, can_prepack, keep_quantized, prepack_weights, shape_only
+from kvserve.model.quantization import QuantizedTensor, QuantizedWeight
 from kvserve.module import InferenceModule
 
 
 class Linear(InferenceModule):
-    """y = x W^T (+ b) with uninitialized parameters: every weight is overwritten by load_weights."""
+    """y = x W^T (+ b) by its method (kvserve/model/linear_method.py): the plain weight, packed for a kernel, or
+    kept quantized. Parameters start uninitialized: every weight is overwritten by load_weights."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: PackedWeight | None = None   # packed copies of weight (prepack_linears), or its quantized form
+        self.method: LinearMethod = DENSE
         self.lora = None   # its LoRA adapter slots (kvserve/lora/layers.py LoRAWeights), when LoRA is enabled
         # tensor parallelism: a row-parallel linear's group (kvserve/distributed TPComm), which sums the ranks'
         # partial outputs before the bias is added
@@ -31,18 +31,11 @@ class Linear(InferenceModule):
 
     @property
     def quantized(self) -> QuantizedWeight | None:
-        """The GGUF-quantized weight this linear multiplies, when it kept one (then `weight` is shape-only)."""
-        return None if self.packed is None else self.packed.quant
+        """The quantized weight this linear multiplies, when it kept one (then `weight` is shape-only)."""
+        return self.method.quant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.tp is None else None
-        if self.packed is not None:
-            y = packed_linear(x, self.packed, bias)
-        elif self.weight.is_meta:   # F.linear would return a meta tensor, and the kernels would read address 0
-            raise RuntimeError("this Linear's plain weight was released after packing and its pack removed; "
-                               "restore_unpacked_weights(model) brings the weights back")
-        else:
-            y = F.linear(x, self.weight, bias)
+        y = self.method.apply(self, x, self.bias if self.tp is None else None)
         if self.lora is not None and self.lora.mapping.row_slot is not None:
             self.lora.apply(x, y)   # + (x A) B for the rows whose request chose an adapter
         if self.tp is not None:
@@ -52,114 +45,20 @@ class Linear(InferenceModule):
         return y
 
 
-@dataclass
-class PackedWeight:
-    """A CPU weight [N, K] packed once in the layout a matmul kernel streams. bf16: kvserve/csrc/gemv.cpp's
-    (16 output columns x 2 inputs per 64-byte line; a GEMV up to 8 rows, register-tiled GEMM beyond) where the
-    C++ kernels build with AVX-512 BF16 and K is even, else oneDNN's blocked layout. float32: oneDNN's, which
-    reads a few rows' weights once (MKL's F.linear costs several single-row passes for 2-8 rows). quant: a GGUF
-    weight kept in its block formats (kvserve/model/quantization.py), for any activation dtype."""
-
-    out_features: int
-    kernel: torch.Tensor | None = None   # the C++ kernels' layout
-    kernel_ptr: int = 0
-    lib: object = None
-    onednn: torch.Tensor | None = None   # oneDNN's layout, where the C++ kernels are not available
-    quant: QuantizedWeight | None = None
-
-
-def _kernel_lib():
-    lib = kernels.load()
-    return lib if lib is not None and lib.kvserve_has_packed_matmul() else None
-
-
-def can_prepack(weight: torch.Tensor) -> bool:
-    """True where a packed weight is available: CPU and bf16, with the C++ matmul kernels or a torch built with
-    mkldnn; CPU and float32 with mkldnn."""
-    if weight.device.type == "cpu" and weight.dtype == torch.float32:
-        return onednn_available(torch.float32)
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        return False
-    if _kernel_lib() is not None and weight.shape[1] % 2 == 0:
-        return True
-    return onednn_available(torch.bfloat16)
-
-
-@functools.cache
-def onednn_available(dtype: torch.dtype) -> bool:
-    """Whether this torch and CPU pack linears of `dtype` for oneDNN (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.ones(8, 8, dtype=dtype)
-        packed_linear(torch.ones(1, 8, dtype=dtype), PackedWeight(8, onednn=_onednn_pack(w)))
-        return True
-    except (RuntimeError, AttributeError):
-        return False
-
-
-
-def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
-
-
-def prepack_weights(weights: list[torch.Tensor], onednn: bool = False,
-                    on_packed: Callable[[int, PackedWeight], None] | None = None) -> list[PackedWeight]:
-    """Pack weights [N, K] once (they must not change afterwards). The C++ kernels' copies share one huge-page
-    buffer: decode steps read it from start to end. onednn=True packs for oneDNN even where the kernels exist
-    (benchmarks compare the two). on_packed(i, pack) is called as soon as weights[i] is packed (prepack_linears
-    drops the plain weight there, and its entry in `weights`)."""
-    lib = _kernel_lib()
-    onednn = onednn or lib is None or any(w.shape[1] % 2 or w.dtype != torch.bfloat16 for w in weights)
-    if not onednn:
-        sizes = [kernels.packed_numel(*w.shape) for w in weights]
-        parts = kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16).split(sizes)
-    packs = []
-    for i in range(len(weights)):
-        w = weights[i]
-        if onednn:
-            packs.append(PackedWeight(w.shape[0], onednn=_onednn_pack(w)))
-        else:
-            kernels.pack_weight(lib, w, parts[i])
-            packs.append(PackedWeight(w.shape[0], kernel=parts[i], kernel_ptr=parts[i].data_ptr(), lib=lib))
-        del w
-        if on_packed is not None:
-            on_packed(i, packs[-1])
-    return packs
-
-
-def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T with a prepacked weight: the C++ kernels, faster than oneDNN at every size (benchmarks/matmul.py);
-    oneDNN's path (where they do not build) is bit-identical to F.linear in bf16; in float32 it sums in another
-    order than F.linear (MKL) and agrees to rounding."""
-    if packed.kernel is not None:
-        if x.dim() != 2 or x.stride(1) != 1:
-            return packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias).view(*x.shape[:-1], -1)
-        n = packed.out_features   # the call inlined: decode steps make 121 of these per token
-        y = x.new_empty(x.shape[0], n)
-        packed.lib.kvserve_packed_matmul_bf16(x.data_ptr(), x.stride(0), packed.kernel_ptr, y.data_ptr(), n, x.shape[0],
-                                         n, x.shape[1])
-    elif packed.quant is not None:
-        y = quantized_matmul(x, packed.quant)
-    else:
-        y = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, None, "none", [], "")
-    return y if bias is None else y + bias
-
-
 def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = (),
-                    release: bool = False) -> tuple[int, list[PackedWeight]]:
-    """Give every bf16 CPU Linear a packed weight (quantized ones keep theirs); returns how many, and the packs of
-    the `extra` weights. release: each Linear's plain weight is dropped as soon as its pack is made, where the pack
-    can give it back (release_unpacked_weights' rule), so that the plain weights and the packs never both take
-    the whole model's memory."""
+                    release: bool = False) -> tuple[int, list[LinearMethod]]:
+    """Give every dense bf16 or float32 CPU Linear a packed method (quantized ones keep theirs); returns how many,
+    and the methods of the `extra` weights. release: each Linear's plain weight is dropped as soon as its pack is
+    made, where the pack can give it back (release_unpacked_weights' rule), so that the plain weights and the packs
+    never both take the whole model's memory."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is None]
     weights = [m.weight for m in linears] + list(extra)
     if not weights or not can_prepack(weights[0]):
         return 0, []
 
-    def packed(i: int, pack: PackedWeight) -> None:
+    def packed(i: int, method: LinearMethod) -> None:
         if i < len(linears):
-            linears[i].packed = pack
+            linears[i].method = method
             if release:
                 _release_plain_weight(linears[i])
                 weights[i] = None
@@ -167,43 +66,27 @@ def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = (),
     return len(linears), packs[len(linears):]
 
 
-def unpack_weight(packed: PackedWeight, in_features: int) -> torch.Tensor:
-    """W [N, K] back from the C++ kernels' layout (the pack is a permutation: exact), or from a float32 oneDNN pack
-    as I_K @ W^T (each entry one product by 1 plus zeros: exact for finite weights, -0.0 coming back as 0.0; an
-    infinite or NaN weight makes its row NaN). Benchmarks and tests use it, through restore_unpacked_weights."""
-    if packed.kernel is None:
-        eye = torch.eye(in_features, dtype=torch.float32)
-        return packed_linear(eye, packed).t().contiguous()
-    n, k = packed.out_features, in_features
-    nb = -(-n // 16)
-    return packed.kernel.view(nb, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(nb * 16, k)[:n].clone()
-
-
 def release_unpacked_weights(model: nn.Module) -> int:
-    """Drop the plain weight of every Linear that has a C++-kernel or a float32 oneDNN pack (the serving path reads
-    only the pack), leaving a shape-only meta tensor; returns the bytes freed. A Linear whose pack is then removed
-    raises, and restore_unpacked_weights() brings the weights back (benchmarks that switch packing off)."""
+    """Drop the plain weight of every Linear whose method can give it back (the serving path reads only the
+    method), leaving a shape-only meta tensor; returns the bytes freed. A Linear whose method is then reset raises,
+    and restore_unpacked_weights() brings the weights back (benchmarks that switch packing off)."""
     return sum(_release_plain_weight(m) for m in model.modules() if isinstance(m, Linear))
 
 
 def _release_plain_weight(m: Linear) -> int:
     """release_unpacked_weights for one Linear: the bytes freed."""
-    if not _can_unpack(m.packed, m.weight.dtype) or m.weight.is_meta:
+    if not m.method.can_unpack() or m.weight.is_meta:
         return 0
     freed = m.weight.numel() * m.weight.element_size()
-    m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"), requires_grad=False)
+    shape_only(m)
     return freed
 
 
 def restore_unpacked_weights(model: nn.Module) -> None:
-    """Undo release_unpacked_weights() from the packs."""
+    """Undo release_unpacked_weights() from the methods."""
     for m in model.modules():
-        if isinstance(m, Linear) and m.weight.is_meta and _can_unpack(m.packed, m.weight.dtype):
-            m.weight = nn.Parameter(unpack_weight(m.packed, m.weight.shape[1]), requires_grad=False)
-
-
-def _can_unpack(packed: PackedWeight | None, dtype: torch.dtype) -> bool:
-    return packed is not None and (packed.kernel is not None or packed.onednn is not None and dtype == torch.float32)
+        if isinstance(m, Linear) and m.weight.is_meta and m.method.can_unpack():
+            m.weight = nn.Parameter(m.method.unpack(m.weight.shape[1]), requires_grad=False)
 
 
 class MergedLinear(Linear):
@@ -232,7 +115,7 @@ class VocabEmbedding(InferenceModule):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-        self.quantized: QuantizedWeight | None = None   # a GGUF table kept quantized (then `weight` is shape-only)
+        self.method: LinearMethod = DENSE   # or a table kept quantized (then `weight` is shape-only)
         # tensor parallelism (vocab-parallel): this rank's rows are the vocabulary from vocab_start; the others' ids
         # look up zeros, and the group's sum gives every rank every row
         self.tp = None
@@ -248,10 +131,12 @@ class VocabEmbedding(InferenceModule):
         self.tp.all_reduce(out)
         return out
 
+    @property
+    def quantized(self) -> QuantizedWeight | None:
+        return self.method.quant
+
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return embedding_rows(self.quantized.segments[0], input_ids, self.weight.dtype)
-        return F.embedding(input_ids, self.weight)
+        return self.method.rows(self, input_ids)
 
 
 def _fast_lib(x: torch.Tensor):
@@ -453,13 +338,7 @@ def _keep_quantized(module: nn.Module, shards: dict[str | None, QuantizedTensor]
             with torch.no_grad():
                 dest.copy_(qt.dequantize())
         return
-    weight = QuantizedWeight([shards[s] for s in order])
-    if isinstance(module, Linear):
-        module.packed = PackedWeight(weight.out_features, quant=weight)
-    else:
-        module.quantized = weight
-    module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
-                                 requires_grad=False)
+    keep_quantized(module, QuantizedWeight([shards[s] for s in order]))
 
 
 def _check_shape(name: str, dest: torch.Tensor, shape: tuple) -> None:

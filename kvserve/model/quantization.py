@@ -5,7 +5,7 @@ output head quantized at load to int8 per output channel (INT8: one float scale 
 16 for kvserve/csrc/quant_int8.cpp's dot products; a matrix whose rows do not come in 16s takes ggml's Q8_0
 blocks of 32 values instead). Either way a quantized linear holds a QuantizedWeight (rows of ggml blocks, those of
 the OCTET_FORMATS reordered for the kernels, or INT8 groups; one segment per format: a fused q|k|v may mix Q4_K
-and Q6_K) inside its PackedWeight; the matmul is kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as
+and Q6_K) inside its QuantizedMethod (kvserve/model/linear_method.py); the matmul is kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as
 they arrive: per token and 128 values for INT8, per 32 values for the 32-value formats, Q4_K and Q6_K, per 128 for
 Q2_K, Q3_K, Q5_K and IQ4_XS; int32 dot products), for the modules path and the fused layer stack alike. GGUF formats
 without a kernel here are dequantized at load.
@@ -307,15 +307,13 @@ def quantize_linears_int8(model: torch.nn.Module) -> int:
     """quantization="int8": every Linear still dense is quantized (quantize_for_int8; its plain weight freed as it
     goes), multiplied by the int8 kernels. Returns how many were quantized here (one whose input size is not a
     multiple of 32 stays dense)."""
-    from kvserve.model.layers import Linear, PackedWeight
+    from kvserve.model.layers import Linear
+    from kvserve.model.linear_method import keep_quantized
     count = 0
     for m in model.modules():
         if not isinstance(m, Linear) or m.quantized is not None or m.weight.shape[1] % 32:
             continue
-        weight = QuantizedWeight([quantize_for_int8(m.weight)])
-        m.packed = PackedWeight(weight.out_features, quant=weight)
-        m.weight = torch.nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"),
-                                      requires_grad=False)
+        keep_quantized(m, QuantizedWeight([quantize_for_int8(m.weight)]))
         count += 1
     return count
 

@@ -1,0 +1,199 @@
+"""How a linear multiplies: one method object per linear, the one home of its weight once loaded.
+
+Every Linear, the output head and the token embedding hold a LinearMethod (`.method`):
+- DENSE: the module's own `weight` parameter, multiplied by F.linear (looked up by F.embedding);
+- PackedBf16Method: a bf16 CPU weight packed once for kvserve/csrc/gemv.cpp's kernels (16 output columns x 2
+  inputs per 64-byte line; a GEMV up to 8 rows, register-tiled GEMM beyond), where they build with AVX-512 BF16;
+- OneDNNMethod: a weight in oneDNN's blocked layout (float32 everywhere; bf16 where the C++ kernels are missing);
+- QuantizedMethod: blocks kept quantized, a GGUF's formats or int8 W8A8 (kvserve/model/quantization.py).
+A packed or quantized method leaves the module's `weight` shape-only where it can give the plain weight back
+(release_plain_weight). `apply(layer, x, bias)` is what Linear.forward and the head call; `kernel_weight()` is what
+the fused C++ stack (kvserve/model/fused.py) multiplies by; `rows(layer, ids)` what an embedding looks up.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve import kernels
+from kvserve.model.quantization import QuantizedWeight, embedding_rows, quantized_matmul
+
+
+class LinearMethod:
+    """x @ W^T for a weight [N, K]; subclasses hold the weight in their layout."""
+
+    kind = "dense"
+    quant: QuantizedWeight | None = None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.weight.is_meta:   # F.linear would return a meta tensor, and the kernels would read address 0
+            raise RuntimeError("this layer's plain weight was released after packing and its method reset; "
+                               "restore_unpacked_weights(model) brings the weights back")
+        return F.linear(x, layer.weight, bias)
+
+    def rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows `ids` of this weight (a token embedding's lookup)."""
+        return F.embedding(ids, layer.weight)
+
+    def kernel_weight(self) -> tuple[int, int] | None:
+        """(pointer, 1 if a kvserve_quant_matmul descriptor else 0) the fused C++ stack multiplies by, or None where
+        it has no kernel for this method."""
+        return None
+
+    def can_unpack(self) -> bool:
+        """Whether unpack gives the plain weight back (then the module's own copy may be released)."""
+        return False
+
+    def unpack(self, in_features: int) -> torch.Tensor:
+        """The plain weight [N, K] back, exactly (where can_unpack)."""
+        raise NotImplementedError(f"a {self.kind} weight is not unpacked")
+
+
+DENSE = LinearMethod()
+
+
+class PackedBf16Method(LinearMethod):
+    """A bf16 weight in the C++ kernels' layout (a view of one huge-page buffer shared by the model's packs)."""
+
+    kind = "packed bf16"
+
+    def __init__(self, out_features: int, kernel: torch.Tensor, lib):
+        self.out_features, self.kernel, self.kernel_ptr, self.lib = out_features, kernel, kernel.data_ptr(), lib
+
+    def apply(self, layer, x, bias=None):
+        if x.dim() != 2 or x.stride(1) != 1:
+            return self.apply(layer, x.reshape(-1, x.shape[-1]).contiguous(), bias).view(*x.shape[:-1], -1)
+        n = self.out_features   # the call inlined: decode steps make 121 of these per token
+        y = x.new_empty(x.shape[0], n)
+        self.lib.kvserve_packed_matmul_bf16(x.data_ptr(), x.stride(0), self.kernel_ptr, y.data_ptr(), n, x.shape[0],
+                                            n, x.shape[1])
+        return y if bias is None else y + bias
+
+    def kernel_weight(self):
+        return self.kernel_ptr, 0
+
+    def can_unpack(self):
+        return True
+
+    def unpack(self, in_features):
+        """The pack is a permutation: exact."""
+        n, k = self.out_features, in_features
+        nb = -(-n // 16)
+        return self.kernel.view(nb, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(nb * 16, k)[:n].clone()
+
+
+class OneDNNMethod(LinearMethod):
+    """A weight in oneDNN's blocked layout: bit-identical to F.linear in bf16; in float32 it sums in another order
+    than F.linear (MKL) and agrees to rounding, and reads a few rows' weights once (MKL's F.linear costs several
+    single-row passes for 2-8 rows)."""
+
+    kind = "oneDNN"
+
+    def __init__(self, out_features: int, onednn: torch.Tensor):
+        self.out_features, self.onednn = out_features, onednn
+
+    def apply(self, layer, x, bias=None):
+        y = torch.ops.mkldnn._linear_pointwise(x, self.onednn, None, "none", [], "")
+        return y if bias is None else y + bias
+
+    def can_unpack(self):
+        return self.onednn.dtype == torch.float32
+
+    def unpack(self, in_features):
+        """float32 only, as I_K @ W^T (each entry one product by 1 plus zeros: exact for finite weights, -0.0
+        coming back as 0.0; an infinite or NaN weight makes its row NaN)."""
+        return self.apply(None, torch.eye(in_features, dtype=torch.float32)).t().contiguous()
+
+
+class QuantizedMethod(LinearMethod):
+    """Blocks kept quantized (GGUF formats, int8 W8A8), for any activation dtype (kvserve_quant_matmul)."""
+
+    kind = "quantized"
+
+    def __init__(self, quant: QuantizedWeight):
+        self.quant, self.out_features = quant, quant.out_features
+
+    def apply(self, layer, x, bias=None):
+        y = quantized_matmul(x, self.quant)
+        return y if bias is None else y + bias
+
+    def rows(self, layer, ids):
+        return embedding_rows(self.quant.segments[0], ids, layer.weight.dtype)   # a table is one segment
+
+    def kernel_weight(self):
+        return self.quant.desc_ptr, 1
+
+
+def keep_quantized(module: nn.Module, quant: QuantizedWeight) -> None:
+    """Make `module` (a Linear or an embedding) multiply `quant`; its plain weight becomes shape-only."""
+    module.method = QuantizedMethod(quant)
+    shape_only(module)
+
+
+def shape_only(module: nn.Module) -> None:
+    """Replace a module's weight by a meta tensor of its shape and dtype (its storage freed)."""
+    w = module.weight
+    module.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+
+
+def _kernel_lib():
+    lib = kernels.load()
+    return lib if lib is not None and lib.kvserve_has_packed_matmul() else None
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """True where a packed weight is available: CPU and bf16, with the C++ matmul kernels or a torch built with
+    mkldnn; CPU and float32 with mkldnn."""
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        return onednn_available(torch.float32)
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return False
+    if _kernel_lib() is not None and weight.shape[1] % 2 == 0:
+        return True
+    return onednn_available(torch.bfloat16)
+
+
+@functools.cache
+def onednn_available(dtype: torch.dtype) -> bool:
+    """Whether this torch and CPU pack linears of `dtype` for oneDNN (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ones(8, 8, dtype=dtype)
+        OneDNNMethod(8, _onednn_pack(w)).apply(None, torch.ones(1, 8, dtype=dtype))
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+
+
+def prepack_weights(weights: list[torch.Tensor], onednn: bool = False,
+                    on_packed=None) -> list[LinearMethod]:
+    """Pack weights [N, K] once (they must not change afterwards): the C++ kernels' layout where they build and
+    every weight is bf16 with an even K, else oneDNN's. The C++ kernels' copies share one huge-page buffer: decode
+    steps read it from start to end. onednn=True packs for oneDNN even where the kernels exist (benchmarks compare
+    the two). on_packed(i, method) is called as soon as weights[i] is packed (prepack_linears drops the plain
+    weight there, and its entry in `weights`)."""
+    lib = _kernel_lib()
+    onednn = onednn or lib is None or any(w.shape[1] % 2 or w.dtype != torch.bfloat16 for w in weights)
+    if not onednn:
+        sizes = [kernels.packed_numel(*w.shape) for w in weights]
+        parts = kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16).split(sizes)
+    packs: list[LinearMethod] = []
+    for i in range(len(weights)):
+        w = weights[i]
+        if onednn:
+            packs.append(OneDNNMethod(w.shape[0], _onednn_pack(w)))
+        else:
+            kernels.pack_weight(lib, w, parts[i])
+            packs.append(PackedBf16Method(w.shape[0], parts[i], lib))
+        del w
+        if on_packed is not None:
+            on_packed(i, packs[-1])
+    return packs

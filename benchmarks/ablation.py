@@ -37,7 +37,7 @@ def configure(llm, level: int, packs: dict, fast_lib) -> None:
         a.backend = backend
     for m in model.modules():
         if isinstance(m, Linear):
-            m.method = packs.get(m) if level >= 2 else DENSE
+            m.method = packs.get(m, DENSE) if level >= 2 else DENSE
     model.tied_head = packs.get("lm_head") if level >= 2 else DENSE
     layers._fast_lib = fast_lib if level >= 3 else (lambda x: None)
     model.model.use_fused_layers = level >= 4

@@ -112,6 +112,29 @@ def test_fused_stack_runs_a_draft_requantized_to_q4_0_bit_identical_to_the_modul
     check_quantized_stack(model)
 
 
+def test_fused_stack_follows_linears_whose_method_is_replaced_after_it_was_built(tmp_path):
+    """Requantizing some linears of a model that already ran on the same pools (each linear's method replaced on
+    its own) rebuilds the stack on the new weights: bit-identical to the modules, never the freed ones."""
+    hf = save_tiny_model("llama", tmp_path / "hf", hidden_size=128, intermediate_size=96)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype="Q8_0")
+    model, _ = load_model(EngineConfig(model=str(path), dtype="bfloat16", device="cpu", quantization="gguf"))
+    model.prepack()
+    bind_kv_cache(model, num_blocks=4, block_size=16, dtype=torch.bfloat16)
+    ids, meta = torch.tensor(A[:20]), build_attention_metadata([20], [20], [[2, 0]], block_size=16)
+
+    def logits():
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, torch.arange(20), meta))
+    before = logits()
+    built = model.model._fused
+    assert built is not None
+    assert model.quantize_layers_q4_0(stored_only=True)["Q8_0"] > 0
+    fused = logits()
+    assert model.model._fused is not built and not torch.equal(fused, before)
+    model.model.use_fused_layers = False
+    assert torch.equal(fused, logits())
+
+
 def test_fused_stack_refuses_a_quantized_weight_it_cannot_multiply(tmp_path):
     """A quantized linear whose descriptor names a type kvserve_quant_matmul does not take stops the stack with an
     error naming the layer, as the modules path raises (no silent garbage); the same step runs once it is whole."""

@@ -1,4 +1,4 @@
-// Fused per-row layer ops in bf16 (RMSNorm + residual, RoPE, SiLU * up).
+// Fused per-row layer ops in bf16 (RMSNorm + residual, per-head q/k norm, RoPE, SiLU * up, GELU-tanh * up).
 #include "common.h"
 
 extern "C" {
@@ -60,7 +60,8 @@ void kvserve_gelu_tanh_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, in
     const __m512i sign = _mm512_set1_epi32(int(0x80000000u));
     for (; i + 16 <= I; i += 16) {
       const __m512 gv = load16(g + i), uv = load16(u + i);
-      const __m512 y = _mm512_mul_ps(vb, _mm512_add_ps(gv, _mm512_mul_ps(vk, _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv))));
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
+      const __m512 y = _mm512_mul_ps(vb, _mm512_add_ps(gv, _mm512_mul_ps(vk, cube)));
       const __m512i ys = _mm512_and_si512(_mm512_castps_si512(y), sign);
       const __m512 ay = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(y), ys));
       const __m512 e = exp512(_mm512_mul_ps(two, ay));
@@ -74,7 +75,8 @@ void kvserve_gelu_tanh_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, in
     const __m256 vb = _mm256_set1_ps(beta), vk = _mm256_set1_ps(kappa), sign = _mm256_set1_ps(-0.f);
     for (; i + 8 <= I; i += 8) {
       const __m256 gv = load8(g + i), uv = load8(u + i);
-      const __m256 y = _mm256_mul_ps(vb, _mm256_add_ps(gv, _mm256_mul_ps(vk, _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv))));
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
+      const __m256 y = _mm256_mul_ps(vb, _mm256_add_ps(gv, _mm256_mul_ps(vk, cube)));
       const __m256 ys = _mm256_and_ps(y, sign);
       const __m256 e = exp256(_mm256_mul_ps(two, _mm256_xor_ps(y, ys)));
       const __m256 tanh = _mm256_xor_ps(_mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one))), ys);

@@ -20,6 +20,7 @@ import torch
 from kvserve import kernels
 from kvserve.attention import fp8, kv_layout
 from kvserve.attention.backends import CpuPagedAttention
+from kvserve.model.linear_method import method_generation
 from kvserve.model.linear_roles import DECODER_LINEARS
 
 MAX_ROPES = 4   # layers.cpp's
@@ -75,7 +76,8 @@ def _layer_desc(layer, group: int) -> LayerDesc:
     return LayerDesc(
         norm(layer.input_layernorm), norm(layer.post_attention_layernorm), norm(layer.pre_feedforward_layernorm),
         norm(layer.post_feedforward_layernorm), norm(attn.q_norm), norm(attn.k_norm),
-        *(_linear_desc(role.of(layer)) for role in DECODER_LINEARS), inner.k_cache.data_ptr(), inner.v_cache.data_ptr(), inner.kv_scales.data_ptr(),
+        *(_linear_desc(role.of(layer)) for role in DECODER_LINEARS),
+        inner.k_cache.data_ptr(), inner.v_cache.data_ptr(), inner.kv_scales.data_ptr(),
         spec.rope, group, inner.sliding_window or 0, _ACTIVATIONS[spec.activation], inner.scale, inner.softcap or 0.0)
 
 
@@ -133,7 +135,7 @@ class FusedLayers:
         hidden = torch.empty_like(residual)
         scratch = residual.new_empty(t * self.scratch_per_token)
         a.hidden, a.residual, a.scratch = hidden.data_ptr(), residual.data_ptr(), scratch.data_ptr()
-        for r, (cos, sin) in enumerate(tables):
+        for r, (cos, sin) in enumerate(tables[:MAX_ROPES]):   # (the layers read no other: _layer_refusal)
             a.cos[r], a.sin[r] = cos.data_ptr(), sin.data_ptr()
         groups = [meta, *meta.kv_groups][:a.num_kv_groups]
         if len(groups) < a.num_kv_groups:
@@ -155,19 +157,16 @@ class FusedLayers:
 
 
 def binding_key(layers) -> tuple:
-    """Weak references to what the pointers come from (bind_kv_cache and prepack replace them in every layer):
-    weak, so that a dropped pool is freed."""
-    return tuple(_ref(x) for x in _bound(layers))
+    """Weak references to what the pointers come from (bind_kv_cache replaces the pools of every layer at once,
+    install_lora the LoRA tables), weak so that a dropped pool is freed; and the count of method replacements
+    (prepack, quantize_layers_q4_0 and load_weights replace linears' methods one by one)."""
+    return tuple(_ref(x) for x in _bound(layers)) + (method_generation(),)
 
 
 def _bound(layers) -> tuple:
-    """What the layers' pointers come from that can be replaced (the weights' packs, the pools and their scales,
-    the LoRA tables), in the first layer and in the last."""
-    return tuple(x for layer in (layers[0], layers[-1]) for x in _bound_layer(layer.self_attn))
-
-
-def _bound_layer(attn) -> tuple:
-    return attn.attn.k_cache, attn.attn.v_cache, attn.attn.kv_scales, attn.qkv_proj.method, attn.qkv_proj.lora
+    """The pools, their scales and the LoRA tables of the first and the last layer."""
+    return tuple(x for layer in (layers[0], layers[-1]) for attn in (layer.self_attn,)
+                 for x in (attn.attn.k_cache, attn.attn.v_cache, attn.attn.kv_scales, attn.qkv_proj.lora))
 
 
 def _ref(x):
@@ -175,7 +174,7 @@ def _ref(x):
 
 
 def is_same_binding(key: tuple, layers) -> bool:
-    return all(ref() is x for ref, x in zip(key, _bound(layers)))
+    return key[-1] == method_generation() and all(ref() is x for ref, x in zip(key, _bound(layers)))
 
 
 def _linear_weight(m) -> tuple[int, int] | None:

@@ -10,7 +10,8 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.errors import ModelLoadError
-from kvserve.model.linear_method import DENSE, LinearMethod, can_prepack, keep_quantized, prepack_weights, shape_only
+from kvserve.model.linear_method import (DENSE, LinearMethod, can_prepack, keep_quantized, method_attribute,
+                                         prepack_weights, shape_only)
 from kvserve.model.quantization import QuantizedTensor, QuantizedWeight
 from kvserve.module import InferenceModule
 
@@ -18,6 +19,8 @@ from kvserve.module import InferenceModule
 class Linear(InferenceModule):
     """y = x W^T (+ b) by its method (kvserve/model/linear_method.py): the plain weight, packed for a kernel, or
     kept quantized. Parameters start uninitialized: every weight is overwritten by load_weights."""
+
+    method = method_attribute
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -111,6 +114,8 @@ class MergedLinear(Linear):
 
 class VocabEmbedding(InferenceModule):
     """Token embedding table with an uninitialized weight (loaded from the checkpoint)."""
+
+    method = method_attribute
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()

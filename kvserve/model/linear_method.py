@@ -54,6 +54,24 @@ class LinearMethod:
 
 DENSE = LinearMethod()
 
+_generation = 0   # bumped whenever a module's method is replaced
+
+
+def method_generation() -> int:
+    """A counter that changes whenever any module's method is replaced (the fused stack's pointers go stale)."""
+    return _generation
+
+
+def _set_method(module: nn.Module, method: LinearMethod) -> None:
+    global _generation
+    _generation += 1
+    module._method = method
+
+
+# a module's `method` attribute: reads are plain, replacements counted (method_generation)
+method_attribute = property(lambda self: self._method, _set_method,
+                            doc="The LinearMethod this module multiplies (or looks up) by.")
+
 
 class PackedBf16Method(LinearMethod):
     """A bf16 weight in the C++ kernels' layout (a view of one huge-page buffer shared by the model's packs)."""

@@ -5,9 +5,10 @@ output head quantized at load to int8 per output channel (INT8: one float scale 
 16 for kvserve/csrc/quant_int8.cpp's dot products; a matrix whose rows do not come in 16s takes ggml's Q8_0
 blocks of 32 values instead). Either way a quantized linear holds a QuantizedWeight (rows of ggml blocks, those of
 the OCTET_FORMATS reordered for the kernels, or INT8 groups; one segment per format: a fused q|k|v may mix Q4_K
-and Q6_K) inside its QuantizedMethod (kvserve/model/linear_method.py); the matmul is kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as
-they arrive: per token and 128 values for INT8, per 32 values for the 32-value formats, Q4_K and Q6_K, per 128 for
-Q2_K, Q3_K, Q5_K and IQ4_XS; int32 dot products), for the modules path and the fused layer stack alike. GGUF formats
+and Q6_K) inside its QuantizedMethod (kvserve/model/linear_method.py); the matmul is
+kvserve/csrc/quant_matmul.cpp's (activations quantized to int8 as they arrive: per token and 128 values for INT8,
+per 32 values for the 32-value formats, Q4_K and Q6_K, per 128 for Q2_K, Q3_K, Q5_K and IQ4_XS; int32 dot
+products), for the modules path and the fused layer stack alike. GGUF formats
 without a kernel here are dequantized at load.
 """
 from __future__ import annotations

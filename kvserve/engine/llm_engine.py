@@ -54,13 +54,15 @@ class LLMEngine:
             raise
 
     def _init(self, config: EngineConfig, t0: float) -> None:
+        # the tokenizer first: parsing a large tokenizer.json peaks at a few hundred MB that are handed back before
+        # the weights arrive (release_build_state), so the process's peak is not the two together
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         if self.executor is None:
             self.model, self.model_config = load_model(config)
         else:   # this process is rank 0: it loads shard 0 while the workers load theirs
             self.model, self.model_config = load_model(config, shard=self.executor.plan)
             self.executor.attach(self.model, self.model_config.vocab_size)
             self.executor.wait_ready("loaded")
-        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         if config.chat_template:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         self.dtype = next(self.model.parameters()).dtype

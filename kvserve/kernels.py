@@ -8,10 +8,10 @@ most BUILD_TIMEOUT_S) into ~/.cache/kvserve/kernels/<hash>.so, the hash covering
 compiler and the CPU (the code is built for -march=native).
 
 What runs depends on the CPU, and the engine logs it at start (`summary()`): AVX-512 gives the vectorized
-attention; AVX-512 BF16 adds the tiled bf16 KV layout, the packed bf16 matmuls and the fused layer stack (the
-fast path, and why the engine picks bf16 there). AVX2 has an attention kernel of its own and runs the fused layer
-stack for quantized models; elsewhere the portable C++ build runs the attention, and with no compiler (or a failed
-build) everything is plain torch. Every path computes the same model: the tests run the
+attention; AVX-512 BF16 adds the tiled bf16 KV layout and vdpbf16ps matmuls. AVX2 has an attention kernel of its
+own and packed bf16 matmuls that widen the bf16 weights to float32 in registers; on both, bf16 runs the packed
+matmuls and the fused layer stack (the fast path). Elsewhere the portable C++ build runs the attention, and with
+no compiler (or a failed build) everything is plain torch. Every path computes the same model: the tests run the
 engine on each (`variant()`).
 """
 from __future__ import annotations
@@ -207,6 +207,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvserve_avx2.restype = ctypes.c_int
     lib.kvserve_bf16_tiles.restype = ctypes.c_int
     lib.kvserve_has_packed_matmul.restype = ctypes.c_int
+    lib.kvserve_packed_matmul_kind.restype = ctypes.c_int
     lib.kvserve_silu_mul_fast.restype = ctypes.c_int
     lib.silu_mul_fast = bool(lib.kvserve_silu_mul_fast())
     return lib
@@ -276,21 +277,24 @@ class KernelStatus:
 
     built: bool           # the C++ library loaded
     avx512: bool          # vectorized attention, norms and argmax
-    bf16: bool            # AVX-512 BF16: tiled bf16 KV, packed bf16 matmuls, the fused layer stack
+    bf16: bool            # AVX-512 BF16: tiled bf16 KV, vdpbf16ps matmuls
     reason: str | None    # why the library is missing
-    avx2: bool = False    # AVX2 attention and bf16 layer ops: the fused stack over quantized linears
+    avx2: bool = False    # AVX2 attention and bf16 layer ops
+    bf16_matmul: bool = False   # packed bf16 matmuls: vdpbf16ps, or AVX2 widening bf16 weights to float32
 
     @property
     def fast_bf16(self) -> bool:
-        return self.built and self.bf16
+        """bf16 runs the packed matmuls and the fused layer stack."""
+        return self.built and self.bf16_matmul
 
 
 def status() -> KernelStatus:
     lib = load()
     if lib is None:
         return KernelStatus(False, False, False, _failures.get(_variant))
-    return KernelStatus(True, bool(lib.kvserve_simd()), bool(lib.kvserve_has_packed_matmul()), None,
-                        bool(lib.kvserve_avx2()))
+    kind = lib.kvserve_packed_matmul_kind()
+    return KernelStatus(True, bool(lib.kvserve_simd()), kind == 1, None, bool(lib.kvserve_avx2()),
+                        kind >= 1 and lib.silu_mul_fast)
 
 
 def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None,
@@ -315,19 +319,22 @@ def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | No
     else:
         attention = ("C++ paged attention (AVX-512)" if st.avx512 else "C++ paged attention (AVX2)" if st.avx2
                      else "C++ paged attention (portable: no AVX2)")
+    if dtype == torch.bfloat16 and st.bf16_matmul:
+        return (f"{attention}; packed bf16 matmuls (AVX2: the bf16 weights widened to float32 in registers), "
+                "quantized ones by int8 dot products, fused layer stack")
     if fused_stack and dtype == torch.bfloat16:
-        return (f"{attention}; quantized matmuls (int8 dot products), fused layer stack in bf16 (no AVX-512 BF16: "
-                f"dense bf16 linears would run in torch){_SEE}")
-    if st.bf16:
+        return (f"{attention}; quantized matmuls (int8 dot products), fused layer stack in bf16 (no AVX2 bf16 "
+                f"matmuls: dense bf16 linears would run in torch){_SEE}")
+    if st.bf16_matmul:
         return f"{attention}; {matmuls} (--dtype bfloat16 runs the bf16 kernels)"
-    return f"{attention}; {matmuls} (no AVX-512 BF16: no bf16 kernels or fused layer stack){_SEE}"
+    return f"{attention}; {matmuls} (no AVX2: no bf16 kernels or fused layer stack){_SEE}"
 
 
 _SEE = "; see docs/architecture.md, Kernel paths"
 
 
 def is_degraded(device: torch.device, fused_stack: bool = False) -> bool:
-    """True on a CPU that cannot run the fast path: no C++ kernels, or no AVX-512 BF16 and no fused stack."""
+    """True on a CPU that cannot run the fast path: no C++ kernels, or no packed bf16 matmuls and no fused stack."""
     return device.type == "cpu" and not (status().fast_bf16 or fused_stack)
 
 

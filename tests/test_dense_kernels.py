@@ -123,7 +123,7 @@ def test_matmul_kernels_are_as_close_to_float32_as_f_linear(out_features):
     lin = Linear(576, out_features).to(torch.bfloat16)
     lin.weight.copy_(torch.randn(out_features, 576, generator=g))
     if not kernels.load().kvserve_has_packed_matmul():
-        pytest.skip("no AVX-512 BF16: no C++ matmul kernels")
+        pytest.skip("no AVX2: no C++ matmul kernels")
     assert can_prepack(lin.weight) and prepack_linears(lin)[0] == 1
     assert isinstance(lin.method, PackedBf16Method)   # one packed copy, not two
     for rows in [*range(1, 15), 20, 32, 37, 100, 257, 1030]:   # 13, 14, 20, 32: last tiles 4 + 3 or 4 + 4
@@ -214,3 +214,26 @@ def test_activation_kernels_agree_bit_for_bit_between_the_avx512_and_avx2_builds
             getattr(lib, name)(x.data_ptr(), x.stride(0), out.data_ptr(), 37, 1024)
             outs.append(out)
         assert torch.equal(*outs), name
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k", [(100, 48), (960, 576), (576, 1536), (33, 64)])
+def test_avx2_packed_matmul_is_as_close_to_float32_as_a_rounding(n, k):
+    """The AVX2 build's packed bf16 matmul (bf16 weights widened to float32 in registers; GEMV up to 4 rows, a
+    GEMM on widened panels beyond, chunks of 96 rows; N not a multiple of 16; strided rows) is within one bf16
+    rounding of the exact product, on the same packed weights the AVX-512 BF16 build reads."""
+    from kvserve.kernels import load_variant
+    lib = load_variant("no-avx512")
+    if lib is None or lib.kvserve_packed_matmul_kind() != 2:
+        pytest.skip("no AVX2 build here")
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    wp = torch.empty(kernels.packed_numel(n, k), dtype=torch.bfloat16)
+    kernels.pack_weight(lib, w, wp)
+    for m in (1, 2, 3, 4, 5, 8, 13, 97, 200):
+        x = torch.randn(m, k + 6, generator=g).to(torch.bfloat16)[:, :k]
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        lib.kvserve_packed_matmul_bf16(x.data_ptr(), x.stride(0), wp.data_ptr(), y.data_ptr(), n, m, n, k)
+        exact = x.float() @ w.float().t()
+        rounding = (exact.to(torch.bfloat16).float() - exact).abs()
+        assert ((y.float() - exact).abs() <= 2 * rounding + 1e-3 * exact.abs().max()).all(), m

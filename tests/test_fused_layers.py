@@ -19,9 +19,9 @@ from model_utils import load_ours, save_tiny_model, write_tiny_gguf
 _lib = kernels.load()
 pytestmark = pytest.mark.skipif(_lib is None or not _lib.silu_mul_fast,
                                 reason="the fused layer stack needs the C++ kernels with AVX2 or AVX-512 BF16")
-# dense bf16 linears run on the packed bf16 GEMM (AVX-512 BF16); quantized ones on any CPU the stack runs on
+# dense bf16 linears run on the packed bf16 GEMM (AVX-512 BF16, or AVX2 widening the weights); quantized ones too
 needs_bf16_gemm = pytest.mark.skipif(_lib is None or not _lib.kvserve_has_packed_matmul(),
-                                     reason="dense bf16 linears in the stack need AVX-512 BF16")
+                                     reason="dense bf16 linears in the stack need the packed bf16 GEMM (AVX2 or AVX-512 BF16)")
 
 A, B = list(range(3, 43)), [7, 9, 11, 13, 200, 3]
 # token ranges of A and B per step: chunked prefill, a mixed step, then decodes of both
@@ -66,7 +66,7 @@ def test_fused_stack_is_bit_identical_to_the_modules(tmp_path, head_dim, block_s
     """Tiled pools (head dim 32, blocks of 16) and standard ones; the same model rebinds its pools between runs,
     so the third run also checks that the stack follows the new pools instead of writing into freed ones."""
     model = _tiny_bf16(tmp_path, hidden_size=4 * head_dim, intermediate_size=96)
-    tiled = kv_layout.can_tile(torch.bfloat16, block_size, head_dim, kernels.MAX_HEAD_DIM)
+    tiled = kv_layout.can_tile(torch.bfloat16, block_size, head_dim, kernels.MAX_HEAD_DIM) and _lib.kvserve_bf16_tiles()
     fused, fused_pools = _run_steps(model, block_size)
     assert model.model._fused is not None and bool(model.model._fused.tiled) == tiled
     model.model.use_fused_layers = False
@@ -254,7 +254,7 @@ def test_every_family_runs_the_fused_stack_bit_identical_to_the_modules(tmp_path
     """Each family's tiny model, dense bf16 linears (where the CPU has their GEMM) and int8 ones: STEPS and a split
     decode batch, logits and pools bit-identical to the modules; then on FP8 pools."""
     if quantization == "none" and not _lib.kvserve_has_packed_matmul():
-        pytest.skip("dense bf16 linears in the stack need AVX-512 BF16")
+        pytest.skip("dense bf16 linears in the stack need the packed bf16 GEMM (AVX2 or AVX-512 BF16)")
     save_tiny_model(family, tmp_path, **FAMILIES[family])
     model, _ = load_model(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cpu",
                                        quantization=quantization))
@@ -300,7 +300,7 @@ def test_more_query_heads_per_kv_head_than_a_work_item_holds_run_as_modules(tmp_
 def test_fused_stack_adds_qwen2_qkv_biases_bit_identical_to_the_modules(tmp_path, quantization):
     """Qwen2's q|k|v bias, on dense bf16 linears and on int8 ones (then on FP8 pools too)."""
     if quantization == "none" and not _lib.kvserve_has_packed_matmul():
-        pytest.skip("dense bf16 linears in the stack need AVX-512 BF16")
+        pytest.skip("dense bf16 linears in the stack need the packed bf16 GEMM (AVX2 or AVX-512 BF16)")
     save_tiny_model("qwen2", tmp_path, hidden_size=128, intermediate_size=96)
     model, _ = load_model(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cpu",
                                        quantization=quantization))
@@ -368,7 +368,7 @@ def test_engine_on_kv_groups_identical_with_and_without_fused_stack(tmp_path, gg
     """A tiny Gemma in bf16 (sliding-window layers in their own KV group, whose blocks leave the pool) through the
     engine: chunks of 7 tokens, a pool small enough to preempt, the prefix cache hit on the second round."""
     if not _lib.kvserve_has_packed_matmul():
-        pytest.skip("dense bf16 linears in the stack need AVX-512 BF16")
+        pytest.skip("dense bf16 linears in the stack need the packed bf16 GEMM (AVX2 or AVX-512 BF16)")
     save_tiny_model(family, tmp_path)
     llm = LLM(model=str(tmp_path), tokenizer=gguf_path, dtype="bfloat16", max_num_batched_tokens=7, num_kv_blocks=40,
               block_size=4, max_num_seqs=4, enable_prefix_caching=True)

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from kvserve import kernels
 from kvserve.errors import ModelLoadError
 from kvserve.model import ModelConfig, load_hf_config, resolve_dtype
 from kvserve.model.loader import cpu_has_fast_bf16
@@ -62,7 +63,10 @@ def test_resolve_dtype():
     assert resolve_dtype("float32", "cpu") == torch.float32
     assert resolve_dtype("bf16", "cpu") == torch.bfloat16
     assert resolve_dtype("half", "cpu") == torch.float16
-    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
+    fast = kernels.status().fast_bf16 or cpu_has_fast_bf16()   # the packed bf16 kernels (AVX2 or AVX-512 BF16)
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast else torch.float32)
+    with kernels.variant("portable"):   # no vectorized bf16 kernels: float32, unless torch has native bf16
+        assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         resolve_dtype("int4", "cpu")
 

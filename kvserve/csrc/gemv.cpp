@@ -5,6 +5,7 @@
 // Up to GEMV_MAX_ROWS rows a step is bound by reading W: the GEMV streams it once with every row in registers.
 // More rows are compute-bound: register tiles of GEMM_MR rows x GEMM_NB column blocks (see gemm_tile), which
 // match or beat oneDNN at every size measured (1.1-1.4x at 12-256 rows, 1.0-1.04x at 1024-4096).
+// Without AVX-512 BF16 (AVX2) the same packed W is widened to float32 in registers (see below).
 #include "common.h"
 
 namespace {
@@ -107,15 +108,175 @@ constexpr GemmFn gemm_row_fns[GEMM_MR + 1] = {nullptr, gemm_tile<1, NB, PF>, gem
 const GemmFn* const gemm_fns[2][GEMM_NB + 1] = {
     {nullptr, gemm_row_fns<1, false>, gemm_row_fns<2, false>, gemm_row_fns<3, false>, gemm_row_fns<4, false>},
     {nullptr, gemm_row_fns<1, true>, gemm_row_fns<2, true>, gemm_row_fns<3, true>, gemm_row_fns<4, true>}};
+#elif defined(KV_HAVE_AVX2)
+#define KV_HAVE_GEMV 2
+// loops over the register arrays unrolled whole: a loop left rolled makes GCC keep the accumulators in memory
+#define KV_UNROLL _Pragma("GCC unroll 16")
+// AVX2 (and AVX-512 without BF16): the same packed W, each pair widened to two float32 vectors in registers (a
+// bf16 is the top half of its float32: the low dword half shifted up, the high half masked), FMAs in float32.
+
+// the k and k + 1 floats of 8 columns from their 8 packed pairs
+KV_ALWAYS_INLINE void widen_pairs(const int32_t* p, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));
+}
+
+// rows [0, M) of x as float32, K each, in a buffer of the calling thread
+inline const float* widen_rows(const uint16_t* x, int64_t xs, int64_t M, int64_t K) {
+  static thread_local std::vector<float> buf;
+  if (int64_t(buf.size()) < M * K) buf.resize(M * K);
+  float* out = buf.data();   // (inside the parallel loop `buf` would name each thread's own)
+  #pragma omp parallel for if (M * K >= 65536)
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(out + m * K + k, load8(x + m * xs + k));
+    for (; k < K; ++k) out[m * K + k] = bf16_to_f32(x[m * xs + k]);
+  }
+  return out;
+}
+
+// store 8 float sums of columns [c, c + 8) of one row as bf16 (nearest even), `left` of them inside the matrix
+KV_ALWAYS_INLINE void store_cols(uint16_t* y, __m256 v, int64_t left) {
+  if (left >= 8) {
+    store8(y, v);
+    return;
+  }
+  alignas(32) uint16_t tmp[8];
+  store8(tmp, v);
+  for (int64_t i = 0; i < left; ++i) y[i] = tmp[i];
+}
+
+// GEMV: columns of H halves (8 each) of one 16-column block from half h0, M rows of xf (K floats each); P
+// independent sums per row and half, each of the pair's two products on its own, keep 4+ FMA chains in flight
+template <int M, int H, int P>
+inline void gemv_block(const float* xf, int64_t K, const int32_t* w, int64_t K2, int h0, __m256* out) {
+  __m256 acc[M][H][P][2];
+  KV_UNROLL for (int m = 0; m < M; ++m)
+    KV_UNROLL for (int h = 0; h < H; ++h)
+      KV_UNROLL for (int u = 0; u < P; ++u) acc[m][h][u][0] = acc[m][h][u][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + P <= K2; k += P)
+    KV_UNROLL for (int u = 0; u < P; ++u)
+      KV_UNROLL for (int h = 0; h < H; ++h) {
+        __m256 we, wo;
+        widen_pairs(w + (k + u) * 16 + (h0 + h) * 8, we, wo);
+        KV_UNROLL for (int m = 0; m < M; ++m) {
+          const float* xr = xf + m * K + 2 * (k + u);
+          acc[m][h][u][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr), we, acc[m][h][u][0]);
+          acc[m][h][u][1] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 1), wo, acc[m][h][u][1]);
+        }
+      }
+  for (; k < K2; ++k)
+    KV_UNROLL for (int h = 0; h < H; ++h) {
+      __m256 we, wo;
+      widen_pairs(w + k * 16 + (h0 + h) * 8, we, wo);
+      KV_UNROLL for (int m = 0; m < M; ++m) {
+        const float* xr = xf + m * K + 2 * k;
+        acc[m][h][0][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr), we, acc[m][h][0][0]);
+        acc[m][h][0][1] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 1), wo, acc[m][h][0][1]);
+      }
+    }
+  KV_UNROLL for (int m = 0; m < M; ++m)
+    KV_UNROLL for (int h = 0; h < H; ++h) {
+      __m256 s = _mm256_add_ps(acc[m][h][0][0], acc[m][h][0][1]);
+      KV_UNROLL for (int u = 1; u < P; ++u)
+        s = _mm256_add_ps(s, _mm256_add_ps(acc[m][h][u][0], acc[m][h][u][1]));
+      out[m * H + h] = s;
+    }
+}
+
+template <int M, int H, int P>
+void gemv_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, int64_t ys, int64_t N, int64_t K) {
+  const int64_t K2 = K / 2, nb = (N + 15) / 16;
+  const float* xf = widen_rows(x, xs, M, K);
+  #pragma omp parallel for schedule(static) if (nb * K2 >= 4096)
+  for (int64_t b = 0; b < nb; ++b)
+    for (int h0 = 0; h0 < 2; h0 += H) {   // H = 1: the block's second half read again from L1/L2
+      __m256 out[M * H];
+      gemv_block<M, H, P>(xf, K, wp + b * K2 * 16, K2, h0, out);
+      KV_UNROLL for (int m = 0; m < M; ++m)
+        KV_UNROLL for (int h = 0; h < H; ++h) {
+          const int64_t c = b * 16 + (h0 + h) * 8;
+          if (c < N) store_cols(y + m * ys + c, out[m * H + h], N - c);
+        }
+    }
+}
+
+// GEMM tile: MR rows x 16 columns from a widened float32 panel [K][16], 2 MR accumulators
+template <int MR>
+void gemm_tile(const float* xf, int64_t K, const float* panel, uint16_t* y, int64_t ys, int64_t left) {
+  __m256 acc[MR][2];
+  KV_UNROLL for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_load_ps(panel + k * 16), w1 = _mm256_load_ps(panel + k * 16 + 8);
+    KV_UNROLL for (int m = 0; m < MR; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(xf + m * K + k);
+      acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+    }
+  }
+  KV_UNROLL for (int m = 0; m < MR; ++m) {
+    store_cols(y + m * ys, acc[m][0], left);
+    if (left > 8) store_cols(y + m * ys + 8, acc[m][1], left - 8);
+  }
+}
+
+constexpr int GEMM_MR = 6;
+// rows of x widened to float32 at a time: each 16-column block's panel is widened once per chunk
+constexpr int64_t GEMM_CHUNK_ROWS = 96;
+using TileFn = void (*)(const float*, int64_t, const float*, uint16_t*, int64_t, int64_t);
+constexpr TileFn gemm_tiles[GEMM_MR + 1] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
+                                            gemm_tile<5>, gemm_tile<6>};
+
+void gemm_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, int64_t ys, int64_t M, int64_t N,
+               int64_t K) {
+  const int64_t K2 = K / 2, nb = (N + 15) / 16;
+  for (int64_t c0 = 0; c0 < M; c0 += GEMM_CHUNK_ROWS) {
+    const int64_t mc = std::min(GEMM_CHUNK_ROWS, M - c0);
+    const float* xf = widen_rows(x + c0 * xs, xs, mc, K);
+    #pragma omp parallel
+    {
+      static thread_local std::vector<float> panel_buf;
+      if (int64_t(panel_buf.size()) < 16 * K + 8) panel_buf.resize(16 * K + 8);
+      float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(panel_buf.data()) + 31) & ~uintptr_t(31));
+      #pragma omp for schedule(dynamic)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int32_t* w = wp + b * K2 * 16;
+        for (int64_t k = 0; k < K2; ++k) {   // the block's pairs as two rows of 16 floats each
+          __m256 e0, o0, e1, o1;
+          widen_pairs(w + k * 16, e0, o0);
+          widen_pairs(w + k * 16 + 8, e1, o1);
+          _mm256_store_ps(panel + 32 * k, e0);
+          _mm256_store_ps(panel + 32 * k + 8, e1);
+          _mm256_store_ps(panel + 32 * k + 16, o0);
+          _mm256_store_ps(panel + 32 * k + 24, o1);
+        }
+        for (int64_t m0 = 0; m0 < mc; m0 += GEMM_MR) {
+          const int mr = int(std::min<int64_t>(GEMM_MR, mc - m0));
+          gemm_tiles[mr](xf + m0 * K, K, panel, y + (c0 + m0) * ys + b * 16, ys, N - b * 16);
+        }
+      }
+    }
+  }
+}
 #endif
 
 }  // namespace
 
 extern "C" {
-// 1 when kvserve_packed_matmul_bf16 is built (AVX-512 BF16)
+// 1 when kvserve_packed_matmul_bf16 is built (AVX-512 BF16, or AVX2 widening the bf16 weights)
 int kvserve_has_packed_matmul() {
 #ifdef KV_HAVE_GEMV
   return 1;
+#else
+  return 0;
+#endif
+}
+// which kvserve_packed_matmul_bf16 is built: 0 none, 1 AVX-512 BF16 (vdpbf16ps), 2 AVX2 (bf16 widened to float32)
+int kvserve_packed_matmul_kind() {
+#ifdef KV_HAVE_GEMV
+  return KV_HAVE_GEMV;
 #else
   return 0;
 #endif
@@ -136,7 +297,16 @@ void kvserve_gemv_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
 // y[M, N] = x[M, K] @ W^T; rows of x and y may be strided (xs, ys elements); K even; any M
 void kvserve_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
                            int64_t N, int64_t K) {
-#ifdef KV_HAVE_GEMV
+#if KV_HAVE_GEMV == 2
+  const int32_t* w = reinterpret_cast<const int32_t*>(wp);
+  switch (M) {   // registers: M rows x H halves x P partial sums x 2 (the pair's products) accumulators
+    case 1: gemv_rows<1, 2, 2>(x, xs, w, y, ys, N, K); return;
+    case 2: gemv_rows<2, 2, 1>(x, xs, w, y, ys, N, K); return;
+    case 3: gemv_rows<3, 1, 1>(x, xs, w, y, ys, N, K); return;
+    case 4: gemv_rows<4, 1, 1>(x, xs, w, y, ys, N, K); return;
+    default: gemm_rows(x, xs, w, y, ys, M, N, K); return;
+  }
+#elif defined(KV_HAVE_GEMV)
   const int32_t* w = reinterpret_cast<const int32_t*>(wp);
   const int64_t K2 = K / 2, nb = (N + 15) / 16;
   if (M <= GEMV_MAX_ROWS) {

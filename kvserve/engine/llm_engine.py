@@ -25,6 +25,7 @@ from kvserve.errors import (ContextLengthExceededError, EngineDeadError, Invalid
 from kvserve.lora import LoRARequest
 from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
+from kvserve.model.loader import auto_dtype
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import auto_draft_vocab
@@ -103,8 +104,11 @@ class LLMEngine:
                    if not groups.has_windows else
                    f"{self.num_kv_blocks} pages of {groups.group_size} layers x {config.block_size} tokens, "
                    f"{self.num_kv_pool_tokens} tokens in the longest sequence")
+        dtype = str(self.dtype).removeprefix("torch.")
+        if config.dtype == "auto":   # what auto picked, and why
+            dtype += f" [auto: {auto_dtype(self.device, self.model_config.torch_dtype)[1]}]"
         logger.info("kvserve: loaded %s (%s, %s%s) in %.1fs; KV cache %s%s",
-                    config.model or "SmolLM2-135M-Instruct (bundled)", str(self.dtype).removeprefix("torch."),
+                    config.model or "SmolLM2-135M-Instruct (bundled)", dtype,
                     self.device, self.parallel_description(), time.perf_counter() - t0, kv_size,
                     self.kv_cache_description())
         fused_stack = self.runs_fused_stack()

@@ -198,7 +198,7 @@ def _layer_refusal(layer, tp) -> str | None:
         (spec.activation not in _ACTIVATIONS, f"activation {spec.activation}"),
         (spec.rope >= MAX_ROPES, f"more than {MAX_ROPES} RoPE tables"),
         (any(_linear_weight(m) is None for m in linears),
-         "a linear without a packed bf16 or quantized weight (packed bf16 needs AVX-512 BF16)"),
+         "a linear without a packed bf16 or quantized weight (packed bf16 needs AVX2 or AVX-512 BF16)"),
         (any(m.tp is not (tp if role.row_parallel else None) for m, role in zip(linears, DECODER_LINEARS)),
          "a tensor-parallel split it does not know"),
         (not all(_bf16_rows(m.bias) for m in linears), "a linear bias not in bf16"),
@@ -219,7 +219,7 @@ def why_not_fused(layers) -> str | None:
     """Why the fused stack does not apply to these DecoderLayers as bound now (the log says it), or None."""
     lib = kernels.load()
     # the stack's bf16 ops must be vectorized (AVX-512 BF16 or AVX2); each linear's own kernel is checked per layer
-    # (packed bf16 needs AVX-512 BF16, so on AVX2 the stack runs models whose linears are all quantized)
+    # (packed bf16 needs AVX2 or AVX-512 BF16: the same CPUs)
     if lib is None:
         return "no C++ kernels"
     if not lib.silu_mul_fast:

@@ -65,23 +65,31 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None = None,
-                  quantized: bool = False) -> torch.dtype:
-    """Serving dtype: an explicit name, or for 'auto' bf16 where the hardware is fast at it, else fp16/fp32.
-    quantized: every linear keeps GGUF or int8 blocks; then bf16 also wherever the fused layer stack runs them
-    (its bf16 norms, RoPE and SiLU vectorized: AVX2 is enough)."""
+def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
+    """Serving dtype: an explicit name, or for 'auto' what is fastest on this device (auto_dtype)."""
     if name != "auto":
         if name not in _DTYPE_NAMES:
             raise ModelLoadError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
         return _DTYPE_NAMES[name]
+    return auto_dtype(device, checkpoint_dtype)[0]
+
+
+def auto_dtype(device: torch.device | str, checkpoint_dtype: torch.dtype | None = None) -> tuple[torch.dtype, str]:
+    """dtype="auto": the dtype, and why. CUDA: bf16 (fp16 for an fp16 checkpoint, or without bf16). CPU: bf16
+    wherever the packed bf16 matmuls and the fused layer stack run (AVX-512 BF16, or AVX2 widening bf16 weights
+    to float32 in registers: half the bytes of float32 a step, and faster in batches too, docs/benchmarks.md),
+    float32 elsewhere (torch's bf16 ops without these kernels are slower than float32)."""
     if torch.device(device).type == "cuda":
         if checkpoint_dtype == torch.float16 or not torch.cuda.is_bf16_supported():
-            return torch.float16
-        return torch.bfloat16
+            return torch.float16, "fp16 checkpoint" if checkpoint_dtype == torch.float16 else "no bf16 on this GPU"
+        return torch.bfloat16, "CUDA"
+    st = kernels.status()
+    if st.fast_bf16:
+        return torch.bfloat16, ("AVX-512 BF16 kernels" if st.bf16 else
+                                "AVX2 bf16 kernels: bf16 weights widened to float32 in registers")
     if cpu_has_fast_bf16():
-        return torch.bfloat16
-    lib = kernels.load() if quantized else None
-    return torch.bfloat16 if lib is not None and lib.silu_mul_fast else torch.float32
+        return torch.bfloat16, "the CPU's native bf16 matmuls (AMX / AVX-512 BF16) through torch"
+    return torch.float32, "no vectorized bf16 kernels on this CPU"
 
 
 def is_gguf(path: str) -> bool:
@@ -97,8 +105,7 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     device = resolve_device(getattr(config, "device", "auto"))
     quantization = resolve_quantization(getattr(config, "quantization", "auto"), is_gguf(path), device)
     if is_gguf(path):
-        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device,   # a GGUF has no checkpoint dtype
-                              quantized=quantization in ("gguf", "int8"))
+        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device)   # a GGUF has no checkpoint dtype
         # int8 streams the dequantized tensors one at a time into quantize (no dequantized cache); a tensor-parallel
         # rank reads the cache but never writes it (the ranks would write the same file at once)
         cfg, weights = _load_gguf_weights(path, dtype, keep_quantized=quantization == "gguf",
@@ -106,7 +113,7 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
-        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype, quantization == "int8")
+        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype)
     weights = get_model_class(cfg.architecture).checkpoint_weights(weights, cfg)
     plan = shard(cfg) if shard is not None else None
     if plan is not None:

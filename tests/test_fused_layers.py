@@ -410,12 +410,16 @@ def test_serving_keeps_one_copy_of_the_packed_weights():
     before = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.weight.is_meta and isinstance(m.method, PackedBf16Method) for m in linears)
-    assert llm.llm_engine.runner.released_weight_bytes == sum(2 * m.weight.numel() for m in linears)
+    embed = model.model.embed_tokens   # tied: the lookups read the head's pack, the table itself is released
+    assert embed.weight.is_meta and embed.method is model.tied_head
+    assert llm.llm_engine.runner.released_weight_bytes == sum(2 * m.weight.numel() for m in [*linears, embed])
     pack, linears[0].method = linears[0].method, DENSE
     with pytest.raises(RuntimeError, match="released after packing"):   # never used silently
         linears[0](torch.ones(1, linears[0].weight.shape[1], dtype=torch.bfloat16))
     linears[0].method = pack
     restore_unpacked_weights(model)
+    ids = torch.tensor([0, 17, 5, 49151, 300])
+    assert torch.equal(embed.method.rows(embed, ids), embed.weight[ids])   # the pack's rows are the table's
     fresh, _ = load_ours(None, "bfloat16")
     for (name, got), (_, want) in zip(model.named_parameters(), fresh.named_parameters()):
         assert name and torch.equal(got, want), name

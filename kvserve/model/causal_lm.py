@@ -9,7 +9,7 @@ import torch
 from kvserve.model.decoder import DecoderModel, ModelSpec
 from kvserve.model.linear_roles import DECODER_LINEARS
 from kvserve.model.layers import Linear, VocabEmbedding, load_packed_weights, prepack_linears
-from kvserve.model.linear_method import DENSE, LinearMethod
+from kvserve.model.linear_method import DENSE, LinearMethod, PackedBf16Method, shape_only
 from kvserve.model.model_config import ModelConfig
 from kvserve.module import InferenceModule
 from kvserve.model.draft_heads import DraftHeads
@@ -94,6 +94,10 @@ class CausalLM(DraftHeads, InferenceModule):
         num, extra = prepack_linears(self, tied, release=release)
         if extra:
             self.tied_head = extra[0]
+            if isinstance(extra[0], PackedBf16Method):
+                embed.method = extra[0]   # the lookups read the head's pack: one copy of the table
+                if release:
+                    shape_only(embed)
         return num
 
     def _output_matrix(self) -> Linear | VocabEmbedding:

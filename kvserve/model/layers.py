@@ -10,6 +10,7 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.errors import ModelLoadError
+from kvserve.memory import return_freed_memory
 from kvserve.model.linear_method import (DENSE, LinearMethod, can_prepack, keep_quantized, method_attribute,
                                          prepack_weights, shape_only)
 from kvserve.model.quantization import QuantizedTensor, QuantizedWeight
@@ -59,14 +60,23 @@ def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = (),
     if not weights or not can_prepack(weights[0]):
         return 0, []
 
+    freed = 0
+
     def packed(i: int, method: LinearMethod) -> None:
+        nonlocal freed
         if i < len(linears):
             linears[i].method = method
             if release:
-                _release_plain_weight(linears[i])
+                freed += _release_plain_weight(linears[i])
                 weights[i] = None
+                if freed >= _TRIM_BYTES:   # glibc keeps freed weights resident until trimmed: the packs and the
+                    return_freed_memory()  # plain weights would otherwise peak together
+                    freed = 0
     packs = prepack_weights(weights, on_packed=packed)
     return len(linears), packs[len(linears):]
+
+
+_TRIM_BYTES = 32 << 20
 
 
 def release_unpacked_weights(model: nn.Module) -> int:
@@ -86,9 +96,9 @@ def _release_plain_weight(m: Linear) -> int:
 
 
 def restore_unpacked_weights(model: nn.Module) -> None:
-    """Undo release_unpacked_weights() from the methods."""
+    """Undo release_unpacked_weights() (and a tied embedding's release, CausalLM.prepack) from the methods."""
     for m in model.modules():
-        if isinstance(m, Linear) and m.weight.is_meta and m.method.can_unpack():
+        if isinstance(m, (Linear, VocabEmbedding)) and m.weight.is_meta and m.method.can_unpack():
             m.weight = nn.Parameter(m.method.unpack(m.weight.shape[1]), requires_grad=False)
 
 

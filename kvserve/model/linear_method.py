@@ -93,6 +93,11 @@ class PackedBf16Method(LinearMethod):
     def kernel_weight(self):
         return self.kernel_ptr, 0
 
+    def rows(self, layer, ids):
+        """Rows of W straight from the pack (exact): a tied model's embedding needs no copy of its own."""
+        k = layer.weight.shape[1]
+        return self.kernel.view(-1, k // 2, 16, 2)[ids // 16, :, ids % 16, :].reshape(ids.shape[0], k)
+
     def can_unpack(self):
         return True
 

@@ -1,7 +1,6 @@
 """Tokenizers: an HF directory's own, or the one embedded in a GGUF file (converted once, cached on disk)."""
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import shutil
@@ -9,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from kvserve.errors import ModelLoadError
+from kvserve.memory import return_freed_memory
 from kvserve.model.loader import is_gguf, resolve_model_path
 
 
@@ -39,17 +39,9 @@ def release_build_state(tok):
         value = getattr(tok, name, None)
         if isinstance(value, (dict, list)) and value:
             setattr(tok, name, type(value)())
-    trim_heap()
+    return_freed_memory()
     return tok
 
-
-def trim_heap() -> None:
-    """Return freed heap pages to the system where the C library is glibc (a no-op elsewhere): parsing a large
-    tokenizer.json leaves a few hundred MB freed but resident otherwise."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def load_gguf_tokenizer(path: str):

@@ -2,7 +2,6 @@
 flattened forward pass and samples the next tokens."""
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +18,8 @@ from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.message import StepMessage
 from kvserve.errors import EngineDeadError
-from kvserve.model.layers import Linear
+from kvserve.memory import return_freed_memory
+from kvserve.model.layers import Linear, VocabEmbedding
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
 from kvserve.sample.metadata import SampledDrafts
@@ -47,18 +47,9 @@ logger = logging.getLogger("kvserve")
 
 
 def _plain_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes held by the plain (not meta) weights of the model's Linears."""
+    """Bytes held by the plain (not meta) weights of the model's Linears and embedding."""
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if isinstance(m, Linear) and not m.weight.is_meta)
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS: glibc keeps what loading freed (dense weights replaced by their
-    packs or quantized blocks, conversion temporaries) as resident memory otherwise."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):   # not glibc
-        pass
+               if isinstance(m, (Linear, VocabEmbedding)) and not m.weight.is_meta)
 
 
 class ModelRunner(KVCacheSetup):
@@ -86,7 +77,7 @@ class ModelRunner(KVCacheSetup):
                 m.prepack(release=True)
                 self.released_weight_bytes += plain - _plain_weight_bytes(m)
         if device.type == "cpu":
-            _return_freed_memory()
+            return_freed_memory()
         self.lora = None   # the engine's LoRAManager when LoRA is enabled (kvserve/lora)
         self.executor = None   # tensor parallelism: the driver's TPExecutor, which sends every step to the workers
         self._calls_left = 0   # the step's compute_logits calls not made yet (-1: its forward is not done)

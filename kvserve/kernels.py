@@ -10,7 +10,8 @@ compiler and the CPU (the code is built for -march=native).
 What runs depends on the CPU, and the engine logs it at start (`summary()`): AVX-512 gives the vectorized
 attention; AVX-512 BF16 adds the tiled bf16 KV layout and vdpbf16ps matmuls. AVX2 has an attention kernel of its
 own and packed bf16 matmuls that widen the bf16 weights to float32 in registers; on both, bf16 runs the packed
-matmuls and the fused layer stack (the fast path). Elsewhere the portable C++ build runs the attention, and with
+matmuls and the fused layer stack (the fast path). AVX-512 CPUs without BF16 keep oneDNN's 512-bit float32
+matmuls, and run the fused stack for quantized models. Elsewhere the portable C++ build runs the attention, and with
 no compiler (or a failed build) everything is plain torch. Every path computes the same model: the tests run the
 engine on each (`variant()`).
 """
@@ -300,7 +301,7 @@ def status() -> KernelStatus:
 def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None,
             fused_stack: bool = False) -> str:
     """One line: which kernel paths an engine of this dtype (and KV cache dtype) on this device runs, and what it
-    falls back to. fused_stack: the engine's model runs the fused layer stack (on AVX2, quantized models do)."""
+    falls back to. fused_stack: the engine's model runs the fused layer stack."""
     if device.type != "cpu":
         return f"{device.type}: torch ops"
     st = status()
@@ -321,13 +322,13 @@ def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | No
                      else "C++ paged attention (portable: no AVX2)")
     if dtype == torch.bfloat16 and st.bf16_matmul:
         return (f"{attention}; packed bf16 matmuls (AVX2: the bf16 weights widened to float32 in registers), "
-                "quantized ones by int8 dot products, fused layer stack")
+                "quantized ones by int8 dot products; the fused layer stack where the layers allow")
     if fused_stack and dtype == torch.bfloat16:
-        return (f"{attention}; quantized matmuls (int8 dot products), fused layer stack in bf16 (no AVX2 bf16 "
-                f"matmuls: dense bf16 linears would run in torch){_SEE}")
+        return (f"{attention}; quantized matmuls (int8 dot products), fused layer stack in bf16 (AVX-512 without "
+                f"BF16: dense bf16 linears run in oneDNN, outside the stack){_SEE}")
     if st.bf16_matmul:
         return f"{attention}; {matmuls} (--dtype bfloat16 runs the bf16 kernels)"
-    return f"{attention}; {matmuls} (no AVX2: no bf16 kernels or fused layer stack){_SEE}"
+    return f"{attention}; {matmuls} (no bf16 matmul kernels here: --dtype float32 is the fast path){_SEE}"
 
 
 _SEE = "; see docs/architecture.md, Kernel paths"

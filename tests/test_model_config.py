@@ -67,6 +67,10 @@ def test_resolve_dtype():
     assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast else torch.float32)
     with kernels.variant("portable"):   # no vectorized bf16 kernels: float32, unless torch has native bf16
         assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
+        assert resolve_dtype("auto", "cpu", quantized=True) == resolve_dtype("auto", "cpu")
+    lib = kernels.load()   # a quantized model: bf16 wherever the fused stack's bf16 ops are vectorized
+    assert resolve_dtype("auto", "cpu", quantized=True) == (
+        torch.bfloat16 if fast or (lib is not None and lib.silu_mul_fast) else torch.float32)
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         resolve_dtype("int4", "cpu")
 

@@ -5,7 +5,7 @@
 // Up to GEMV_MAX_ROWS rows a step is bound by reading W: the GEMV streams it once with every row in registers.
 // More rows are compute-bound: register tiles of GEMM_MR rows x GEMM_NB column blocks (see gemm_tile), which
 // match or beat oneDNN at every size measured (1.1-1.4x at 12-256 rows, 1.0-1.04x at 1024-4096).
-// Without AVX-512 BF16 (AVX2) the same packed W is widened to float32 in registers (see below).
+// On AVX2 CPUs the same packed W is widened to float32 in registers (see below).
 #include "common.h"
 
 namespace {
@@ -108,12 +108,13 @@ constexpr GemmFn gemm_row_fns[GEMM_MR + 1] = {nullptr, gemm_tile<1, NB, PF>, gem
 const GemmFn* const gemm_fns[2][GEMM_NB + 1] = {
     {nullptr, gemm_row_fns<1, false>, gemm_row_fns<2, false>, gemm_row_fns<3, false>, gemm_row_fns<4, false>},
     {nullptr, gemm_row_fns<1, true>, gemm_row_fns<2, true>, gemm_row_fns<3, true>, gemm_row_fns<4, true>}};
-#elif defined(KV_HAVE_AVX2)
+#elif defined(KV_HAVE_AVX2) && !defined(KV_HAVE_AVX512)
 #define KV_HAVE_GEMV 2
 // loops over the register arrays unrolled whole: a loop left rolled makes GCC keep the accumulators in memory
 #define KV_UNROLL _Pragma("GCC unroll 16")
-// AVX2 (and AVX-512 without BF16): the same packed W, each pair widened to two float32 vectors in registers (a
-// bf16 is the top half of its float32: the low dword half shifted up, the high half masked), FMAs in float32.
+// AVX2: the same packed W, each pair widened to two float32 vectors in registers (a bf16 is the top half of its
+// float32: the low dword half shifted up, the high half masked), FMAs in float32. (AVX-512 CPUs without BF16 keep
+// oneDNN, whose 512-bit float32 GEMM these 256-bit tiles would not match where a core has two 512-bit FMA units.)
 
 // the k and k + 1 floats of 8 columns from their 8 packed pairs
 KV_ALWAYS_INLINE void widen_pairs(const int32_t* p, __m256& even, __m256& odd) {
@@ -265,7 +266,7 @@ void gemm_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, in
 }  // namespace
 
 extern "C" {
-// 1 when kvserve_packed_matmul_bf16 is built (AVX-512 BF16, or AVX2 widening the bf16 weights)
+// 1 when kvserve_packed_matmul_bf16 is built (AVX-512 BF16, or AVX2 without AVX-512 widening the bf16 weights)
 int kvserve_has_packed_matmul() {
 #ifdef KV_HAVE_GEMV
   return 1;

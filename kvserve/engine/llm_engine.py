@@ -25,6 +25,7 @@ from kvserve.errors import (ContextLengthExceededError, EngineDeadError, Invalid
 from kvserve.lora import LoRARequest
 from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
+from kvserve.model.layers import Linear
 from kvserve.model.loader import auto_dtype
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -106,7 +107,8 @@ class LLMEngine:
                    f"{self.num_kv_pool_tokens} tokens in the longest sequence")
         dtype = str(self.dtype).removeprefix("torch.")
         if config.dtype == "auto":   # what auto picked, and why
-            dtype += f" [auto: {auto_dtype(self.device, self.model_config.torch_dtype)[1]}]"
+            quantized = any(m.quantized is not None for m in self.model.modules() if isinstance(m, Linear))
+            dtype += f" [auto: {auto_dtype(self.device, self.model_config.torch_dtype, quantized)[1]}]"
         logger.info("kvserve: loaded %s (%s, %s%s) in %.1fs; KV cache %s%s",
                     config.model or "SmolLM2-135M-Instruct (bundled)", dtype,
                     self.device, self.parallel_description(), time.perf_counter() - t0, kv_size,
@@ -122,7 +124,7 @@ class LLMEngine:
             logger.info("kvserve: %s: %s", self.model_config.architecture, decoder.spec.describe())
         self.weights_summary = describe_weights(self.model)
         logger.info("kvserve: weights: %s", self.weights_summary)
-        # a path the machine rules out (no compiler, no AVX-512 BF16) is a warning: users otherwise never know
+        # a path the machine rules out (no compiler, no packed bf16 matmuls) is a warning: users otherwise never know
         log = logger.warning if kernels.is_degraded(self.device, fused_stack) else logger.info
         log("kvserve: kernels: %s", self.kernel_summary)
         if self.lora is not None:

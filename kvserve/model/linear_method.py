@@ -3,7 +3,8 @@
 Every Linear, the output head and the token embedding hold a LinearMethod (`.method`):
 - DENSE: the module's own `weight` parameter, multiplied by F.linear (looked up by F.embedding);
 - PackedBf16Method: a bf16 CPU weight packed once for kvserve/csrc/gemv.cpp's kernels (16 output columns x 2
-  inputs per 64-byte line; a GEMV up to 8 rows, register-tiled GEMM beyond), where they build with AVX-512 BF16;
+  inputs per 64-byte line; a GEMV for a few rows, register-tiled GEMM beyond), where they build: AVX-512 BF16,
+  or AVX2 without AVX-512 (the pairs widened to float32 in registers);
 - OneDNNMethod: a weight in oneDNN's blocked layout (float32 everywhere; bf16 where the C++ kernels are missing);
 - QuantizedMethod: blocks kept quantized, a GGUF's formats or int8 W8A8 (kvserve/model/quantization.py).
 A packed or quantized method leaves the module's `weight` shape-only where it can give the plain weight back

@@ -65,20 +65,23 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None = None,
+                  quantized: bool = False) -> torch.dtype:
     """Serving dtype: an explicit name, or for 'auto' what is fastest on this device (auto_dtype)."""
     if name != "auto":
         if name not in _DTYPE_NAMES:
             raise ModelLoadError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
         return _DTYPE_NAMES[name]
-    return auto_dtype(device, checkpoint_dtype)[0]
+    return auto_dtype(device, checkpoint_dtype, quantized)[0]
 
 
-def auto_dtype(device: torch.device | str, checkpoint_dtype: torch.dtype | None = None) -> tuple[torch.dtype, str]:
+def auto_dtype(device: torch.device | str, checkpoint_dtype: torch.dtype | None = None,
+               quantized: bool = False) -> tuple[torch.dtype, str]:
     """dtype="auto": the dtype, and why. CUDA: bf16 (fp16 for an fp16 checkpoint, or without bf16). CPU: bf16
     wherever the packed bf16 matmuls and the fused layer stack run (AVX-512 BF16, or AVX2 widening bf16 weights
-    to float32 in registers: half the bytes of float32 a step, and faster in batches too, docs/benchmarks.md),
-    float32 elsewhere (torch's bf16 ops without these kernels are slower than float32)."""
+    to float32 in registers: half the bytes of float32 a step, and faster in batches too, docs/benchmarks.md);
+    for a quantized model (every linear GGUF or int8 blocks) also wherever the fused stack's bf16 ops are
+    vectorized (AVX-512 without BF16); float32 elsewhere (torch's bf16 ops without these kernels are slower)."""
     if torch.device(device).type == "cuda":
         if checkpoint_dtype == torch.float16 or not torch.cuda.is_bf16_supported():
             return torch.float16, "fp16 checkpoint" if checkpoint_dtype == torch.float16 else "no bf16 on this GPU"
@@ -89,7 +92,10 @@ def auto_dtype(device: torch.device | str, checkpoint_dtype: torch.dtype | None 
                                 "AVX2 bf16 kernels: bf16 weights widened to float32 in registers")
     if cpu_has_fast_bf16():
         return torch.bfloat16, "the CPU's native bf16 matmuls (AMX / AVX-512 BF16) through torch"
-    return torch.float32, "no vectorized bf16 kernels on this CPU"
+    lib = kernels.load() if quantized else None
+    if lib is not None and lib.silu_mul_fast:
+        return torch.bfloat16, "quantized linears in the fused layer stack's vectorized bf16 ops"
+    return torch.float32, "no packed bf16 matmul kernels on this CPU"
 
 
 def is_gguf(path: str) -> bool:
@@ -105,7 +111,8 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     device = resolve_device(getattr(config, "device", "auto"))
     quantization = resolve_quantization(getattr(config, "quantization", "auto"), is_gguf(path), device)
     if is_gguf(path):
-        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device)   # a GGUF has no checkpoint dtype
+        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device,   # a GGUF has no checkpoint dtype
+                              quantized=quantization in ("gguf", "int8"))
         # int8 streams the dequantized tensors one at a time into quantize (no dequantized cache); a tensor-parallel
         # rank reads the cache but never writes it (the ranks would write the same file at once)
         cfg, weights = _load_gguf_weights(path, dtype, keep_quantized=quantization == "gguf",
@@ -113,7 +120,7 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
-        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype)
+        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype, quantization == "int8")
     weights = get_model_class(cfg.architecture).checkpoint_weights(weights, cfg)
     plan = shard(cfg) if shard is not None else None
     if plan is not None:

@@ -10,8 +10,63 @@ int kvserve_silu_mul_fast() {
   return 0;
 #endif
 }
-// out[t] = bf16(bf16(silu(gate)) * up) for x[t] = gate | up (I each), the rounding of torch's F.silu(g) * u
-void kvserve_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I) {
+}
+
+namespace {
+// The gate activations of a gated MLP, on 16 lanes (AVX-512 BF16), 8 lanes (AVX2) and one value, each the same
+// float32 arithmetic.
+// silu(g) = g / (1 + exp(-g)). exp512/exp256 are accurate for any x >= -87 (their clamp); exp(-g) overflows to inf
+// for g < -88, and g / inf = -0.
+struct Silu {
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+  static __m512 v16(__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  }
+#elif defined(KV_HAVE_AVX2)
+  static __m256 v8(__m256 g) {
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  }
+#endif
+  static float scalar(float g) { return g / (1.f + std::exp(-g)); }
+};
+
+// gelu's tanh approximation (GeGLU, Gemma) in torch's order: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))),
+// tanh(y) = sign(y) (1 - 2 / (exp(2 |y|) + 1)) (so 1 + tanh(y) is 0 for y far below 0, as torch's is)
+struct GeluTanh {
+  static constexpr float beta = 0.7978845608028654f, kappa = 0.044715f;
+#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
+  static __m512 v16(__m512 g) {
+    const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 y = _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(kappa), cube)));
+    const __m512i ys = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(int(0x80000000u)));
+    const __m512 ay = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(y), ys));
+    const __m512 e = exp512(_mm512_mul_ps(two, ay));
+    const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+    const __m512 tanh = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(th), ys));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(.5f), g), _mm512_add_ps(one, tanh));
+  }
+#elif defined(KV_HAVE_AVX2)
+  static __m256 v8(__m256 g) {
+    const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f);
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(beta), _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(kappa), cube)));
+    const __m256 ys = _mm256_and_ps(y, _mm256_set1_ps(-0.f));
+    const __m256 e = exp256(_mm256_mul_ps(two, _mm256_xor_ps(y, ys)));
+    const __m256 tanh = _mm256_xor_ps(_mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one))), ys);
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(.5f), g), _mm256_add_ps(one, tanh));
+  }
+#endif
+  static float scalar(float g) {
+    const float y = beta * (g + kappa * (g * g * g));
+    const float th = std::copysign(1.f - 2.f / (std::exp(2.f * std::fabs(y)) + 1.f), y);
+    return .5f * g * (1.f + th);
+  }
+};
+
+// out[t] = bf16(bf16(act(gate)) * up) for x[t] = gate | up (I each): the rounding of torch's act(g) * u
+template <class Act>
+void gated_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I) {
   #pragma omp parallel for if (T * I > 65536)
   for (int64_t t = 0; t < T; ++t) {
     const uint16_t* g = x + t * xs;
@@ -19,79 +74,22 @@ void kvserve_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t
     uint16_t* o = out + t * I;
     int64_t i = 0;
 #if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= I; i += 16) {
-      const __m512 gv = load16(g + i), uv = load16(u + i);
-      // exp512 is accurate for any x >= -87 (its clamp); exp(-g) overflows to inf for g < -88, and g / inf = -0
-      const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      const __m256i sb = (__m256i)_mm512_cvtneps_pbh(s);   // silu rounded to bf16, as torch's output
-      const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, uv)));
-    }
+    for (; i + 16 <= I; i += 16) store16_bf16(o + i, _mm512_mul_ps(round_bf16(Act::v16(load16(g + i))), load16(u + i)));
 #elif defined(KV_HAVE_AVX2)
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; i + 8 <= I; i += 8) {   // the same roundings on 8 lanes
-      const __m256 gv = load8(g + i), uv = load8(u + i);
-      const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-      store8(o + i, _mm256_mul_ps(round_bf16_8(s), uv));
-    }
+    for (; i + 8 <= I; i += 8) store8(o + i, _mm256_mul_ps(round_bf16_8(Act::v8(load8(g + i))), load8(u + i)));
 #endif
-    for (; i < I; ++i) {
-      const float gf = bf16_to_f32(g[i]);
-      const float s = bf16_to_f32(f32_to_bf16(gf / (1.f + std::exp(-gf))));
-      o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
-    }
+    for (; i < I; ++i)
+      o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(Act::scalar(bf16_to_f32(g[i])))) * bf16_to_f32(u[i]));
   }
 }
-// out[t] = bf16(bf16(gelu(gate)) * up) for x[t] = gate | up (I each), gelu's tanh approximation (GeGLU, Gemma) in
-// torch's order: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = sign(y) (1 - 2 / (exp(2 |y|) + 1))
-// (so 1 + tanh(y) is 0 for y far below 0, as torch's is)
+}  // namespace
+
+extern "C" {
+void kvserve_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I) {
+  gated_mul_bf16<Silu>(x, xs, out, T, I);
+}
 void kvserve_gelu_tanh_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I) {
-  constexpr float beta = 0.7978845608028654f, kappa = 0.044715f;
-  #pragma omp parallel for if (T * I > 65536)
-  for (int64_t t = 0; t < T; ++t) {
-    const uint16_t* g = x + t * xs;
-    const uint16_t* u = g + I;
-    uint16_t* o = out + t * I;
-    int64_t i = 0;
-#if defined(KV_HAVE_AVX512) && defined(__AVX512BF16__)
-    const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), half = _mm512_set1_ps(.5f);
-    const __m512 vb = _mm512_set1_ps(beta), vk = _mm512_set1_ps(kappa);
-    const __m512i sign = _mm512_set1_epi32(int(0x80000000u));
-    for (; i + 16 <= I; i += 16) {
-      const __m512 gv = load16(g + i), uv = load16(u + i);
-      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
-      const __m512 y = _mm512_mul_ps(vb, _mm512_add_ps(gv, _mm512_mul_ps(vk, cube)));
-      const __m512i ys = _mm512_and_si512(_mm512_castps_si512(y), sign);
-      const __m512 ay = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(y), ys));
-      const __m512 e = exp512(_mm512_mul_ps(two, ay));
-      const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
-      const __m512 tanh = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(th), ys));
-      const __m512 s = _mm512_mul_ps(_mm512_mul_ps(half, gv), _mm512_add_ps(one, tanh));
-      store16_bf16(o + i, _mm512_mul_ps(round_bf16(s), uv));
-    }
-#elif defined(KV_HAVE_AVX2)
-    const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(.5f);
-    const __m256 vb = _mm256_set1_ps(beta), vk = _mm256_set1_ps(kappa), sign = _mm256_set1_ps(-0.f);
-    for (; i + 8 <= I; i += 8) {
-      const __m256 gv = load8(g + i), uv = load8(u + i);
-      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
-      const __m256 y = _mm256_mul_ps(vb, _mm256_add_ps(gv, _mm256_mul_ps(vk, cube)));
-      const __m256 ys = _mm256_and_ps(y, sign);
-      const __m256 e = exp256(_mm256_mul_ps(two, _mm256_xor_ps(y, ys)));
-      const __m256 tanh = _mm256_xor_ps(_mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one))), ys);
-      const __m256 s = _mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, tanh));
-      store8(o + i, _mm256_mul_ps(round_bf16_8(s), uv));
-    }
-#endif
-    for (; i < I; ++i) {
-      const float gf = bf16_to_f32(g[i]);
-      const float y = beta * (gf + kappa * (gf * gf * gf));
-      const float th = std::copysign(1.f - 2.f / (std::exp(2.f * std::fabs(y)) + 1.f), y);
-      const float s = bf16_to_f32(f32_to_bf16(.5f * gf * (1.f + th)));
-      o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
-    }
-  }
+  gated_mul_bf16<GeluTanh>(x, xs, out, T, I);
 }
 // one row of kvserve_rmsnorm_bf16 (N <= 8192); o may be xr (the row is read whole before it is written)
 static void rmsnorm_row(const uint16_t* xr, uint16_t* rr, const uint16_t* w, uint16_t* o, int64_t N, float eps) {

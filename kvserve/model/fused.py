@@ -65,12 +65,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _linear_desc(m) -> LinearDesc:
-    weight, quantized = _linear_weight(m)
+    weight, quantized = m.method.kernel_weight()
     return LinearDesc(weight, quantized, _ptr(m.bias), None if m.lora is None else m.lora.desc_ptr,
                       int(m.tp is not None))
 
 
-def _layer_desc(layer, group: int) -> LayerDesc:
+def _layer_desc(layer) -> LayerDesc:
     attn, spec, inner = layer.self_attn, layer.spec, layer.self_attn.attn
     norm = lambda m: None if m is None else m.weight.data_ptr()   # noqa: E731
     return LayerDesc(
@@ -78,7 +78,7 @@ def _layer_desc(layer, group: int) -> LayerDesc:
         norm(layer.post_feedforward_layernorm), norm(attn.q_norm), norm(attn.k_norm),
         *(_linear_desc(role.of(layer)) for role in DECODER_LINEARS),
         inner.k_cache.data_ptr(), inner.v_cache.data_ptr(), inner.kv_scales.data_ptr(),
-        spec.rope, group, inner.sliding_window or 0, _ACTIVATIONS[spec.activation], inner.scale, inner.softcap or 0.0)
+        spec.rope, inner.kv_group, inner.sliding_window or 0, _ACTIVATIONS[spec.activation], inner.scale, inner.softcap or 0.0)
 
 
 class FusedLayers:
@@ -89,8 +89,7 @@ class FusedLayers:
         attn = first.self_attn
         self.lib = lib
         self.lora_mapping = lora_mapping
-        self.descs = (LayerDesc * len(layers))(*(_layer_desc(layer, layer.self_attn.attn.kv_group)
-                                                 for layer in layers))
+        self.descs = (LayerDesc * len(layers))(*map(_layer_desc, layers))
         h, nh, nkv, d = first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         i = first.mlp.down_proj.weight.shape[1]
         self.args = StackArgs(layers=self.descs, num_layers=len(layers), hidden_size=h, num_heads=nh,
@@ -177,12 +176,6 @@ def is_same_binding(key: tuple, layers) -> bool:
     return key[-1] == method_generation() and all(ref() is x for ref, x in zip(key, _bound(layers)))
 
 
-def _linear_weight(m) -> tuple[int, int] | None:
-    """(pointer, 1 if quantized) of what the stack multiplies for Linear m (its method's), or None where it
-    cannot."""
-    return m.method.kernel_weight()
-
-
 def _bf16_rows(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.bfloat16 and t.is_contiguous())
 
@@ -197,7 +190,7 @@ def _layer_refusal(layer, tp) -> str | None:
     checks = (
         (spec.activation not in _ACTIVATIONS, f"activation {spec.activation}"),
         (spec.rope >= MAX_ROPES, f"more than {MAX_ROPES} RoPE tables"),
-        (any(_linear_weight(m) is None for m in linears),
+        (any(m.method.kernel_weight() is None for m in linears),
          "a linear without a packed bf16 or quantized weight (packed bf16 needs AVX2 or AVX-512 BF16)"),
         (any(m.tp is not (tp if role.row_parallel else None) for m, role in zip(linears, DECODER_LINEARS)),
          "a tensor-parallel split it does not know"),

@@ -94,19 +94,22 @@ class PackedBf16Method(LinearMethod):
     def kernel_weight(self):
         return self.kernel_ptr, 0
 
+    def _pairs(self, k: int) -> torch.Tensor:
+        """The pack as [column block, input pair, column in the block, pair element] (gemv.cpp's layout)."""
+        return self.kernel.view(-1, k // 2, 16, 2)
+
     def rows(self, layer, ids):
         """Rows of W straight from the pack (exact): a tied model's embedding needs no copy of its own."""
         k = layer.weight.shape[1]
-        return self.kernel.view(-1, k // 2, 16, 2)[ids // 16, :, ids % 16, :].reshape(ids.shape[0], k)
+        return self._pairs(k)[ids // 16, :, ids % 16, :].reshape(ids.shape[0], k)
 
     def can_unpack(self):
         return True
 
     def unpack(self, in_features):
         """The pack is a permutation: exact."""
-        n, k = self.out_features, in_features
-        nb = -(-n // 16)
-        return self.kernel.view(nb, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(nb * 16, k)[:n].clone()
+        k = in_features
+        return self._pairs(k).permute(0, 2, 1, 3).reshape(-1, k)[:self.out_features].clone()
 
 
 class OneDNNMethod(LinearMethod):

@@ -59,6 +59,16 @@ def test_unsupported_rope_scaling(tmp_path):
         load_ours(str(tmp_path))
 
 
+def test_the_loaded_model_says_why_auto_picked_its_dtype():
+    """dtype="auto" leaves its reason on the model for the engine's log; an explicit dtype none."""
+    from kvserve.config import EngineConfig
+    from kvserve.model import load_model
+    from kvserve.model.loader import auto_dtype
+    auto, _ = load_model(EngineConfig(dtype="auto", device="cpu"))
+    assert auto.dtype_reason == auto_dtype("cpu", None, quantized=True)[1] and auto.dtype_reason
+    assert load_model(EngineConfig(dtype="float32", device="cpu"))[0].dtype_reason is None
+
+
 def test_resolve_dtype():
     assert resolve_dtype("float32", "cpu") == torch.float32
     assert resolve_dtype("bf16", "cpu") == torch.bfloat16

@@ -25,8 +25,6 @@ from kvserve.errors import (ContextLengthExceededError, EngineDeadError, Invalid
 from kvserve.lora import LoRARequest
 from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
-from kvserve.model.layers import Linear
-from kvserve.model.loader import auto_dtype
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import auto_draft_vocab
@@ -106,9 +104,8 @@ class LLMEngine:
                    f"{self.num_kv_blocks} pages of {groups.group_size} layers x {config.block_size} tokens, "
                    f"{self.num_kv_pool_tokens} tokens in the longest sequence")
         dtype = str(self.dtype).removeprefix("torch.")
-        if config.dtype == "auto":   # what auto picked, and why
-            quantized = any(m.quantized is not None for m in self.model.modules() if isinstance(m, Linear))
-            dtype += f" [auto: {auto_dtype(self.device, self.model_config.torch_dtype, quantized)[1]}]"
+        if self.model.dtype_reason:   # what dtype="auto" picked, and why (load_model)
+            dtype += f" [auto: {self.model.dtype_reason}]"
         logger.info("kvserve: loaded %s (%s, %s%s) in %.1fs; KV cache %s%s",
                     config.model or "SmolLM2-135M-Instruct (bundled)", dtype,
                     self.device, self.parallel_description(), time.perf_counter() - t0, kv_size,

@@ -68,11 +68,17 @@ def cpu_has_fast_bf16() -> bool:
 def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None = None,
                   quantized: bool = False) -> torch.dtype:
     """Serving dtype: an explicit name, or for 'auto' what is fastest on this device (auto_dtype)."""
+    return _serving_dtype(name, device, checkpoint_dtype, quantized)[0]
+
+
+def _serving_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None,
+                   quantized: bool) -> tuple[torch.dtype, str | None]:
+    """resolve_dtype's dtype, and for 'auto' why it was picked (None for an explicit name)."""
     if name != "auto":
         if name not in _DTYPE_NAMES:
             raise ModelLoadError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
-        return _DTYPE_NAMES[name]
-    return auto_dtype(device, checkpoint_dtype, quantized)[0]
+        return _DTYPE_NAMES[name], None
+    return auto_dtype(device, checkpoint_dtype, quantized)
 
 
 def auto_dtype(device: torch.device | str, checkpoint_dtype: torch.dtype | None = None,
@@ -111,8 +117,8 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     device = resolve_device(getattr(config, "device", "auto"))
     quantization = resolve_quantization(getattr(config, "quantization", "auto"), is_gguf(path), device)
     if is_gguf(path):
-        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device,   # a GGUF has no checkpoint dtype
-                              quantized=quantization in ("gguf", "int8"))
+        dtype, why = _serving_dtype(getattr(config, "dtype", "auto"), device,   # a GGUF has no checkpoint dtype
+                                    None, quantization in ("gguf", "int8"))
         # int8 streams the dequantized tensors one at a time into quantize (no dequantized cache); a tensor-parallel
         # rank reads the cache but never writes it (the ranks would write the same file at once)
         cfg, weights = _load_gguf_weights(path, dtype, keep_quantized=quantization == "gguf",
@@ -120,7 +126,7 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
-        dtype = resolve_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype, quantization == "int8")
+        dtype, why = _serving_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype, quantization == "int8")
     weights = get_model_class(cfg.architecture).checkpoint_weights(weights, cfg)
     plan = shard(cfg) if shard is not None else None
     if plan is not None:
@@ -135,6 +141,7 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
             gguf_loader.release_file_pages(path)
     if quantization == "int8":
         quantize_linears_int8(model)
+    model.dtype_reason = why   # what dtype="auto" picked, and why (the engine's log says it)
     return model.eval(), cfg
 
 

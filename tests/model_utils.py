@@ -29,14 +29,28 @@ GEMMA2 = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, num_hidde
               attn_logit_softcapping=1.5, final_logit_softcapping=2.0)
 
 
+# mixtures of experts in the shapes their families take: Mixtral top-2 of 8; Qwen2-MoE top-1 of 8 with a shared
+# expert and a dense layer between MoE ones; Qwen3-MoE top-8 of 16, renormalized; OLMoE top-2 of 8 with its q/k
+# norms over the whole projections
+MOE = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=32, num_hidden_layers=3,
+                      shared_expert_intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=8, moe_intermediate_size=24, norm_topk_prob=True,
+                      head_dim=32),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=40, norm_topk_prob=False),
+}
+
+
 def tiny_hf_config(family: str, **overrides):
-    """A tiny transformers config of `family` (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    """A tiny transformers config of `family` (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3; the MoE ones)."""
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config}
-    kwargs = {**TINY, "bos_token_id": 1, "eos_token_id": 2, **{"gemma2": GEMMA2, "gemma3": GEMMA3}.get(family, {}),
-              **overrides}
+               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "mixtral": MixtralConfig,
+               "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "olmoe": OlmoeConfig}
+    kwargs = {**TINY, "bos_token_id": 1, "eos_token_id": 2,
+              **{"gemma2": GEMMA2, "gemma3": GEMMA3, **MOE}.get(family, {}), **overrides}
     if family == "phi3":
         kwargs.setdefault("pad_token_id", 0)   # Phi3Config's default (32000) lies past the tiny vocabulary
     if family == "qwen3":
@@ -56,10 +70,13 @@ def save_tiny_model(family: str, path: Path, seed: int = 0, max_shard_size: str 
 
 
 def _randomize_norms(model) -> None:
-    # norm weights start at 1 and biases at 0: a loader that skipped or swapped them would go unnoticed
+    # norm weights start at 1 and biases at 0: a loader that skipped or swapped them would go unnoticed; MoE routers
+    # start near uniform, where a rounding could change the experts chosen: they get clear margins
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+                p.normal_(0, 0.5)
+            elif name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0, 0.1)

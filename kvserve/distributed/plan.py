@@ -78,6 +78,10 @@ def full_projection_shapes(cfg: ModelConfig) -> dict[tuple[str, int], tuple[int,
 
 def make_plans(cfg: ModelConfig, size: int) -> list[ShardPlan]:
     """Every rank's plan; InvalidRequestError where the heads cannot be split over `size` ranks."""
+    if cfg.num_experts and size > 1:
+        raise InvalidRequestError(f"tensor parallelism of a mixture-of-experts model ({cfg.architecture}) is not "
+                                  "supported yet: serve it with tensor_parallel_size 1, or as data-parallel "
+                                  "replicas (--data-parallel-size)", "tensor_parallel_size")
     h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     group = h // hkv
     if size <= hkv:

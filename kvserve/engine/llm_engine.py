@@ -13,7 +13,8 @@ import torch
 
 from kvserve import kernels
 from kvserve.attention import fp8
-from kvserve.model.quantization import describe as describe_weights
+from kvserve.model.moe import describe_moe
+from kvserve.model.quantization import describe as describe_weights, weight_bytes
 from kvserve.config import EngineConfig
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
@@ -120,6 +121,9 @@ class LLMEngine:
         if hasattr(decoder, "spec"):
             logger.info("kvserve: %s: %s", self.model_config.architecture, decoder.spec.describe())
         self.weights_summary = describe_weights(self.model)
+        experts = describe_moe(self.model, weight_bytes)
+        if experts:   # the ready line shows the summary too
+            self.weights_summary += f"; {experts}"
         logger.info("kvserve: weights: %s", self.weights_summary)
         # a path the machine rules out (no compiler, no packed bf16 matmuls) is a warning: users otherwise never know
         log = logger.warning if kernels.is_degraded(self.device, fused_stack) else logger.info

@@ -66,6 +66,10 @@ def load_adapter(request: LoRARequest, shapes: dict[tuple[str, int], tuple[int, 
     adapter = LoRAAdapter(request, 0, target_modules=tuple(sorted({m for _, m in pairs})))
     for (layer, module), ab in sorted(pairs.items()):
         linear, shard = TARGET_MODULES[module]
+        if (linear, shard) not in shapes:
+            raise LoRAError(f"the adapter at {path} adapts {module}, which this base model's layers do not all have "
+                            f"(mixture-of-experts MLPs take no adapter): LoRA applies here to "
+                            f"{', '.join(sorted(m for m, key in TARGET_MODULES.items() if key in shapes))}")
         a, b = _pair(ab, layer, module, path)
         rank = a.shape[0]
         if rank > max_rank:
@@ -163,6 +167,9 @@ def _is_positive(value) -> bool:
 def _unsupported_key(key: str, path: str) -> str:
     if "lora_magnitude_vector" in key:
         return f"the adapter at {path} is a DoRA adapter ({key}), which kvserve does not compute"
+    if ".experts." in key or ".shared_expert" in key or ".block_sparse_moe." in key:
+        return (f"the adapter at {path} adapts a mixture-of-experts MLP ({key}), which kvserve does not: LoRA "
+                f"applies to the attention projections of MoE models")
     if "lora_embedding" in key or "embed" in key or "lm_head" in key:
         return (f"the adapter at {path} adapts the embeddings or the output head ({key}); kvserve applies LoRA to "
                 f"{', '.join(TARGET_MODULES)}")

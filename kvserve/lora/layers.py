@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvserve import kernels
-from kvserve.model.linear_roles import DECODER_LINEARS
+from kvserve.model.linear_roles import roles_of
 
 
 class LoRAMapping:
@@ -104,9 +104,10 @@ class LoRAWeights:
                 y[idx, cols] = (y[idx, cols].float() + delta).to(y.dtype)
 
 
-def _adaptable_linears(layer):
-    """(name, linear, shard sizes) of a decoder layer's adaptable linears: every one it declares (DECODER_LINEARS)."""
-    for role in DECODER_LINEARS:
+def _adaptable_linears(layer, roles):
+    """(name, linear, shard sizes) of a decoder layer's adaptable linears: the declared ones every layer has
+    (roles_of: an MoE model's experts take no adapter)."""
+    for role in roles:
         linear = role.of(layer)
         yield role.name, linear, list(getattr(linear, "shard_sizes", {None: linear.weight.shape[0]}).values())
 
@@ -117,8 +118,9 @@ def install_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> tuple
     device = model.model.norm.weight.device   # never a shape-only (meta) weight
     mapping = LoRAMapping()
     tables = {}
+    roles = roles_of(model.model.layers)
     for i, layer in enumerate(model.model.layers):
-        for name, linear, sizes in _adaptable_linears(layer):
+        for name, linear, sizes in _adaptable_linears(layer, roles):
             linear.lora = tables[(i, name)] = LoRAWeights(linear.weight.shape[1], sizes, max_loras, max_rank,
                                                           mapping, device)
     model.model.lora_mapping = mapping
@@ -128,4 +130,5 @@ def install_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> tuple
 def projection_shapes(model: torch.nn.Module) -> dict[tuple[str, int], tuple[int, int]]:
     """(linear name, shard) -> (in features, out features) of every projection an adapter may target."""
     return {(name, s): (linear.weight.shape[1], size)
-            for name, linear, sizes in _adaptable_linears(model.model.layers[0]) for s, size in enumerate(sizes)}
+            for name, linear, sizes in _adaptable_linears(model.model.layers[0], roles_of(model.model.layers))
+            for s, size in enumerate(sizes)}

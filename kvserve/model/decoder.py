@@ -19,6 +19,7 @@ from kvserve.model.fused import FusedLayers, binding_key, build_fused_layers, is
 from kvserve.model.layers import (GeluTanhAndMul, Linear, MergedLinear, RMSNorm, SiluAndMul, VocabEmbedding,
                                   apply_rotary, qk_norm_inplace, rotate_heads_inplace)
 from kvserve.model.model_config import ModelConfig
+from kvserve.model.moe import MoESpec, SparseMoE
 from kvserve.model.rotary import RotaryEmbedding
 from kvserve.module import InferenceModule
 
@@ -42,6 +43,8 @@ class LayerSpec:
     activation: str = "silu"           # the MLP's gate activation (ACTIVATIONS)
     sandwich_norms: bool = False       # Gemma: a norm after attention and around the MLP as well
     softcap: float | None = None       # scaled scores s become softcap * tanh(s / softcap) (Gemma 2)
+    qk_norm_whole: bool = False        # the q/k norm over the whole q and k projections, not per head (OLMoE)
+    moe: MoESpec | None = None         # the MLP a mixture of experts (moe.py); None: one dense gated MLP
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,13 @@ class ModelSpec:
         parts.append("activation " + "/".join(acts))
         if any(s.qk_norm for s in self.layers):
             parts.append("q/k norm")
+        if any(s.qk_norm_whole for s in self.layers):
+            parts.append("q/k norm over the whole projections")
         if any(s.sandwich_norms for s in self.layers):
             parts.append("sandwich norms")
+        moe = sorted({s.moe.describe() for s in self.layers if s.moe})
+        if moe:
+            parts.append(f"{sum(1 for s in self.layers if s.moe)} MoE layers ({'; '.join(moe)})")
         caps = sorted({s.softcap for s in self.layers if s.softcap})
         if caps or self.final_softcap:
             parts.append(f"soft-capped attention {'/'.join(f'{c:g}' for c in caps) or '-'} and logits "
@@ -87,13 +95,21 @@ class DecoderAttention(InferenceModule):
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": h * d, "k": hkv * d, "v": hkv * d},   # linear_roles.py
                                      bias=cfg.attention_bias)
         self.o_proj = Linear(h * d, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.whole_qk_norm = spec.qk_norm_whole
+        self.q_norm = RMSNorm(h * d if spec.qk_norm_whole else d, cfg.rms_norm_eps) \
+            if spec.qk_norm or spec.qk_norm_whole else None
+        self.k_norm = RMSNorm(hkv * d if spec.qk_norm_whole else d, cfg.rms_norm_eps) \
+            if spec.qk_norm or spec.qk_norm_whole else None
         self.attn = Attention(h, d, spec.scale, hkv, spec.sliding_window, spec.softcap)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.whole_qk_norm:   # q and k each normalized as one row, then rotated
+            q, k, v = self.qkv_proj.split(qkv)
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+            q, k = apply_rotary(q.view(-1, h, d), cos, sin), apply_rotary(k.view(-1, hkv, d), cos, sin)
+            return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v.contiguous(), attn_metadata))
         normed = self.q_norm is None or qk_norm_inplace(qkv, self.q_norm, self.k_norm, h, hkv, d)
         if normed and rotate_heads_inplace(qkv, h + hkv, d, cos, sin):
             # q and k normalized and rotated in place inside qkv (the fused stack's kernels, in its order); the
@@ -114,14 +130,14 @@ class DecoderAttention(InferenceModule):
 
 
 class DecoderMLP(InferenceModule):
-    """Gated feed-forward (SwiGLU, GeGLU) with one fused gate|up matmul."""
+    """Gated feed-forward (SwiGLU, GeGLU) with one fused gate|up matmul; also each expert of an MoE (moe.py)."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool):
         super().__init__()
-        i = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=cfg.mlp_bias)
-        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act_fn = ACTIVATIONS[spec.activation]()
+        i = intermediate_size
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": i, "up": i}, bias=bias)
+        self.down_proj = Linear(i, hidden_size, bias=bias)
+        self.act_fn = ACTIVATIONS[activation]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -141,7 +157,8 @@ class DecoderLayer(InferenceModule):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.pre_feedforward_layernorm = RMSNorm(h, eps) if spec.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(h, eps) if spec.sandwich_norms else None
-        self.mlp = DecoderMLP(cfg, spec)
+        mlp = lambda size: DecoderMLP(h, size, spec.activation, cfg.mlp_bias)   # noqa: E731
+        self.mlp = mlp(cfg.intermediate_size) if spec.moe is None else SparseMoE(cfg, spec.moe, mlp)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:

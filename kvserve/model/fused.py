@@ -183,6 +183,10 @@ def _bf16_rows(t: torch.Tensor | None) -> bool:
 def _layer_refusal(layer, tp) -> str | None:
     """Which feature of this layer the stack has no kernel for, or None."""
     attn, spec = layer.self_attn, layer.spec
+    if spec.moe is not None:
+        return "a mixture-of-experts MLP"
+    if spec.qk_norm_whole:
+        return "a q/k norm over the whole projections"
     linears = [role.of(layer) for role in DECODER_LINEARS]
     norms = [n for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                          layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm) if n is not None]

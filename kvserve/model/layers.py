@@ -32,6 +32,7 @@ class Linear(InferenceModule):
         # tensor parallelism: a row-parallel linear's group (kvserve/distributed TPComm), which sums the ranks'
         # partial outputs before the bias is added
         self.tp = None
+        self.keep_dense = False   # quantization="int8" leaves it dense (an MoE router: routing at full precision)
 
     @property
     def quantized(self) -> QuantizedWeight | None:

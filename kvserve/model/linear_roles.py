@@ -27,6 +27,15 @@ class LinearRole:
         """This linear (a Linear module) of a DecoderLayer."""
         return getattr(getattr(layer, self.block), self.name)
 
+    def held_by(self, layer) -> bool:
+        """Whether the layer has this linear (an MoE layer's MLP has experts instead: kvserve/model/moe.py)."""
+        return hasattr(getattr(layer, self.block), self.name)
+
+
+def roles_of(layers) -> tuple[LinearRole, ...]:
+    """The declared linears that every one of these layers has."""
+    return tuple(r for r in DECODER_LINEARS if all(r.held_by(layer) for layer in layers))
+
 
 # the decoder's linears, in the fused stack's order (layers.cpp LayerDesc): the weight loaders (packed_modules),
 # LoRA (kvserve/lora), tensor parallelism (kvserve/distributed/plan.py) and the fused stack read these

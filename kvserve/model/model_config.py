@@ -48,6 +48,14 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None   # attention scale = its -1/2 power (Gemma); None: head_dim's
     final_logit_softcapping: float | None = None   # logits = cap * tanh(logits / cap) (Gemma 2)
     attn_logit_softcapping: float | None = None    # the same on attention scores (Gemma 2)
+    # mixture of experts (kvserve/model/moe.py): each MoE layer routes a token to num_experts_per_tok of num_experts
+    num_experts: int = 0              # 0: every MLP dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None   # each expert's intermediate size
+    norm_topk_prob: bool = False      # the top-k routing weights renormalized to sum to 1 (Mixtral always)
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE: an expert every token runs, gated by a sigmoid
+    moe_layers: list[int] | None = None   # the layers whose MLP is an MoE (None: all of them, with num_experts)
+    clip_qkv: float | None = None     # OLMoE: q, k and v clamped to [-clip, clip] (refused: olmoe.py)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -72,7 +80,7 @@ class ModelConfig:
     @classmethod
     def _from_hf_fields(cls, arch: str, cfg: dict, hidden: int, heads: int) -> ModelConfig:
         rope_theta, rope_scaling, rope_local = _hf_rope(cfg)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
@@ -91,7 +99,7 @@ class ModelConfig:
             attention_bias=True if is_qwen2 else bias,
             o_proj_bias=False if is_qwen2 else bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             torch_dtype=_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "")),
@@ -102,6 +110,8 @@ class ModelConfig:
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            clip_qkv=cfg.get("clip_qkv"),
+            **_hf_moe(arch, cfg),
         )
 
     @classmethod
@@ -159,6 +169,22 @@ class ModelConfig:
         )
 
 
+def _hf_moe(arch: str, cfg: dict) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json (Mixtral's num_local_experts; Qwen2/3-MoE's and OLMoE's
+    num_experts, with Qwen's decoder_sparse_step and mlp_only_layers choosing the MoE layers); {} for a dense one."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if not experts:
+        return {}
+    n = cfg["num_hidden_layers"]
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+    mixtral = "num_local_experts" in cfg
+    return dict(num_experts=experts, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                moe_layers=[i for i in range(n) if i not in dense and (i + 1) % step == 0])
+
+
 def _pattern(num_layers: int, every: int) -> list[str]:
     """Sliding layers with every `every`-th one full (Gemma 3's sliding_window_pattern)."""
     return [FULL if (i + 1) % every == 0 else SLIDING for i in range(num_layers)]
@@ -177,9 +203,9 @@ def _hf_layer_types(arch: str, cfg: dict) -> list[str] | None:
         return types if window and SLIDING in types else None
     if not window:
         return None
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return [SLIDING] * n
-    if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and cfg.get("use_sliding_window"):
         start = int(cfg.get("max_window_layers", n))
         return [SLIDING if i >= start else FULL for i in range(n)]
     if arch == "Gemma3ForCausalLM":

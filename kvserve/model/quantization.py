@@ -307,12 +307,12 @@ def int8_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
 def quantize_linears_int8(model: torch.nn.Module) -> int:
     """quantization="int8": every Linear still dense is quantized (quantize_for_int8; its plain weight freed as it
     goes), multiplied by the int8 kernels. Returns how many were quantized here (one whose input size is not a
-    multiple of 32 stays dense)."""
+    multiple of 32 stays dense, and so does one marked keep_dense: an MoE router)."""
     from kvserve.model.layers import Linear
     from kvserve.model.linear_method import keep_quantized
     count = 0
     for m in model.modules():
-        if not isinstance(m, Linear) or m.quantized is not None or m.weight.shape[1] % 32:
+        if not isinstance(m, Linear) or m.quantized is not None or m.weight.shape[1] % 32 or m.keep_dense:
             continue
         keep_quantized(m, QuantizedWeight([quantize_for_int8(m.weight)]))
         count += 1
@@ -360,17 +360,29 @@ def describe(model: torch.nn.Module) -> str:
     formats: Counter = Counter()
     sources = set()
     qbytes = dense = 0
-    for mod in model.modules():
-        q = getattr(mod, "quantized", None)
+    for q, d in _module_weights(model):
         if q is not None:
             formats.update(q.formats())
             sources.add(getattr(q, "source", "gguf"))
             qbytes += q.nbytes
-        for name, p in mod.named_parameters(recurse=False):
-            if not (q is not None and name == "weight"):   # a packed copy's plain weight is shape-only: same size
-                dense += p.numel() * p.element_size()
+        dense += d
     if not formats:
         return f"not quantized; {dense / 2**30:.2f} GiB weights"
     kinds = ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
     what = "int8 W8A8" if sources == {"int8"} else "GGUF kept quantized"
     return f"{what} ({kinds}): {qbytes / 2**30:.2f} GiB quantized + {dense / 2**30:.2f} GiB dense"
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's (or a module's) weights as they are held: quantized blocks, and dense parameters."""
+    return sum((0 if q is None else q.nbytes) + d for q, d in _module_weights(model))
+
+
+def _module_weights(model: torch.nn.Module):
+    """(its quantized weight or None, the bytes of its dense parameters) for every module."""
+    for mod in model.modules():
+        q = getattr(mod, "quantized", None)
+        dense = sum(p.numel() * p.element_size() for name, p in mod.named_parameters(recurse=False)
+                    # a packed copy's plain weight is shape-only: the same size
+                    if not (q is not None and name == "weight"))
+        yield q, dense

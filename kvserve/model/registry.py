@@ -7,6 +7,8 @@ from kvserve.errors import ModelLoadError
 from kvserve.model.gemma2 import Gemma2ForCausalLM
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.mixtral import MixtralForCausalLM
+from kvserve.model.olmoe import OlmoeForCausalLM
 from kvserve.model.phi3 import Phi3ForCausalLM
 from kvserve.model.model_config import ModelConfig
 
@@ -18,6 +20,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    # mixtures of experts (moe.py)
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,   # with a shared expert
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 

@@ -165,7 +165,7 @@ class DecodeGraphs:
 
 
 def why_no_graphs(config, device: torch.device, attention_backend: str, has_lora: bool,
-                  num_kv_groups: int = 1) -> str | None:
+                  num_kv_groups: int = 1, has_moe: bool = False) -> str | None:
     """Why an engine's decode steps cannot replay CUDA graphs (config: its EngineConfig), or None when they can."""
     if device.type != "cuda":
         return "not on CUDA"
@@ -177,6 +177,8 @@ def why_no_graphs(config, device: torch.device, attention_backend: str, has_lora
         return "LoRA adapters change per step"
     if config.tensor_parallel_size > 1:   # every rank: a worker's runner has no executor of its own
         return "tensor parallelism"
+    if has_moe:
+        return "the mixture-of-experts MLPs count each expert's tokens on the host"
     if num_kv_groups > 1:
         return "the KV groups of sliding-window layers (their block tables) are not in the graphs' buffers"
     return None

@@ -11,6 +11,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.kv_groups import KVGroups
 from kvserve.errors import InvalidRequestError
+from kvserve.model.moe import moe_layers
 from kvserve.worker.cuda_graphs import build_decode_graphs, why_no_graphs
 
 logger = logging.getLogger("kvserve")
@@ -33,7 +34,8 @@ class KVCacheSetup:
                           groups=self.kv_groups if m is self.model else None)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_groups)
         why_not = why_no_graphs(config, self.device, self.attention_backend.name, self.lora is not None,
-                                self.kv_groups.num_groups if self.kv_groups is not None else 1)
+                                self.kv_groups.num_groups if self.kv_groups is not None else 1,
+                                has_moe=bool(moe_layers(self.model)))
         if why_not is None:
             self.use_decode_graphs(config.max_num_seqs, max_model_len, config.block_size, capture=True)
         elif self.device.type == "cuda":

@@ -147,11 +147,12 @@ def write_tiny_gguf(path: Path, hf_model, arch: str = "llama", qtype: str = "F32
     import gguf
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     for key, value in [("block_count", cfg.num_hidden_layers), ("context_length", cfg.max_position_embeddings),
                        ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
                        ("attention.head_count", cfg.num_attention_heads),
                        ("attention.head_count_kv", cfg.num_key_value_heads),
-                       ("attention.key_length", cfg.head_dim), ("attention.value_length", cfg.head_dim),
+                       ("attention.key_length", head_dim), ("attention.value_length", head_dim),
                        ("vocab_size", cfg.vocab_size)]:
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
@@ -163,16 +164,47 @@ def write_tiny_gguf(path: Path, hf_model, arch: str = "llama", qtype: str = "F32
                 w.add_float32(f"{arch}.{key}", getattr(cfg, key))
     w.add_uint32("tokenizer.ggml.bos_token_id", 1)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:   # llama.cpp's MoE keys
+        w.add_uint32(f"{arch}.expert_count", experts)
+        w.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
+        w.add_uint32(f"{arch}.expert_feed_forward_length",
+                     getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
     tied = cfg.tie_word_embeddings
     for name, t in hf_model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
-        _add_gguf_tensor(w, gguf_name(name, arch), _converted(name, t, cfg, arch), qtype, raw_overrides or {})
+        for gname, a in _gguf_tensors(name, _converted(name, t, cfg, arch), arch):
+            _add_gguf_tensor(w, gname, a, qtype, raw_overrides or {})
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# llama.cpp's MoE tensors: the router, the shared expert and its gate; the experts' stacks are _gguf_tensors'
+_MOE_TO_GGUF = {"mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+                "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+
+
+def _gguf_tensors(name: str, a, arch: str):
+    """(GGUF name, array) of one of transformers' tensors: its experts' [E, 2I, H] gate|up stack as llama.cpp's
+    ffn_gate_exps and ffn_up_exps, [E, H, I] down as ffn_down_exps; anything else under gguf_name's name."""
+    if name.startswith("model.layers.") and (".mlp.experts." in name or ".mlp.gate." in name
+                                             or ".mlp.shared_expert" in name):
+        n = name.split(".")[2]
+        if name.endswith("experts.gate_up_proj"):
+            half = a.shape[1] // 2
+            return [(f"blk.{n}.ffn_gate_exps.weight", a[:, :half]), (f"blk.{n}.ffn_up_exps.weight", a[:, half:])]
+        if name.endswith("experts.down_proj"):
+            return [(f"blk.{n}.ffn_down_exps.weight", a)]
+        module, kind = name.split(".", 3)[3].rsplit(".", 1)
+        return [(f"blk.{n}.{_MOE_TO_GGUF[module]}.{kind}", a.reshape(-1) if "shared_expert_gate" in module else a)]
+    return [(gguf_name(name, arch), a)]
 
 
 def _converted(name: str, t: torch.Tensor, cfg, arch: str):
@@ -190,10 +222,11 @@ def _add_gguf_tensor(w, name: str, a, qtype: str, raw_overrides: dict) -> None:
     if name in raw_overrides:
         dtype, np_dtype = raw_overrides[name]
         w.add_tensor(name, a.astype(np_dtype), raw_dtype=dtype)
-    elif qtype == "F32" or a.ndim == 1:
+    elif qtype == "F32" or a.ndim == 1 or ".ffn_gate_inp" in name:   # llama.cpp keeps MoE routers in F32
         w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
     else:
         q = getattr(gguf.GGMLQuantizationType, qtype)
+        a = np.ascontiguousarray(a)
         blocks = TEST_QUANTIZERS[qtype](a) if qtype in TEST_QUANTIZERS else gguf.quants.quantize(a, q)
         w.add_tensor(name, blocks, raw_dtype=q)
 

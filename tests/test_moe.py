@@ -221,3 +221,41 @@ def test_what_is_not_supported_yet_is_refused(qwen2_moe, tmp_path):
     save_tiny_model("olmoe", tmp_path / "k", num_experts_per_tok=9)
     with pytest.raises(ModelLoadError, match="num_experts_per_tok"):
         load_ours(str(tmp_path / "k"))
+
+
+GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+
+
+def test_a_gguf_of_each_family_loads_to_the_same_logits(tiny, tmp_path):
+    """llama.cpp's layout: the experts' projections as [E, rows, cols] stacks (ffn_gate_exps, ...), the router
+    ffn_gate_inp, the shared expert's _shexp tensors, its MoE keys; Mixtral as a "llama" with experts."""
+    from model_utils import write_tiny_gguf
+    path, hf = tiny
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", hf, arch=GGUF_ARCH[hf.config.model_type])
+    ours, cfg = load_ours(str(gguf))
+    want, _ = load_ours(path)
+    assert (cfg.architecture, cfg.num_experts, cfg.moe_layers) == (want.config.architecture, want.config.num_experts,
+                                                                   want.config.moe_layers)
+    torch.testing.assert_close(run_single_sequence(ours, PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_gguf_experts_stay_quantized_and_equal_the_loop(tmp_path):
+    """A Q8_0 GGUF served kept quantized: every expert's matrices are views of its stack's blocks, multiplied by the
+    quantized kernels; grouped equals per token, and the model stays near its dequantized self."""
+    from kvserve.config import EngineConfig
+    from kvserve.model import load_model
+    from model_utils import write_tiny_gguf
+    hf = save_tiny_model("qwen2_moe", tmp_path / "hf", intermediate_size=64, moe_intermediate_size=64,
+                         shared_expert_intermediate_size=64)
+    gguf = str(write_tiny_gguf(tmp_path / "q8.gguf", hf, arch="qwen2moe", qtype="Q8_0"))
+    kept, cfg = load_model(EngineConfig(model=gguf, dtype="float32", device="cpu", quantization="gguf"))
+    block = kept.model.layers[0].mlp
+    assert all(m.quantized is not None and m.quantized.formats() == ["Q8_0"]
+               for e in [*block.experts, block.shared_expert] for m in (e.gate_up_proj, e.down_proj))
+    assert block.gate.quantized is None   # the router as llama.cpp stores it, F32
+    x = torch.randn(9, cfg.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(block(x), _per_token(block, x), atol=1e-5, rtol=1e-5)
+    dense, _ = load_ours(gguf)
+    torch.testing.assert_close(run_single_sequence(kept, PROMPT), run_single_sequence(dense, PROMPT), atol=0.1,
+                               rtol=0)

@@ -27,6 +27,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# mixtures of experts: the router, the shared expert and its gate (Qwen2-MoE) are one tensor each; each of the
+# experts' projections is one [E, rows, cols] tensor (_EXPERT_STACKS), split into the experts' own
+_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+              "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+              "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # where a family's tensors differ from the Llama names (llama.cpp's gemma3: ffn_norm is the MLP's pre-norm)
 _GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
@@ -178,15 +184,16 @@ def gguf_model_config(reader) -> ModelConfig:
         raise ModelLoadError("GGUF file has no token_embd.weight tensor")
     freqs = tensors.get(_ROPE_FREQS)
     factors = _dequantize(freqs).reshape(-1).tolist() if freqs is not None else None
+    routed = sorted(int(m.group(1)) for name in tensors if (m := _BLOCK_RE.match(name)) and m.group(2) == "ffn_gate_inp")
     return ModelConfig.from_gguf_metadata(
         gguf_metadata(reader), vocab_rows=int(tensors["token_embd.weight"].shape[-1]),
-        has_output="output.weight" in tensors, rope_freq_factors=factors)
+        has_output="output.weight" in tensors, rope_freq_factors=factors, moe_layers=routed or None)
 
 
 def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str:
     """Translate a GGUF tensor name (blk.3.attn_q.weight) to its HF name (model.layers.3.self_attn.q_proj.weight)."""
     m = _BLOCK_RE.match(gguf_name)
-    names = {**_LAYER_NAMES, **_FAMILY_LAYER_NAMES.get(architecture, {})}
+    names = {**_LAYER_NAMES, **_MOE_NAMES, **_FAMILY_LAYER_NAMES.get(architecture, {})}
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     stem, _, kind = gguf_name.rpartition(".")
@@ -199,12 +206,17 @@ def iter_gguf_weights(reader, cfg: ModelConfig,
                       keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield (HF name, float32 tensor) for every GGUF tensor, dequantized and in HF layout; with keep_quantized,
     the matrices in a format the quantized kernels multiply come as QuantizedTensor (rows in HF order)."""
-    is_llama = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    is_llama = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
     behind = _PagesBehind(reader)
     for t in reader.tensors:
         behind.release(int(t.data_offset))
         if t.name == _ROPE_FREQS:
             continue  # folded into cfg.rope_scaling
+        m = _BLOCK_RE.match(t.name)
+        if m and m.group(2) in _EXPERT_STACKS:
+            yield from _expert_tensors(t, f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_EXPERT_STACKS[m.group(2)]}."
+                                          f"{m.group(3)}", keep_quantized)
+            continue
         name = hf_name(t.name, cfg.architecture)
         heads = None
         if is_llama and (".q_proj." in name or ".k_proj." in name):
@@ -217,8 +229,30 @@ def iter_gguf_weights(reader, cfg: ModelConfig,
             weight = unpermute_qk(weight, heads)
         if cfg.architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
             weight = weight - np.float32(1.0)
+        if name.endswith("shared_expert_gate.weight"):   # llama.cpp's [hidden], transformers' [1, hidden]
+            weight = weight.reshape(1, -1)
         # F32 tensors come back as read-only views of the mapped file; torch wants writable memory
         yield name, torch.from_numpy(np.require(weight, requirements=["C", "W"]))
+
+
+def _expert_tensors(t, name: str, keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """An [experts, rows, cols] GGUF stack as each expert's [rows, cols] matrix, named name.format(expert): views
+    of the file's blocks where kept quantized, else dequantized."""
+    experts, rows, cols = int(t.shape[2]), int(t.shape[1]), int(t.shape[0])
+    if keep_quantized and is_kernel_format(int(t.tensor_type), cols):
+        data = t.data.view(np.ndarray)
+        if data.dtype != np.uint8 or data.size % (experts * rows):
+            raise ModelLoadError(f"GGUF tensor {t.name!r} holds {data.nbytes} bytes, not a whole number of its "
+                                 f"{experts} x {rows} rows; the file is corrupt")
+        data = data.reshape(experts, rows, -1)
+        with warnings.catch_warnings():   # the mapping is read-only, and only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            for e in range(experts):
+                yield name.format(e), QuantizedTensor(int(t.tensor_type), torch.from_numpy(data[e]), cols)
+        return
+    weight = _dequantize(t)
+    for e in range(experts):
+        yield name.format(e), torch.from_numpy(np.require(weight[e], requirements=["C", "W"]))
 
 
 class _PagesBehind:

@@ -1,6 +1,7 @@
 """ModelConfig: the shape of a decoder-only checkpoint, read from HF config.json or GGUF metadata."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,10 @@ from kvserve.errors import ModelLoadError
 
 # GGUF general.architecture -> HF architecture name
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                      "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+# llama.cpp renormalizes the top-k routing weights of these (its build_moe_ffn's norm_w); Mixtral is "llama" there
+_GGUF_MOE_RENORMALIZE = ("llama", "qwen3moe")
 SLIDING, FULL = "sliding_attention", "full_attention"   # HF's layer_types
 _GEMMA3_PATTERN = 6   # Gemma 3: every sixth layer is global (HF's and llama.cpp's default)
 _ROPE_TYPES = ("default", "linear", "llama3", "gguf_freq_factors")
@@ -116,14 +120,17 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], *, vocab_rows: int, has_output: bool,
-                           rope_freq_factors: list[float] | None = None) -> ModelConfig:
-        """Build from GGUF key/value metadata; `vocab_rows` is token_embd's row count."""
+                           rope_freq_factors: list[float] | None = None,
+                           moe_layers: list[int] | None = None) -> ModelConfig:
+        """Build from GGUF key/value metadata; `vocab_rows` is token_embd's row count, `moe_layers` the layers with
+        a router tensor (blk.N.ffn_gate_inp)."""
         arch_key = meta.get("general.architecture")
         if arch_key not in GGUF_ARCHITECTURES:
             raise ModelLoadError(f"GGUF architecture {arch_key!r} is not supported; "
                                  f"supported: {sorted(GGUF_ARCHITECTURES)}")
         try:
-            return cls._from_gguf_fields(arch_key, meta, vocab_rows, has_output, rope_freq_factors)
+            cfg = cls._from_gguf_fields(arch_key, meta, vocab_rows, has_output, rope_freq_factors)
+            return dataclasses.replace(cfg, **_gguf_moe(arch_key, meta, cfg, moe_layers))
         except KeyError as e:
             raise ModelLoadError(f"GGUF metadata is missing required key {e.args[0]!r}") from None
 
@@ -150,8 +157,8 @@ class ModelConfig:
             rope_scaling=_gguf_rope(a, meta, rope_freq_factors),
             max_position_embeddings=int(meta[f"{a}.context_length"]),
             tie_word_embeddings=not has_output,
-            attention_bias=a == "qwen2",
-            qk_norm=a == "qwen3",
+            attention_bias=a in ("qwen2", "qwen2moe"),
+            qk_norm=a in ("qwen3", "qwen3moe"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=_gguf_eos_ids(meta),
             hidden_act="gelu_pytorch_tanh" if gemma else "silu",
@@ -183,6 +190,19 @@ def _hf_moe(arch: str, cfg: dict) -> dict[str, Any]:
                 norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
                 moe_layers=[i for i in range(n) if i not in dense and (i + 1) % step == 0])
+
+
+def _gguf_moe(a: str, meta: dict, cfg: ModelConfig, moe_layers: list[int] | None) -> dict[str, Any]:
+    """The mixture-of-experts fields of a GGUF's metadata ({} for a dense model); a "llama" with experts is Mixtral."""
+    experts = int(meta.get(f"{a}.expert_count") or 0)
+    if not experts:
+        return {}
+    return dict(architecture="MixtralForCausalLM" if a == "llama" else cfg.architecture, num_experts=experts,
+                num_experts_per_tok=int(meta[f"{a}.expert_used_count"]),
+                moe_intermediate_size=int(meta.get(f"{a}.expert_feed_forward_length") or cfg.intermediate_size),
+                norm_topk_prob=a in _GGUF_MOE_RENORMALIZE,
+                shared_expert_intermediate_size=int(meta.get(f"{a}.expert_shared_feed_forward_length") or 0),
+                moe_layers=moe_layers)
 
 
 def _pattern(num_layers: int, every: int) -> list[str]:

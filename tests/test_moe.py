@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.errors import InvalidRequestError, LoRAError, ModelLoadError
+from kvserve.errors import LoRAError, ModelLoadError
 from kvserve.lora import LoRARequest
 from kvserve.model.decoder import DecoderMLP
 from kvserve.model.layers import prepack_linears
@@ -210,10 +210,27 @@ def test_speculative_decoding_with_a_dense_draft_and_structured_outputs(qwen2_mo
     assert alone.generate(prompts[1], choice, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_tp2_equals_tp1(family, tmp_path):
+    """Each expert's (and the shared expert's) intermediate size split over two ranks, the router whole on each, one
+    all-reduce of the block's weighted sum; with chunked prefill and preemption."""
+    from test_tensor_parallel import PROMPTS, _assert_same, _outputs
+    save_tiny_model(family, tmp_path, seed=5)
+    load_smollm2_tokenizer().save_pretrained(str(tmp_path))
+    kwargs = dict(model=str(tmp_path), dtype="float32", max_num_batched_tokens=16, block_size=4, num_kv_blocks=14)
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+    one = LLM(**kwargs)
+    want = _outputs(one, PROMPTS, params)
+    assert one.llm_engine.scheduler.num_preemptions > 0
+    tp = LLM(tensor_parallel_size=2, **kwargs)
+    try:
+        _assert_same(_outputs(tp, PROMPTS, params), want, tol=1e-4)
+    finally:
+        tp.llm_engine.shutdown()
+
+
 def test_what_is_not_supported_yet_is_refused(qwen2_moe, tmp_path):
     path, _ = qwen2_moe
-    with pytest.raises(InvalidRequestError, match="mixture-of-experts"):
-        LLM(str(path), dtype="float32", tensor_parallel_size=2)
     bad = tmp_path / "clip"
     save_tiny_model("olmoe", bad, clip_qkv=8.0)
     with pytest.raises(ModelLoadError, match="clip_qkv"):

@@ -2,6 +2,8 @@
 
     q|k|v, gate|up    column-parallel: a rank holds its heads' rows (its intermediate slice's rows)
     o, down           row-parallel: a rank holds the matching input columns; partial outputs are all-reduced
+    MoE experts       each expert (and the shared one) split as an MLP; the router whole; one all-reduce of the
+                      block's weighted sum (kvserve/model/moe.py)
     embedding, head   vocab-parallel: a rank holds a slice of the vocabulary's rows
 
 Heads are dealt out by KV-head group, so a rank's query heads always attend to the KV heads it holds. With at
@@ -42,11 +44,15 @@ class ShardPlan:
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
     vocab_per_rank: int   # the gathered logits' columns per rank (the last rank's slice may be shorter)
+    experts: tuple[int, int] = (0, 0)   # mixture of experts: the slice of every expert's intermediate size
+    shared: tuple[int, int] = (0, 0)    # and of the shared expert's
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The ModelConfig the rank's model is built from: its heads, intermediate slice and vocabulary rows."""
+        """The ModelConfig the rank's model is built from: its heads, intermediate slices and vocabulary rows."""
+        moe = dict(moe_intermediate_size=self.experts[1], shared_expert_intermediate_size=self.shared[1]) \
+            if cfg.num_experts else {}
         return dataclasses.replace(cfg, num_attention_heads=self.q_heads[1], num_key_value_heads=self.kv_heads[1],
-                                   intermediate_size=self.intermediate[1], vocab_size=self.vocab[1])
+                                   intermediate_size=self.intermediate[1], vocab_size=self.vocab[1], **moe)
 
 
     def shard_lora(self, linear: str, shard: int, a, b):
@@ -58,14 +64,15 @@ class ShardPlan:
             return a[:, start:start + count].contiguous(), b
         return a, b[start:start + count].contiguous()
 
-    def rank_slice(self, split: str) -> tuple[int, int]:
-        """(start, count) of the rank's rows (column-parallel) or input columns (row-parallel) for a split kind."""
+    def rank_slice(self, split: str, scope: str | None = None) -> tuple[int, int]:
+        """(start, count) of the rank's rows (column-parallel) or input columns (row-parallel) for a split kind;
+        scope "experts" or "shared": an MoE expert's or the shared expert's intermediate slice."""
         d = self.head_dim
         if split in ("q", "o"):
             return self.q_heads[0] * d, self.q_heads[1] * d
         if split == "kv":
             return self.kv_heads[0] * d, self.kv_heads[1] * d
-        return self.intermediate   # inter, down
+        return {"experts": self.experts, "shared": self.shared}.get(scope, self.intermediate)   # inter, down
 
 
 def full_projection_shapes(cfg: ModelConfig) -> dict[tuple[str, int], tuple[int, int]]:
@@ -73,15 +80,16 @@ def full_projection_shapes(cfg: ModelConfig) -> dict[tuple[str, int], tuple[int,
     h, q, kv, i = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
         cfg.intermediate_size
     shapes = {"q": (h, q), "kv": (h, kv), "inter": (h, i), "o": (q, h), "down": (i, h)}
-    return {key: shapes[split] for key, split in _LINEAR_SPLITS.items()}
+    # an MoE model's MLPs take no adapter (kvserve/lora/layers.py roles_of)
+    return {key: shapes[split] for key, split in _LINEAR_SPLITS.items()
+            if not (cfg.num_experts and split in ("inter", "down"))}
 
 
 def make_plans(cfg: ModelConfig, size: int) -> list[ShardPlan]:
     """Every rank's plan; InvalidRequestError where the heads cannot be split over `size` ranks."""
-    if cfg.num_experts and size > 1:
-        raise InvalidRequestError(f"tensor parallelism of a mixture-of-experts model ({cfg.architecture}) is not "
-                                  "supported yet: serve it with tensor_parallel_size 1, or as data-parallel "
-                                  "replicas (--data-parallel-size)", "tensor_parallel_size")
+    if cfg.num_experts and cfg.mlp_bias and size > 1:
+        raise InvalidRequestError("tensor parallelism of mixture-of-experts MLPs with biases is not supported",
+                                  "tensor_parallel_size")
     h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     group = h // hkv
     if size <= hkv:
@@ -97,16 +105,23 @@ def make_plans(cfg: ModelConfig, size: int) -> list[ShardPlan]:
             f"tensor_parallel_size {size} does not divide this model's heads: {h} attention heads in {hkv} KV-head "
             f"groups can be split over at most {hkv} ranks, or over a multiple of {hkv} that divides each group of "
             f"{group}", "tensor_parallel_size")
-    i = cfg.intermediate_size
-    unit = 256 if i % 256 == 0 and i // 256 >= size else 32 if i % 32 == 0 and i // 32 >= size else 1
-    inter = _even_split(i, size, unit)
+    inter = _intermediate_split(cfg.intermediate_size, size)
+    experts = _intermediate_split(cfg.moe_intermediate_size or 0, size) if cfg.num_experts else [(0, 0)] * size
+    shared = _intermediate_split(cfg.shared_expert_intermediate_size, size)
     per_rank = -(-cfg.vocab_size // size)
     vocab = [(min(r * per_rank, cfg.vocab_size), max(0, min(per_rank, cfg.vocab_size - r * per_rank)))
              for r in range(size)]
     if any(n == 0 for _, n in vocab):
         raise InvalidRequestError(f"tensor_parallel_size {size} is more than the {cfg.vocab_size} vocabulary rows",
                                   "tensor_parallel_size")
-    return [ShardPlan(r, size, cfg.head_dim, q[r], kv[r], inter[r], vocab[r], per_rank) for r in range(size)]
+    return [ShardPlan(r, size, cfg.head_dim, q[r], kv[r], inter[r], vocab[r], per_rank, experts[r], shared[r])
+            for r in range(size)]
+
+
+def _intermediate_split(i: int, size: int) -> list[tuple[int, int]]:
+    """An intermediate size dealt out in whole K-quant blocks (256) where it divides, else in 32s, else evenly."""
+    unit = 256 if i % 256 == 0 and i // 256 >= size else 32 if i % 32 == 0 and i // 32 >= size else 1
+    return _even_split(i, size, unit)
 
 
 def _even_split(total: int, parts: int, unit: int) -> list[tuple[int, int]]:
@@ -140,10 +155,12 @@ def shard_tensor(name: str, t, plan: ShardPlan):
     kind = next((_SPLITS[p] for p in parts if p in _SPLITS), None)
     if name.startswith("model.embed_tokens.") or name.startswith("lm_head."):
         return _rows(t, *plan.vocab)
+    # an MoE's experts and shared expert split like a dense MLP, each by its own size; its router stays whole
+    scope = "experts" if ".mlp.experts." in name else "shared" if ".mlp.shared_expert." in name else None
     if kind in ("q", "kv", "inter"):
-        return _rows(t, *plan.rank_slice(kind))
+        return _rows(t, *plan.rank_slice(kind, scope))
     if kind in ("o", "down") and parts[-1] == "weight":
-        return _cols(t, *plan.rank_slice(kind))
+        return _cols(t, *plan.rank_slice(kind, scope))
     return t
 
 

@@ -11,6 +11,7 @@ from kvserve.model.linear_roles import DECODER_LINEARS
 from kvserve.model.layers import Linear, VocabEmbedding, load_packed_weights, prepack_linears
 from kvserve.model.linear_method import DENSE, LinearMethod, PackedBf16Method, shape_only
 from kvserve.model.model_config import ModelConfig
+from kvserve.model.moe import SparseMoE
 from kvserve.module import InferenceModule
 from kvserve.model.draft_heads import DraftHeads
 
@@ -79,8 +80,10 @@ class CausalLM(DraftHeads, InferenceModule):
         group: o and down are row-parallel, the embedding and head vocab-parallel (kvserve/distributed/plan.py)."""
         for layer in self.model.layers:
             for role in DECODER_LINEARS:
-                if role.row_parallel:
+                if role.row_parallel and role.held_by(layer):
                     role.of(layer).tp = comm
+            if isinstance(layer.mlp, SparseMoE):   # its experts' partial sums are reduced once, weighted
+                layer.mlp.tp = comm
         self.model.embed_tokens.tp = comm
         self.model.embed_tokens.vocab_start = vocab_start
         self.tp = comm

@@ -62,6 +62,9 @@ class SparseMoE(InferenceModule):
         self.shared_expert_gate = Linear(cfg.hidden_size, 1) if shared else None
         if shared:
             self.shared_expert_gate.keep_dense = True
+        # tensor parallelism: the group that sums the ranks' partial outputs (each rank holds a slice of every
+        # expert's intermediate size, and computes the same routing from its whole router)
+        self.tp = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (routing weights [T, k] float32, expert ids [T, k]): the softmax over all experts in
@@ -81,6 +84,8 @@ class SparseMoE(InferenceModule):
             out.index_add_(0, tokens, y.float() * flat_weights.index_select(0, choices).unsqueeze(1))
         if self.shared_expert is not None:
             out += (torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)).float()
+        if self.tp is not None:
+            self.tp.all_reduce(out)
         return out.to(x.dtype)
 
 

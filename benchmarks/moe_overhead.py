@@ -97,7 +97,7 @@ def main() -> int:
                 for k, p in paths.items()}
         print(f"MoE: {llms['moe'].llm_engine.weights_summary}")
         print(f"dense: {llms['dense'].llm_engine.weights_summary}; {llms['dense'].llm_engine.kernel_summary}")
-        variants = [("moe", True), ("dense", False), ("dense", True)]
+        variants = [("moe", True), ("dense", True), ("moe", False), ("dense", False)]
         results: dict = {v: {"b1": [], "b16": [], "prefill": []} for v in variants}
         for _ in range(args.rounds):   # interleaved: the machine's drift hits every variant alike
             for name, fused in variants:
@@ -113,13 +113,18 @@ def main() -> int:
         print("| model | decode step b=1 ms | b=16 ms | prefill 512 tokens ms |")
         print("|---|---|---|---|")
         for (name, fused), r in results.items():
-            label = "MoE (modules)" if name == "moe" else f"dense ({'fused stack' if fused else 'modules'})"
-            print(f"| {label} | {statistics.median(r['b1']):.2f} | {statistics.median(r['b16']):.2f} | "
-                  f"{statistics.median(r['prefill']):.1f} |")
-        base = results[("dense", False)]
-        moe = results[("moe", True)]
-        print("MoE / dense (modules): " + ", ".join(
-            f"{k} {statistics.median(moe[k]) / statistics.median(base[k]):.2f}x" for k in ("b1", "b16", "prefill")))
+            path = "fused stack" if fused else "layer modules"
+            print(f"| {'MoE' if name == 'moe' else 'dense'} ({path}) | {statistics.median(r['b1']):.2f} | "
+                  f"{statistics.median(r['b16']):.2f} | {statistics.median(r['prefill']):.1f} |")
+        for fused in (True, False):
+            moe, dense = results[("moe", fused)], results[("dense", fused)]
+            print(f"MoE / dense ({'fused stack' if fused else 'layer modules'}): " + ", ".join(
+                f"{k} {statistics.median(moe[k]) / statistics.median(dense[k]):.2f}x" for k in ("b1", "b16", "prefill")))
+        # what a decode step must read: at batch B a uniformly routed layer touches E (1 - (1 - k/E)^B) experts
+        e, k = args.experts, args.top_k
+        touched = e * (1 - (1 - k / e) ** 16)
+        print(f"batch 16: about {touched:.1f} of {e} experts touched per layer (uniform routing), so the MoE reads "
+              f"about {touched / k:.1f}x the dense model's MLP weights per step")
     return 0
 
 

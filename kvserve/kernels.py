@@ -41,7 +41,7 @@ logger = logging.getLogger("kvserve")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 _FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "quant_k.cpp", "quant_int8.cpp",
-          "quant_matmul.cpp", "lora.cpp", "layers.cpp", "shm.cpp")
+          "quant_matmul.cpp", "lora.cpp", "layers.cpp", "moe.cpp", "shm.cpp")
 
 
 def _read_source(csrc: Path = CSRC) -> str:
@@ -188,6 +188,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvserve_decoder_stack_bf16.restype = ctypes.c_int   # 0, or -1 - the layer whose linear refused its weights
     lib.kvserve_stack_layout.argtypes = [p]
     lib.kvserve_stack_layout.restype = i64
+    lib.kvserve_moe_layout.argtypes = [p]
+    lib.kvserve_moe_layout.restype = i64
+    lib.kvserve_moe_bf16.argtypes = [p, p, i64, i64, p]   # a MoEDesc (kvserve/model/moe.py)
+    lib.kvserve_moe_bf16.restype = ctypes.c_int   # 0, or -1 where a quantized weight's descriptor is refused
+    lib.kvserve_moe_route.argtypes = [p, i64, i64, i64, i64, p, p]
+    lib.kvserve_moe_route.restype = None
     lib.kvserve_stack_scratch_per_token.argtypes = [i64] * 5
     lib.kvserve_stack_scratch_per_token.restype = i64
     lib.kvserve_shm_all_reduce.argtypes = [p, i64, i64, i64, p, p, i64, i64, ctypes.c_double]

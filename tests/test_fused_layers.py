@@ -244,8 +244,10 @@ def test_fused_stack_splitting_a_decode_batch_between_threads_is_bit_identical(t
 
 
 # every family's declared features in the stack: windows shorter than the prompts (mistral, gemma), q/k norm
-# (qwen3, gemma3), a second RoPE table (gemma3), soft-capped attention (gemma2), GELU-tanh and sandwich norms (gemma)
-FAMILIES = {"mistral": {"sliding_window": 8}, "qwen3": {}, "gemma2": {}, "gemma3": {}, "phi3": {}}
+# (qwen3, gemma3), a second RoPE table (gemma3), soft-capped attention (gemma2), GELU-tanh and sandwich norms (gemma),
+# mixtures of experts (top-2, top-1 with a shared expert and a dense layer between, top-8; moe.cpp)
+FAMILIES = {"mistral": {"sliding_window": 8}, "qwen3": {}, "gemma2": {}, "gemma3": {}, "phi3": {}, "mixtral": {},
+            "qwen2_moe": {}, "qwen3_moe": {}}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, kernels
+from kvserve.attention import bind_kv_cache
 from kvserve.errors import LoRAError, ModelLoadError
 from kvserve.lora import LoRARequest
 from kvserve.model.decoder import DecoderMLP
@@ -84,7 +85,7 @@ def _block(num_experts: int, top_k: int, renormalize: bool, shared: int = 0, see
     """A random MoE block of hidden size 64 (experts of 48, SwiGLU)."""
     cfg = ModelConfig("MixtralForCausalLM", 256, 64, 48, 1, 4, 2, 16, 1e-6, 1e4, 128, False)
     block = SparseMoE(cfg, MoESpec(num_experts, top_k, 48, renormalize, shared),
-                      lambda size: CountedMLP(64, size, "silu", False))
+                      lambda size: CountedMLP(64, size, "silu", False), "silu")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in block.parameters():
@@ -101,7 +102,8 @@ def _per_token(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         for j in ids[t].argsort():
             acc += block.experts[int(ids[t, j])](x[t:t + 1])[0].float() * weights[t, j]
         if block.shared_expert is not None:
-            acc += (torch.sigmoid(block.shared_expert_gate(x[t:t + 1])) * block.shared_expert(x[t:t + 1]))[0].float()
+            acc += (torch.sigmoid(block.shared_expert_gate(x[t:t + 1]).float())
+                    * block.shared_expert(x[t:t + 1]).float())[0]
         rows.append(acc.to(x.dtype))
     return torch.stack(rows)
 
@@ -164,10 +166,52 @@ def test_int8_experts_are_quantized_and_equal_the_loop(tiny):
         torch.testing.assert_close(block(x).float(), _per_token(block, x).float(), atol=2e-2, rtol=2e-2)
 
 
-def test_the_fused_stack_refuses_moe_layers_by_name(tiny):
-    path, _ = tiny
+def test_moe_layers_run_in_the_fused_stack_or_say_why_not(tiny):
+    """bf16 on the CPU: the stack runs the MoE blocks through moe.cpp (test_fused_layers.py compares it with the
+    modules bit for bit); OLMoE's whole-projection q/k norm keeps the modules, whose MoE blocks still make one C++
+    call each; a block switched off from its kernel is named."""
+    path, hf = tiny
+    if not kernels.load() or not kernels.load().kvserve_has_packed_matmul():
+        pytest.skip("needs the packed bf16 kernels (AVX2 or AVX-512 BF16)")
     ours, _ = load_ours(path, "bfloat16")
-    assert "mixture-of-experts MLP" in ours.model.fused_status() or "whole projections" in ours.model.fused_status()
+    ours.prepack()
+    bind_kv_cache(ours, num_blocks=4, block_size=16, dtype=torch.bfloat16)
+    status = ours.model.fused_status()
+    if hf.config.model_type == "olmoe":
+        assert status == "the layer modules (layer 0: a q/k norm over the whole projections)"
+    else:
+        assert status == "the fused C++ layer stack"
+    blocks = [layer.mlp for layer in ours.model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert all(b.kernel_refusal() is None for b in blocks)
+    blocks[0].use_kernel = False
+    i = next(i for i, layer in enumerate(ours.model.layers) if layer.mlp is blocks[0])
+    if hf.config.model_type != "olmoe":
+        assert ours.model.fused_status() == f"the layer modules (layer {i}: a mixture-of-experts MLP (switched off))"
+
+
+@pytest.mark.parametrize("top_k,shared,quantize", [(1, 0, False), (2, 40, False), (8, 32, True)])
+def test_the_moe_kernel_equals_the_torch_ops(top_k, shared, quantize):
+    """moe.cpp's one call against the grouped torch ops on the same packed (or int8) experts: the same routing and
+    the same experts' rows, summed in the same order; they differ only in the rounding of the shared expert's gate
+    sigmoid (torch's vectorized one against the kernel's exp) in float32."""
+    if not kernels.load() or not kernels.load().kvserve_has_packed_matmul():
+        pytest.skip("needs the packed bf16 kernels (AVX2 or AVX-512 BF16)")
+    from kvserve.model.quantization import quantize_linears_int8
+    block = _block(8, top_k, True, shared).to(torch.bfloat16)
+    if quantize:
+        quantize_linears_int8(block)
+    prepack_linears(block)
+    assert block.kernel_refusal() is None
+    x = torch.randn(21, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = block(x)
+        assert [e.calls for e in block.experts] == [0] * 8   # one C++ call: no module ran
+        block.use_kernel = False
+        want = block(x)
+    if shared:
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    else:
+        assert torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")

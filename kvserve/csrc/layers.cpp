@@ -1,6 +1,7 @@
 // A stack of decoder layers in bf16 in one call, executing what each layer declares (kvserve/model/decoder.py
 // LayerSpec, described for this file by kvserve/model/fused.py): pre-norm or sandwich norms, q/k norm, RoPE from
-// one of several tables, full or sliding-window attention with an optional soft-cap, a SiLU or GELU-tanh gated MLP.
+// one of several tables, full or sliding-window attention with an optional soft-cap, a SiLU or GELU-tanh gated MLP
+// or a mixture of experts (moe.cpp).
 // Every op is the kernel the per-layer modules call, in their order, on the same buffers, so the results are
 // bit-identical; what it removes is the ~10 Python calls per layer (tensor allocations, ctypes argument conversion,
 // module dispatch).
@@ -38,6 +39,9 @@ int kvserve_quant_matmul(const int64_t* desc, const void* x, int64_t xs, int64_t
 int kvserve_lora_add(const int64_t* desc, const void* x, int64_t xs, int64_t x_bf16, void* y, int64_t ys, int64_t M,
                      const int32_t* row_slot);
 
+struct MoEDesc;   // moe.cpp: an MoE MLP
+int kvserve_moe_bf16(const MoEDesc* desc, const uint16_t* x, int64_t T, int64_t H, uint16_t* out);
+
 // Tensor parallelism: sums a row-parallel linear's partial outputs [T, H] over the ranks, in place (TPComm).
 typedef void (*AllReduceFn)(uint16_t* y, int64_t numel);
 
@@ -62,6 +66,7 @@ struct LayerDesc {
   const uint16_t* q_norm;           // per-head q/k norm weights [D], or null
   const uint16_t* k_norm;
   LinearDesc qkv, o, gate_up, down;
+  const MoEDesc* moe;               // a mixture-of-experts MLP (then gate_up and down are unused), or null
   void* k_cache;
   void* v_cache;
   const float* kv_scales;           // FP8 pools: float32 [K's, V's]
@@ -103,7 +108,8 @@ struct StackArgs {
 int64_t kvserve_stack_layout(int64_t* out) {
   const int64_t v[] = {
       sizeof(LinearDesc), KV_FIELD(LinearDesc, bias), KV_FIELD(LinearDesc, row_parallel),
-      sizeof(LayerDesc), KV_FIELD(LayerDesc, qkv), KV_FIELD(LayerDesc, down), KV_FIELD(LayerDesc, kv_scales),
+      sizeof(LayerDesc), KV_FIELD(LayerDesc, qkv), KV_FIELD(LayerDesc, down), KV_FIELD(LayerDesc, moe),
+      KV_FIELD(LayerDesc, kv_scales),
       KV_FIELD(LayerDesc, activation), KV_FIELD(LayerDesc, softcap),
       sizeof(StackArgs), KV_FIELD(StackArgs, cos), KV_FIELD(StackArgs, num_kv_groups), KV_FIELD(StackArgs, num_tokens),
       KV_FIELD(StackArgs, kv_format), KV_FIELD(StackArgs, eps), KV_FIELD(StackArgs, split),
@@ -198,12 +204,16 @@ static int layers_rows(const StackArgs& a) {
     } else {
       kvserve_rmsnorm_bf16(hidden, a.residual, L.post_attn_norm, normed, T, H, a.eps);
     }
-    if (linear(L.gate_up, a, normed, H, gate_up, 2 * I, T, 2 * I, H)) return failed;
-    if (L.activation == ACT_GELU_TANH)
-      kvserve_gelu_tanh_mul_bf16(gate_up, 2 * I, act, T, I);
-    else
-      kvserve_silu_mul_bf16(gate_up, 2 * I, act, T, I);
-    if (linear(L.down, a, act, I, hidden, H, T, H, I)) return failed;
+    if (L.moe) {
+      if (kvserve_moe_bf16(L.moe, normed, T, H, hidden)) return failed;
+    } else {
+      if (linear(L.gate_up, a, normed, H, gate_up, 2 * I, T, 2 * I, H)) return failed;
+      if (L.activation == ACT_GELU_TANH)
+        kvserve_gelu_tanh_mul_bf16(gate_up, 2 * I, act, T, I);
+      else
+        kvserve_silu_mul_bf16(gate_up, 2 * I, act, T, I);
+      if (linear(L.down, a, act, I, hidden, H, T, H, I)) return failed;
+    }
     if (L.post_ffn_norm) kvserve_rmsnorm_bf16(hidden, nullptr, L.post_ffn_norm, hidden, T, H, a.eps);
   }
   return 0;
@@ -223,7 +233,10 @@ int kvserve_decoder_stack_bf16(const StackArgs* args) {
   const int nt = omp_get_max_threads();
   bool decode_only = T == B;   // one query token per sequence: sequence b is row b
   for (int64_t b = 0; decode_only && b < B; ++b) decode_only = a.query_start[b + 1] - a.query_start[b] == 1;
-  if (!a.split || a.all_reduce || !decode_only || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel())
+  // (an MoE's experts see a few rows each: every thread would stream most experts' weights)
+  bool moe = false;
+  for (int64_t l = 0; l < a.num_layers; ++l) moe = moe || a.layers[l].moe;
+  if (!a.split || a.all_reduce || moe || !decode_only || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel())
     return layers_rows(a);
   // Shares balanced on the estimated time of each sequence on one core: its row through the matmuls (~200
   // GFLOP/s) plus its attention reading K/V (~23.5 GB/s), i.e. ~0.12 bytes of K/V per matmul FLOP.

@@ -158,7 +158,7 @@ class DecoderLayer(InferenceModule):
         self.pre_feedforward_layernorm = RMSNorm(h, eps) if spec.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(h, eps) if spec.sandwich_norms else None
         mlp = lambda size: DecoderMLP(h, size, spec.activation, cfg.mlp_bias)   # noqa: E731
-        self.mlp = mlp(cfg.intermediate_size) if spec.moe is None else SparseMoE(cfg, spec.moe, mlp)
+        self.mlp = mlp(cfg.intermediate_size) if spec.moe is None else SparseMoE(cfg, spec.moe, mlp, spec.activation)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:

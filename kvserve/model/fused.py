@@ -1,6 +1,7 @@
 """All decoder layers of a step in one C++ call on the CPU in bf16 (kvserve/csrc/layers.cpp), executing what each
 layer declares (kvserve/model/decoder.py LayerSpec): pre-norm or sandwich norms, q/k norm, RoPE from the layer's
-table, full or sliding-window attention with an optional soft-cap, a SiLU or GELU-tanh gated MLP.
+table, full or sliding-window attention with an optional soft-cap, a SiLU or GELU-tanh gated MLP or a mixture of
+experts (its MoE block's descriptor, kvserve/model/moe.py).
 
 The call runs the kernels the per-layer modules call, in their order, on the same shapes, so its output is
 bit-identical to theirs; it saves their Python: ~10 calls per layer that each allocate a tensor and convert
@@ -35,7 +36,7 @@ class LinearDesc(ctypes.Structure):
 class LayerDesc(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_attn_norm", _p), ("pre_ffn_norm", _p), ("post_ffn_norm", _p),
                 ("q_norm", _p), ("k_norm", _p), ("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc),
-                ("down", LinearDesc), ("k_cache", _p), ("v_cache", _p), ("kv_scales", _p), ("rope", _i64),
+                ("down", LinearDesc), ("moe", _p), ("k_cache", _p), ("v_cache", _p), ("kv_scales", _p), ("rope", _i64),
                 ("kv_group", _i64), ("window", _i64), ("activation", _i64), ("scale", _f32), ("softcap", _f32)]
 
 
@@ -53,7 +54,8 @@ def struct_layout() -> list[int]:
     """The sizes and offsets layers.cpp's kvserve_stack_layout reports, from the ctypes mirrors above."""
     off = lambda s, f: getattr(s, f).offset   # noqa: E731
     return [ctypes.sizeof(LinearDesc), off(LinearDesc, "bias"), off(LinearDesc, "row_parallel"),
-            ctypes.sizeof(LayerDesc), off(LayerDesc, "qkv"), off(LayerDesc, "down"), off(LayerDesc, "kv_scales"),
+            ctypes.sizeof(LayerDesc), off(LayerDesc, "qkv"), off(LayerDesc, "down"), off(LayerDesc, "moe"),
+            off(LayerDesc, "kv_scales"),
             off(LayerDesc, "activation"), off(LayerDesc, "softcap"),
             ctypes.sizeof(StackArgs), off(StackArgs, "cos"), off(StackArgs, "num_kv_groups"),
             off(StackArgs, "num_tokens"), off(StackArgs, "kv_format"), off(StackArgs, "eps"), off(StackArgs, "split"),
@@ -64,7 +66,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear_desc(m) -> LinearDesc:
+def linear_desc(m) -> LinearDesc:
+    """A Linear as the C++ kernels take it (its method's weight, bias, LoRA table, tensor parallelism)."""
     weight, quantized = m.method.kernel_weight()
     return LinearDesc(weight, quantized, _ptr(m.bias), None if m.lora is None else m.lora.desc_ptr,
                       int(m.tp is not None))
@@ -76,7 +79,8 @@ def _layer_desc(layer) -> LayerDesc:
     return LayerDesc(
         norm(layer.input_layernorm), norm(layer.post_attention_layernorm), norm(layer.pre_feedforward_layernorm),
         norm(layer.post_feedforward_layernorm), norm(attn.q_norm), norm(attn.k_norm),
-        *(_linear_desc(role.of(layer)) for role in DECODER_LINEARS),
+        *(linear_desc(role.of(layer)) if role.held_by(layer) else LinearDesc() for role in DECODER_LINEARS),
+        layer.mlp.kernel_binding().ptr if spec.moe is not None else None,   # (why_not_fused: it has one)
         inner.k_cache.data_ptr(), inner.v_cache.data_ptr(), inner.kv_scales.data_ptr(),
         spec.rope, inner.kv_group, inner.sliding_window or 0, _ACTIVATIONS[spec.activation], inner.scale, inner.softcap or 0.0)
 
@@ -91,7 +95,10 @@ class FusedLayers:
         self.lora_mapping = lora_mapping
         self.descs = (LayerDesc * len(layers))(*map(_layer_desc, layers))
         h, nh, nkv, d = first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
-        i = first.mlp.down_proj.weight.shape[1]
+        # the dense MLPs' intermediate size (an MoE sizes its own buffers)
+        i = max((layer.mlp.down_proj.weight.shape[1] for layer in layers if layer.spec.moe is None), default=0)
+        # the MoE blocks' descriptors the layers point to
+        self.moe_bindings = [layer.mlp.kernel_binding() for layer in layers if layer.spec.moe is not None]
         self.args = StackArgs(layers=self.descs, num_layers=len(layers), hidden_size=h, num_heads=nh,
                               num_kv_heads=nkv, head_dim=d, intermediate_size=i,
                               block_size=kv_layout.geometry(attn.attn.k_cache)[0], tiled=int(tiled),
@@ -183,11 +190,13 @@ def _bf16_rows(t: torch.Tensor | None) -> bool:
 def _layer_refusal(layer, tp) -> str | None:
     """Which feature of this layer the stack has no kernel for, or None."""
     attn, spec = layer.self_attn, layer.spec
-    if spec.moe is not None:
-        return "a mixture-of-experts MLP"
+    moe = None if spec.moe is None else layer.mlp.kernel_refusal()
+    if moe is not None:
+        return f"a mixture-of-experts MLP ({moe})"
     if spec.qk_norm_whole:
         return "a q/k norm over the whole projections"
-    linears = [role.of(layer) for role in DECODER_LINEARS]
+    roles = [role for role in DECODER_LINEARS if role.held_by(layer)]
+    linears = [role.of(layer) for role in roles]
     norms = [n for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                          layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm) if n is not None]
     cache = attn.attn.k_cache
@@ -196,7 +205,7 @@ def _layer_refusal(layer, tp) -> str | None:
         (spec.rope >= MAX_ROPES, f"more than {MAX_ROPES} RoPE tables"),
         (any(m.method.kernel_weight() is None for m in linears),
          "a linear without a packed bf16 or quantized weight (packed bf16 needs AVX2 or AVX-512 BF16)"),
-        (any(m.tp is not (tp if role.row_parallel else None) for m, role in zip(linears, DECODER_LINEARS)),
+        (any(m.tp is not (tp if role.row_parallel else None) for m, role in zip(linears, roles)),
          "a tensor-parallel split it does not know"),
         (not all(_bf16_rows(m.bias) for m in linears), "a linear bias not in bf16"),
         (not all(_bf16_rows(n.weight) for n in norms), "norms not in bf16"),

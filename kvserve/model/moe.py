@@ -10,16 +10,53 @@ reads only the chosen experts' weights.
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from kvserve import kernels
 from kvserve.errors import ModelLoadError
+from kvserve.model.fused import LinearDesc, linear_desc
 from kvserve.model.layers import Linear
+from kvserve.model.linear_method import method_generation
 from kvserve.model.model_config import ModelConfig
 from kvserve.module import InferenceModule
+
+_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}   # layers.cpp's Activation
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class MoEDesc(ctypes.Structure):
+    """moe.cpp's MoEDesc: one MoE block as its C++ kernel takes it (layout checked by a test)."""
+    _fields_ = [("router", LinearDesc), ("experts", _p), ("shared_gate_up", LinearDesc), ("shared_down", LinearDesc),
+                ("shared_gate", LinearDesc), ("num_experts", _i64), ("top_k", _i64), ("intermediate_size", _i64),
+                ("shared_intermediate_size", _i64), ("renormalize", _i64), ("activation", _i64)]
+
+
+def moe_struct_layout() -> list[int]:
+    """The size and offsets moe.cpp's kvserve_moe_layout reports, from the ctypes mirror above."""
+    return [ctypes.sizeof(MoEDesc), MoEDesc.experts.offset, MoEDesc.shared_gate.offset, MoEDesc.num_experts.offset,
+            MoEDesc.activation.offset]
+
+
+class MoEBinding:
+    """A block's MoEDesc over its linears' methods as they are now (rebuilt when a method is replaced)."""
+
+    def __init__(self, block: SparseMoE):
+        spec = block.spec
+        self.generation = method_generation()
+        self.experts = (LinearDesc * (2 * spec.num_experts))(
+            *(linear_desc(m) for e in block.experts for m in (e.gate_up_proj, e.down_proj)))
+        shared = block.shared_expert
+        shared_linears = [LinearDesc()] * 3 if shared is None else \
+            [linear_desc(m) for m in (shared.gate_up_proj, shared.down_proj, block.shared_expert_gate)]
+        self.desc = MoEDesc(linear_desc(block.gate), ctypes.addressof(self.experts), *shared_linears,
+                            spec.num_experts, spec.top_k, spec.intermediate_size, spec.shared_intermediate_size,
+                            int(spec.renormalize), _ACTIVATIONS[block.activation])
+        self.ptr = ctypes.addressof(self.desc)
 
 
 @dataclass(frozen=True)
@@ -51,9 +88,12 @@ class SparseMoE(InferenceModule):
     """Router (`gate`), experts (each the dense models' gated MLP) and the optional shared expert, under the
     checkpoints' names (mlp.gate, mlp.experts.{e}.gate_proj/up_proj/down_proj, mlp.shared_expert[_gate])."""
 
-    def __init__(self, cfg: ModelConfig, spec: MoESpec, make_mlp):
+    def __init__(self, cfg: ModelConfig, spec: MoESpec, make_mlp, activation: str):
         super().__init__()
-        self.spec = spec
+        self.spec, self.activation = spec, activation
+        self.use_kernel = True   # bf16 on the CPU: moe.cpp's one call (else, and off: the torch ops below)
+        self._binding: MoEBinding | None = None
+        self._refusal: tuple = (None, None)   # (what it was checked on, kernel_refusal)
         self.gate = Linear(cfg.hidden_size, spec.num_experts)
         self.gate.keep_dense = True   # the experts chosen at the checkpoint's precision under int8 too
         self.experts = nn.ModuleList(make_mlp(spec.intermediate_size) for _ in range(spec.num_experts))
@@ -75,7 +115,41 @@ class SparseMoE(InferenceModule):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
+    def kernel_refusal(self) -> str | None:
+        """Why moe.cpp's kernel does not run this block (bf16 on the CPU), or None; checked again when a linear's
+        method is replaced."""
+        key = (method_generation(), self.use_kernel, self.tp)
+        if self._refusal[0] != key:
+            self._refusal = (key, self._why_no_kernel())
+        return self._refusal[1]
+
+    def _why_no_kernel(self) -> str | None:
+        lib = kernels.load()
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        checks = ((not self.use_kernel, "switched off"), (lib is None, "no C++ kernels"),
+                  (lib is not None and not lib.silu_mul_fast, "no AVX2 or AVX-512 BF16 for its bf16 ops"),
+                  (self.activation not in _ACTIVATIONS, f"activation {self.activation}"),
+                  (self.tp is not None, "tensor parallelism (its ranks' sums are reduced in float32 by torch)"),
+                  (any(m.method.kernel_weight() is None for m in linears),
+                   "a linear without a packed bf16 or quantized weight"),
+                  (any(m.bias is not None and m.bias.dtype != torch.bfloat16 for m in linears), "biases not in bf16"))
+        return next((why for bad, why in checks if bad), None)
+
+    def kernel_binding(self) -> MoEBinding:
+        """The block's descriptor for moe.cpp as its linears are bound now (where kernel_refusal is None)."""
+        if self._binding is None or self._binding.generation != method_generation():
+            self._binding = MoEBinding(self)
+        return self._binding
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.is_cpu and self.use_kernel and self.kernel_refusal() is None:
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            if kernels.load().kvserve_moe_bf16(self.kernel_binding().ptr, x.data_ptr(), x.shape[0], x.shape[1],
+                                               out.data_ptr()):
+                raise RuntimeError("kvserve_moe_bf16 does not know the format or shape of an expert's quantized "
+                                   "weight")
+            return out
         weights, ids = self.route(x)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         flat_weights = weights.view(-1)
@@ -83,7 +157,7 @@ class SparseMoE(InferenceModule):
             y = self.experts[expert](x.index_select(0, tokens))
             out.index_add_(0, tokens, y.float() * flat_weights.index_select(0, choices).unsqueeze(1))
         if self.shared_expert is not None:
-            out += (torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)).float()
+            out += torch.sigmoid(self.shared_expert_gate(x).float()) * self.shared_expert(x).float()
         if self.tp is not None:
             self.tp.all_reduce(out)
         return out.to(x.dtype)

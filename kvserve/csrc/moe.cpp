@@ -1,0 +1,121 @@
+// The mixture-of-experts MLP in bf16 in one call (kvserve/model/moe.py declares it): the router, the softmax over
+// the experts and each token's top k in float32, the tokens grouped by expert (a counting sort, stable in token
+// order), each chosen expert's gated MLP once over its gathered rows with the dense models' kernels (packed bf16 or
+// quantized), the rows added back into float32 sums times their routing weights (experts in increasing order), and
+// Qwen2-MoE's shared expert scaled by its sigmoid gate. The layer modules (SparseMoE) and the fused layer stack
+// (layers.cpp) both call kvserve_moe_bf16, so the two paths agree bit for bit; experts no token chose are not read.
+#include "common.h"
+
+extern "C" {
+
+// One MoE block as bound (kvserve/model/moe.py MoEBinding). LinearDesc: layers.cpp.
+struct MoEDesc {
+  LinearDesc router;            // [E, H]
+  const LinearDesc* experts;    // expert e: gate_up at [2 e], down at [2 e + 1]
+  LinearDesc shared_gate_up;    // weight null: no shared expert
+  LinearDesc shared_down;
+  LinearDesc shared_gate;       // [1, H]
+  int64_t num_experts, top_k, intermediate_size, shared_intermediate_size, renormalize, activation;
+};
+
+int64_t kvserve_moe_layout(int64_t* out) {
+  const int64_t v[] = {sizeof(MoEDesc), KV_FIELD(MoEDesc, experts), KV_FIELD(MoEDesc, shared_gate),
+                       KV_FIELD(MoEDesc, num_experts), KV_FIELD(MoEDesc, activation)};
+  const int64_t n = sizeof(v) / sizeof(v[0]);
+  if (out)
+    for (int64_t i = 0; i < n; ++i) out[i] = v[i];
+  return n;
+}
+
+// logits [T, E] (bf16) -> each token's k largest softmax probabilities w [T, k] (float32, renormalized to sum 1
+// where renorm) and their experts ids [T, k], largest first (ties: the lower expert id first)
+void kvserve_moe_route(const uint16_t* logits, int64_t T, int64_t E, int64_t k, int64_t renorm, float* w,
+                       int32_t* ids) {
+  std::vector<float> p(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* l = logits + t * E;
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, bf16_to_f32(l[e]));
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(bf16_to_f32(l[e]) - mx));
+    float chosen = 0.f;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+      ids[t * k + j] = int32_t(best);
+      chosen += (w[t * k + j] = p[best] / sum);
+      p[best] = -1.f;   // taken
+    }
+    if (renorm)
+      for (int64_t j = 0; j < k; ++j) w[t * k + j] /= chosen;
+  }
+}
+
+static int moe_linear(const LinearDesc& L, const uint16_t* x, int64_t xs, uint16_t* y, int64_t ys, int64_t M,
+                      int64_t N, int64_t K) {
+  if (L.quantized) {
+    if (kvserve_quant_matmul(reinterpret_cast<const int64_t*>(L.weight), x, xs, 1, y, ys, M, K)) return -1;
+  } else {
+    kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(L.weight), y, ys, M, N, K);
+  }
+  if (L.bias) add_bias_bf16(y, ys, L.bias, M, N);
+  return 0;
+}
+
+// y[M, H] = down(act(gate_up(x))) for one expert's M rows; work: M * (3 I) bf16
+static int expert_mlp(const LinearDesc& gate_up, const LinearDesc& down, int64_t activation, const uint16_t* x,
+                      int64_t M, int64_t H, int64_t I, uint16_t* work, uint16_t* y) {
+  uint16_t* gu = work;
+  uint16_t* act = gu + M * 2 * I;
+  if (moe_linear(gate_up, x, H, gu, 2 * I, M, 2 * I, H)) return -1;
+  if (activation == ACT_GELU_TANH)
+    kvserve_gelu_tanh_mul_bf16(gu, 2 * I, act, M, I);
+  else
+    kvserve_silu_mul_bf16(gu, 2 * I, act, M, I);
+  return moe_linear(down, act, I, y, H, M, H, I);
+}
+
+// out[T, H] (bf16) = the MoE block of x[T, H]; 0, or -1 where a quantized weight's descriptor is refused
+int kvserve_moe_bf16(const MoEDesc* desc, const uint16_t* x, int64_t T, int64_t H, uint16_t* out) {
+  const MoEDesc& d = *desc;
+  const int64_t E = d.num_experts, k = d.top_k, I = d.intermediate_size, S = d.shared_intermediate_size;
+  std::vector<uint16_t> logits(T * E);
+  std::vector<float> w(T * k), acc(T * H, 0.f);
+  std::vector<int32_t> ids(T * k), count(E + 1, 0), order(T * k);
+  if (moe_linear(d.router, x, H, logits.data(), E, T, E, H)) return -1;
+  kvserve_moe_route(logits.data(), T, E, k, d.renormalize, w.data(), ids.data());
+  for (int64_t c = 0; c < T * k; ++c) ++count[ids[c] + 1];
+  for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];   // count[e]: where expert e's choices start
+  std::vector<int32_t> fill(count.begin(), count.end() - 1);
+  for (int64_t c = 0; c < T * k; ++c) order[fill[ids[c]]++] = int32_t(c);   // stable: token order per expert
+  int64_t most = 0;
+  for (int64_t e = 0; e < E; ++e) most = std::max<int64_t>(most, count[e + 1] - count[e]);
+  const int64_t rows = std::max(most, S ? T : 0);
+  std::vector<uint16_t> xs(most * H), work(rows * 3 * std::max(I, S)), y(rows * H);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = count[e + 1] - count[e];
+    if (!n) continue;
+    const int32_t* choice = order.data() + count[e];
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&xs[i * H], x + (choice[i] / k) * H, H * sizeof(uint16_t));
+    if (expert_mlp(d.experts[2 * e], d.experts[2 * e + 1], d.activation, xs.data(), n, H, I, work.data(), y.data()))
+      return -1;
+    for (int64_t i = 0; i < n; ++i) {
+      float* a = &acc[(choice[i] / k) * H];
+      const float wi = w[choice[i]];
+      const uint16_t* yi = &y[i * H];
+      for (int64_t h = 0; h < H; ++h) a[h] += bf16_to_f32(yi[h]) * wi;
+    }
+  }
+  if (S) {   // + sigmoid(x . g) * shared(x)
+    if (expert_mlp(d.shared_gate_up, d.shared_down, d.activation, x, T, H, S, work.data(), y.data())) return -1;
+    uint16_t* gate = work.data();
+    if (moe_linear(d.shared_gate, x, H, gate, 1, T, 1, H)) return -1;
+    for (int64_t t = 0; t < T; ++t) {
+      const float g = 1.f / (1.f + std::exp(-bf16_to_f32(gate[t])));
+      for (int64_t h = 0; h < H; ++h) acc[t * H + h] += g * bf16_to_f32(y[t * H + h]);
+    }
+  }
+  for (int64_t i = 0; i < T * H; ++i) out[i] = f32_to_bf16(acc[i]);
+  return 0;
+}
+}

@@ -227,7 +227,10 @@ def _add_gguf_tensor(w, name: str, a, qtype: str, raw_overrides: dict) -> None:
     else:
         q = getattr(gguf.GGMLQuantizationType, qtype)
         a = np.ascontiguousarray(a)
-        blocks = TEST_QUANTIZERS[qtype](a) if qtype in TEST_QUANTIZERS else gguf.quants.quantize(a, q)
+        if qtype in TEST_QUANTIZERS:   # (2-d: an MoE's [E, rows, cols] stack as rows, then back)
+            blocks = TEST_QUANTIZERS[qtype](a.reshape(-1, a.shape[-1])).reshape(*a.shape[:-1], -1)
+        else:
+            blocks = gguf.quants.quantize(a, q)
         w.add_tensor(name, blocks, raw_dtype=q)
 
 

@@ -119,7 +119,8 @@ def main() -> int:
         for fused in (True, False):
             moe, dense = results[("moe", fused)], results[("dense", fused)]
             print(f"MoE / dense ({'fused stack' if fused else 'layer modules'}): " + ", ".join(
-                f"{k} {statistics.median(moe[k]) / statistics.median(dense[k]):.2f}x" for k in ("b1", "b16", "prefill")))
+                f"{k} {statistics.median(moe[k]) / statistics.median(dense[k]):.2f}x"
+                for k in ("b1", "b16", "prefill")))
         # what a decode step must read: at batch B a uniformly routed layer touches E (1 - (1 - k/E)^B) experts
         e, k = args.experts, args.top_k
         touched = e * (1 - (1 - k / e) ** 16)

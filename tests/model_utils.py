@@ -357,3 +357,33 @@ class FailingForward:
             self.failed = True
             raise RuntimeError("injected: the forward pass failed")
         return self.runner.execute_model(sched)
+
+
+def gguf_without_vocabulary(src: Path, dst: Path) -> Path:
+    """A copy of a GGUF file without the tokenizer's arrays (its vocabulary size as a key instead): transformers'
+    reader parses every array entry in Python, which makes most of its load time for a 262k-token vocabulary, and
+    the logits do not depend on them."""
+    import gguf
+    import numpy as np
+    from kvserve.model.gguf_loader import _SKIP_KEYS, _metadata_reader
+    reader = _metadata_reader()(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch=arch)
+    for key, field in reader.fields.items():
+        if key in _SKIP_KEYS or key == "general.architecture" or key.startswith("GGUF."):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    if f"{arch}.vocab_size" not in reader.fields:
+        embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        w.add_uint32(f"{arch}.vocab_size", int(embedding.shape[1]))
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

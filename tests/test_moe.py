@@ -6,6 +6,8 @@ experts chosen; LoRA on the attention of an MoE model equals peft, and adapters 
 decoding with a dense draft, structured outputs; what is not supported yet is refused with a clear error."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from kvserve.lora import LoRARequest
 from kvserve.model.decoder import DecoderMLP
 from kvserve.model.layers import prepack_linears
 from kvserve.model.model_config import ModelConfig
-from kvserve.model.moe import MoESpec, SparseMoE, expert_groups
+from kvserve.model.moe import MoESpec, SparseMoE, expert_groups, moe_struct_layout
 from kvserve.sampling_params import StructuredOutputsParams
 from model_utils import MOE, hf_logits, load_ours, run_single_sequence, save_tiny_model
 from tokenizer_utils import load_smollm2_tokenizer
@@ -62,7 +64,7 @@ def test_engine_greedy_equals_transformers(tiny, gguf_path):
     for kwargs in ({}, dict(max_num_batched_tokens=7, num_kv_blocks=20, block_size=4, max_num_seqs=4,
                             enable_prefix_caching=True)):
         llm = LLM(model=path, tokenizer=gguf_path, dtype="float32", **kwargs)
-        assert "mixture of experts" in llm.llm_engine.weights_summary
+        assert "mixture of experts" in llm.llm_engine.weights_summary   # (float32: no MoE kernel line)
         for _ in range(2):
             outputs = llm.generate(inputs, params, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -183,10 +185,37 @@ def test_moe_layers_run_in_the_fused_stack_or_say_why_not(tiny):
         assert status == "the fused C++ layer stack"
     blocks = [layer.mlp for layer in ours.model.layers if isinstance(layer.mlp, SparseMoE)]
     assert all(b.kernel_refusal() is None for b in blocks)
+    assert ours.model.moe_status() == "one C++ call each"
     blocks[0].use_kernel = False
+    assert ours.model.moe_status() == "the torch ops (switched off)"
     i = next(i for i, layer in enumerate(ours.model.layers) if layer.mlp is blocks[0])
     if hf.config.model_type != "olmoe":
         assert ours.model.fused_status() == f"the layer modules (layer {i}: a mixture-of-experts MLP (switched off))"
+
+
+def test_the_moe_struct_matches_the_library_layout():
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("no C++ kernels")
+    n = lib.kvserve_moe_layout(None)
+    layout = (ctypes.c_int64 * n)()
+    lib.kvserve_moe_layout(layout)
+    assert list(layout) == moe_struct_layout()
+
+
+def test_the_route_kernel_names_k_distinct_experts_even_for_nan_rows():
+    """A row of NaN logits (a broken request's activations) still chooses k distinct experts in range (NaN weights,
+    as torch's ops give), so the grouping never indexes outside its tables."""
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("no C++ kernels")
+    logits = torch.randn(3, 8).to(torch.bfloat16)
+    logits[1] = float("nan")
+    logits[2, 3] = float("inf")
+    w, ids = torch.empty(3, 8), torch.empty(3, 8, dtype=torch.int32)
+    lib.kvserve_moe_route(logits.data_ptr(), 3, 8, 8, 1, w.data_ptr(), ids.data_ptr())
+    assert all(sorted(row) == list(range(8)) for row in ids.tolist())
+    assert torch.isfinite(w[0]).all() and torch.isnan(w[1]).all()
 
 
 @pytest.mark.parametrize("top_k,shared,quantize", [(1, 0, False), (2, 40, False), (8, 32, True)])
@@ -250,7 +279,8 @@ def test_speculative_decoding_with_a_dense_draft_and_structured_outputs(qwen2_mo
     assert [o.outputs[0].token_ids for o in drafted.generate(prompts, params, use_tqdm=False)] == want
     assert drafted.llm_engine.scheduler.stats().spec_decoding.num_draft_tokens > 0
     # (choices whose tokens lie inside the tiny model's 256-token vocabulary)
-    choice = SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    choice = SamplingParams(temperature=0, max_tokens=6,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     assert alone.generate(prompts[1], choice, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
 
 
@@ -273,7 +303,13 @@ def test_tp2_equals_tp1(tmp_path):
 
 
 def test_what_is_not_supported_yet_is_refused(qwen2_moe, tmp_path):
-    path, _ = qwen2_moe
+    from kvserve.distributed.plan import make_plans
+    from kvserve.errors import InvalidRequestError
+    from kvserve.model.model_config import ModelConfig
+    save_tiny_model("olmoe", tmp_path / "olmoe")
+    cfg = ModelConfig.from_hf_config(__import__("json").loads((tmp_path / "olmoe" / "config.json").read_text()))
+    with pytest.raises(InvalidRequestError, match="OLMoE"):
+        make_plans(cfg, 2)
     bad = tmp_path / "clip"
     save_tiny_model("olmoe", bad, clip_qkv=8.0)
     with pytest.raises(ModelLoadError, match="clip_qkv"):

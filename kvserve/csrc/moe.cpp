@@ -32,19 +32,21 @@ int64_t kvserve_moe_layout(int64_t* out) {
 void kvserve_moe_route(const uint16_t* logits, int64_t T, int64_t E, int64_t k, int64_t renorm, float* w,
                        int32_t* ids) {
   std::vector<float> p(E);
+  std::vector<char> taken(E);
   for (int64_t t = 0; t < T; ++t) {
     const uint16_t* l = logits + t * E;
     float mx = -INFINITY, sum = 0.f;
     for (int64_t e = 0; e < E; ++e) mx = std::max(mx, bf16_to_f32(l[e]));
     for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(bf16_to_f32(l[e]) - mx));
+    std::fill(taken.begin(), taken.end(), 0);
     float chosen = 0.f;
-    for (int64_t j = 0; j < k; ++j) {
+    for (int64_t j = 0; j < k; ++j) {   // (a row of NaNs still names k distinct experts, with NaN weights)
       int64_t best = -1;
       for (int64_t e = 0; e < E; ++e)
-        if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+      taken[best] = 1;
       ids[t * k + j] = int32_t(best);
       chosen += (w[t * k + j] = p[best] / sum);
-      p[best] = -1.f;   // taken
     }
     if (renorm)
       for (int64_t j = 0; j < k; ++j) w[t * k + j] /= chosen;

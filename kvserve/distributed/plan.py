@@ -80,9 +80,9 @@ def full_projection_shapes(cfg: ModelConfig) -> dict[tuple[str, int], tuple[int,
     h, q, kv, i = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
         cfg.intermediate_size
     shapes = {"q": (h, q), "kv": (h, kv), "inter": (h, i), "o": (q, h), "down": (i, h)}
-    # an MoE model's MLPs take no adapter (kvserve/lora/layers.py roles_of)
-    return {key: shapes[split] for key, split in _LINEAR_SPLITS.items()
-            if not (cfg.num_experts and split in ("inter", "down"))}
+    # an MoE model's MLPs take no adapter where some layer is MoE (kvserve/lora/layers.py roles_of)
+    moe = bool(cfg.num_experts) and cfg.moe_layers != []
+    return {key: shapes[split] for key, split in _LINEAR_SPLITS.items() if not (moe and split in ("inter", "down"))}
 
 
 def make_plans(cfg: ModelConfig, size: int) -> list[ShardPlan]:
@@ -90,6 +90,9 @@ def make_plans(cfg: ModelConfig, size: int) -> list[ShardPlan]:
     if cfg.num_experts and cfg.mlp_bias and size > 1:
         raise InvalidRequestError("tensor parallelism of mixture-of-experts MLPs with biases is not supported",
                                   "tensor_parallel_size")
+    if cfg.architecture == "OlmoeForCausalLM" and size > 1:   # its q/k norm's statistic spans every rank's heads
+        raise InvalidRequestError("tensor parallelism of OLMoE (a q/k norm over the whole projections) is not "
+                                  "supported: serve it with tensor_parallel_size 1", "tensor_parallel_size")
     h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     group = h // hkv
     if size <= hkv:

@@ -118,6 +118,8 @@ class LLMEngine:
         decoder = getattr(self.model, "model", None)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and hasattr(decoder, "fused_status"):
             self.kernel_summary += f"; decoder layers: {decoder.fused_status()}"
+            if decoder.moe_status():
+                self.kernel_summary += f"; MoE blocks: {decoder.moe_status()}"
         if hasattr(decoder, "spec"):
             logger.info("kvserve: %s: %s", self.model_config.architecture, decoder.spec.describe())
         self.weights_summary = describe_weights(self.model)

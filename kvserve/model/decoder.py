@@ -220,6 +220,13 @@ class DecoderModel(InferenceModule):
         reason = why_not_fused(self.layers) if self.use_fused_layers else "switched off"
         return "the fused C++ layer stack" if reason is None else f"the layer modules ({reason})"
 
+    def moe_status(self) -> str | None:
+        """How the MoE blocks run in bf16 on the CPU (moe.cpp's one call each, or the torch ops and why), or None
+        for a model without them."""
+        blocks = [layer.mlp for layer in self.layers if layer.spec.moe is not None]
+        why = next((w for b in blocks if (w := b.kernel_refusal()) is not None), None)
+        return None if not blocks else "one C++ call each" if why is None else f"the torch ops ({why})"
+
     def _fused_layers(self) -> FusedLayers | None:
         if not self.use_fused_layers or not self.layers:
             return None

@@ -82,7 +82,8 @@ def _layer_desc(layer) -> LayerDesc:
         *(linear_desc(role.of(layer)) if role.held_by(layer) else LinearDesc() for role in DECODER_LINEARS),
         layer.mlp.kernel_binding().ptr if spec.moe is not None else None,   # (why_not_fused: it has one)
         inner.k_cache.data_ptr(), inner.v_cache.data_ptr(), inner.kv_scales.data_ptr(),
-        spec.rope, inner.kv_group, inner.sliding_window or 0, _ACTIVATIONS[spec.activation], inner.scale, inner.softcap or 0.0)
+        spec.rope, inner.kv_group, inner.sliding_window or 0, _ACTIVATIONS[spec.activation], inner.scale,
+        inner.softcap or 0.0)
 
 
 class FusedLayers:

@@ -184,7 +184,8 @@ def gguf_model_config(reader) -> ModelConfig:
         raise ModelLoadError("GGUF file has no token_embd.weight tensor")
     freqs = tensors.get(_ROPE_FREQS)
     factors = _dequantize(freqs).reshape(-1).tolist() if freqs is not None else None
-    routed = sorted(int(m.group(1)) for name in tensors if (m := _BLOCK_RE.match(name)) and m.group(2) == "ffn_gate_inp")
+    routed = sorted(int(m.group(1)) for name in tensors
+                    if (m := _BLOCK_RE.match(name)) and m.group(2) == "ffn_gate_inp")   # the MoE layers' routers
     return ModelConfig.from_gguf_metadata(
         gguf_metadata(reader), vocab_rows=int(tensors["token_embd.weight"].shape[-1]),
         has_output="output.weight" in tensors, rope_freq_factors=factors, moe_layers=routed or None)

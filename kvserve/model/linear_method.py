@@ -63,9 +63,14 @@ def method_generation() -> int:
     return _generation
 
 
-def _set_method(module: nn.Module, method: LinearMethod) -> None:
+def invalidate_bindings() -> None:
+    """Count a change that C++ descriptors built over the methods must follow (method_generation)."""
     global _generation
     _generation += 1
+
+
+def _set_method(module: nn.Module, method: LinearMethod) -> None:
+    invalidate_bindings()
     module._method = method
 
 

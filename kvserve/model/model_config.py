@@ -100,7 +100,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=True if is_qwen2 else bias,
+            attention_bias=bool(cfg.get("qkv_bias", True)) if is_qwen2 else bias,   # (Qwen2-MoE's qkv_bias)
             o_proj_bias=False if is_qwen2 else bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),

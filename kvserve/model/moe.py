@@ -21,7 +21,7 @@ from kvserve import kernels
 from kvserve.errors import ModelLoadError
 from kvserve.model.fused import LinearDesc, linear_desc
 from kvserve.model.layers import Linear
-from kvserve.model.linear_method import method_generation
+from kvserve.model.linear_method import invalidate_bindings, method_generation
 from kvserve.model.model_config import ModelConfig
 from kvserve.module import InferenceModule
 
@@ -91,7 +91,7 @@ class SparseMoE(InferenceModule):
     def __init__(self, cfg: ModelConfig, spec: MoESpec, make_mlp, activation: str):
         super().__init__()
         self.spec, self.activation = spec, activation
-        self.use_kernel = True   # bf16 on the CPU: moe.cpp's one call (else, and off: the torch ops below)
+        self._use_kernel = True
         self._binding: MoEBinding | None = None
         self._refusal: tuple = (None, None)   # (what it was checked on, kernel_refusal)
         self.gate = Linear(cfg.hidden_size, spec.num_experts)
@@ -114,6 +114,16 @@ class SparseMoE(InferenceModule):
         if self.spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
+
+    @property
+    def use_kernel(self) -> bool:
+        """bf16 on the CPU: moe.cpp's one call (True), or the torch ops of forward (False)."""
+        return self._use_kernel
+
+    @use_kernel.setter
+    def use_kernel(self, value: bool) -> None:
+        self._use_kernel = bool(value)
+        invalidate_bindings()   # a fused stack built with this block's descriptor is rebuilt
 
     def kernel_refusal(self) -> str | None:
         """Why moe.cpp's kernel does not run this block (bf16 on the CPU), or None; checked again when a linear's
@@ -147,8 +157,8 @@ class SparseMoE(InferenceModule):
             out = torch.empty_like(x)
             if kernels.load().kvserve_moe_bf16(self.kernel_binding().ptr, x.data_ptr(), x.shape[0], x.shape[1],
                                                out.data_ptr()):
-                raise RuntimeError("kvserve_moe_bf16 does not know the format or shape of an expert's quantized "
-                                   "weight")
+                raise RuntimeError("kvserve_moe_bf16 does not know the format or shape of a quantized weight of "
+                                   "this MoE block (router, experts or shared expert)")
             return out
         weights, ids = self.route(x)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)

@@ -221,8 +221,9 @@ def test_the_route_kernel_names_k_distinct_experts_even_for_nan_rows():
 @pytest.mark.parametrize("top_k,shared,quantize", [(1, 0, False), (2, 40, False), (8, 32, True)])
 def test_the_moe_kernel_equals_the_torch_ops(top_k, shared, quantize):
     """moe.cpp's one call against the grouped torch ops on the same packed (or int8) experts: the same routing and
-    the same experts' rows, summed in the same order; they differ only in the rounding of the shared expert's gate
-    sigmoid (torch's vectorized one against the kernel's exp) in float32."""
+    the same experts' rows, summed in the same order, whether the kernel runs one expert per thread (top-1 and 2:
+    a few rows an expert) or one expert at a time (top-8: every row on every expert); they differ only in the
+    rounding of the shared expert's gate sigmoid (torch's vectorized one against the kernel's exp) in float32."""
     if not kernels.load() or not kernels.load().kvserve_has_packed_matmul():
         pytest.skip("needs the packed bf16 kernels (AVX2 or AVX-512 BF16)")
     from kvserve.model.quantization import quantize_linears_int8

@@ -77,6 +77,40 @@ static int expert_mlp(const LinearDesc& gate_up, const LinearDesc& down, int64_t
   return moe_linear(down, act, I, y, H, M, H, I);
 }
 
+// Groups of at most this many rows run one expert per thread, each expert's matmuls on its thread alone (decode
+// steps: k experts of a row or two each; one parallel region a block instead of two a chosen expert); bigger
+// groups (prefill) run one expert at a time, its matmuls parallel inside.
+constexpr int64_t EXPERT_PER_THREAD_ROWS = 8;
+
+// the chosen experts' MLPs: rows [count[e], count[e + 1]) of xs (the choices' rows, gathered in expert order) into
+// the same rows of y. 0, or -1 where a quantized weight's descriptor is refused.
+static int run_experts(const MoEDesc& d, const std::vector<int32_t>& count, const uint16_t* xs, int64_t H,
+                       uint16_t* y) {
+  const int64_t E = d.num_experts, I = d.intermediate_size;
+  std::vector<int64_t> active;
+  int64_t most = 0;
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e + 1] > count[e]) active.push_back(e), most = std::max<int64_t>(most, count[e + 1] - count[e]);
+  const int nt = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const bool per_thread = most <= EXPERT_PER_THREAD_ROWS && nt > 1 && int64_t(active.size()) >= nt;
+  std::vector<uint16_t> work((per_thread ? nt : 1) * most * 3 * I);
+  uint16_t* w0 = work.data();
+  int failed = 0;
+  auto one = [&](int64_t e, uint16_t* w) {
+    const int64_t r0 = count[e], n = count[e + 1] - r0;
+    return expert_mlp(d.experts[2 * e], d.experts[2 * e + 1], d.activation, xs + r0 * H, n, H, I, w, y + r0 * H);
+  };
+  if (per_thread) {
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) reduction(min : failed)
+    for (int64_t i = 0; i < int64_t(active.size()); ++i)
+      failed = std::min(failed, one(active[i], w0 + omp_get_thread_num() * most * 3 * I));
+  } else {
+    for (int64_t e : active)
+      if (one(e, w0)) return -1;
+  }
+  return failed;
+}
+
 // out[T, H] (bf16) = the MoE block of x[T, H]; 0, or -1 where a quantized weight's descriptor is refused
 int kvserve_moe_bf16(const MoEDesc* desc, const uint16_t* x, int64_t T, int64_t H, uint16_t* out) {
   const MoEDesc& d = *desc;
@@ -90,25 +124,17 @@ int kvserve_moe_bf16(const MoEDesc* desc, const uint16_t* x, int64_t T, int64_t 
   for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];   // count[e]: where expert e's choices start
   std::vector<int32_t> fill(count.begin(), count.end() - 1);
   for (int64_t c = 0; c < T * k; ++c) order[fill[ids[c]]++] = int32_t(c);   // stable: token order per expert
-  int64_t most = 0;
-  for (int64_t e = 0; e < E; ++e) most = std::max<int64_t>(most, count[e + 1] - count[e]);
-  const int64_t rows = std::max(most, S ? T : 0);
-  std::vector<uint16_t> xs(most * H), work(rows * 3 * std::max(I, S)), y(rows * H);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = count[e + 1] - count[e];
-    if (!n) continue;
-    const int32_t* choice = order.data() + count[e];
-    for (int64_t i = 0; i < n; ++i) std::memcpy(&xs[i * H], x + (choice[i] / k) * H, H * sizeof(uint16_t));
-    if (expert_mlp(d.experts[2 * e], d.experts[2 * e + 1], d.activation, xs.data(), n, H, I, work.data(), y.data()))
-      return -1;
-    for (int64_t i = 0; i < n; ++i) {
-      float* a = &acc[(choice[i] / k) * H];
-      const float wi = w[choice[i]];
-      const uint16_t* yi = &y[i * H];
-      for (int64_t h = 0; h < H; ++h) a[h] += bf16_to_f32(yi[h]) * wi;
-    }
+  std::vector<uint16_t> xs(T * k * H), y(std::max(T * k, S ? T : 0) * H);
+  for (int64_t i = 0; i < T * k; ++i) std::memcpy(&xs[i * H], x + (order[i] / k) * H, H * sizeof(uint16_t));
+  if (run_experts(d, count, xs.data(), H, y.data())) return -1;
+  for (int64_t i = 0; i < T * k; ++i) {   // experts in increasing order, each token's rows in token order
+    float* a = &acc[(order[i] / k) * H];
+    const float wi = w[order[i]];
+    const uint16_t* yi = &y[i * H];
+    for (int64_t h = 0; h < H; ++h) a[h] += bf16_to_f32(yi[h]) * wi;
   }
   if (S) {   // + sigmoid(x . g) * shared(x)
+    std::vector<uint16_t> work(T * 3 * S);
     if (expert_mlp(d.shared_gate_up, d.shared_down, d.activation, x, T, H, S, work.data(), y.data())) return -1;
     uint16_t* gate = work.data();
     if (moe_linear(d.shared_gate, x, H, gate, 1, T, 1, H)) return -1;

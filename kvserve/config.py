@@ -29,6 +29,13 @@ def parse_size(value: int | float | str, param: str = "kv_cache_memory") -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+def _gib(value: float | str, param: str) -> int:
+    """A size given as GiB (a number, vLLM's unit for these settings) or with its unit ("512MiB") -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value * 2**30)
+    return parse_size(value, param)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know; fields keep vLLM's names where vLLM has one."""
@@ -59,6 +66,12 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # token budget of a step; default: 1024 on CPU, 8192 on CUDA
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # the prefix cache's second tier in host memory (kvserve/core/host_tier.py), vLLM's names: a number is GiB, a
+    # string a size ("512MiB"); 0: none. preemption_mode swap keeps a preempted request's blocks there (sized by
+    # swap_space unless kv_offloading_size is set) instead of recomputing them
+    kv_offloading_size: float | str = 0
+    preemption_mode: str = "recompute"  # recompute | swap
+    swap_space: float | str = 4
     scheduling_policy: str = "fcfs"     # fcfs | priority
     priority_aging_s: float = 10.0      # priority policy: seconds of waiting worth one priority level; 0 = no aging
     chat_template: str | None = None    # path or inline Jinja; defaults to the checkpoint's
@@ -132,11 +145,35 @@ class EngineConfig:
             if self.kv_cache_memory <= 0:
                 bad("kv_cache_memory must be positive", "kv_cache_memory")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._validate_offloading(bad)
         self._validate_lora(bad)
         self._validate_parallel(bad)
         if (not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens is not None
                 and self.max_model_len > self.max_num_batched_tokens):
             bad("without chunked prefill, max_num_batched_tokens must be >= max_model_len", "max_num_batched_tokens")
+
+    def _validate_offloading(self, bad) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            bad(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}", "preemption_mode")
+        for name in ("kv_offloading_size", "swap_space"):
+            value = getattr(self, name)
+            size = _gib(value, name) if not isinstance(value, bool) else -1
+            if size < 0:
+                bad(f"{name} must be a size >= 0 (GiB, or e.g. 512MiB), got {value!r}", name)
+        if self.host_tier_bytes and not self.enable_prefix_caching:
+            bad("the host KV tier (kv_offloading_size, preemption_mode swap) finds blocks by their prefix-cache hash: "
+                "it needs enable_prefix_caching", "kv_offloading_size")
+        if self.host_tier_bytes and self.tensor_parallel_size > 1:
+            bad("the host KV tier (kv_offloading_size, preemption_mode swap) does not run with tensor_parallel_size > 1 "
+                "yet", "kv_offloading_size")
+
+    @property
+    def host_tier_bytes(self) -> int:
+        """The host tier's size in bytes (kv_offloading_size, else swap_space under preemption_mode swap), 0: none."""
+        size = _gib(self.kv_offloading_size, "kv_offloading_size")
+        if not size and self.preemption_mode == "swap":
+            size = _gib(self.swap_space, "swap_space")
+        return max(size, 0)
 
     def _validate_lora(self, bad) -> None:
         for name, low, high in (("max_loras", 1, 256), ("max_lora_rank", 1, 1024), ("max_cpu_loras", 1, 1 << 20)):

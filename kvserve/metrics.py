@@ -55,6 +55,10 @@ class EngineMetrics:
         self.preemptions = self._counter("vllm:num_preemptions", "Preemptions (recompute) of running requests")
         self.prefix_queries = self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.tier_saved = self._counter("kvserve:kv_offload_saved_blocks",
+                                        "KV blocks evicted from the pool and kept in the host tier")
+        self.tier_loaded = self._counter("kvserve:kv_offload_loaded_blocks",
+                                         "KV blocks loaded back from the host tier instead of recomputed")
         self.prompt_tokens_cached = self._counter("vllm:prompt_tokens_cached",
                                                   "Prompt tokens of finished prefills served from the prefix cache")
         self.spec_drafts = self._counter("vllm:spec_decode_num_drafts", "Speculative decoding: draft runs verified")
@@ -120,6 +124,8 @@ class EngineMetrics:
         hits = max(stats.prefix_cache_hits - last.prefix_cache_hits, 0)
         self.prefix_queries.inc(queries)
         self.prefix_hits.inc(hits)
+        self.tier_saved.inc(max(stats.kv_tier_saved_blocks - last.kv_tier_saved_blocks, 0))
+        self.tier_loaded.inc(max(stats.kv_tier_loaded_blocks - last.kv_tier_loaded_blocks, 0))
         self.interval.prefix_queries += queries
         self.interval.prefix_hits += hits
         self._update_spec_decoding(last.spec_decoding, stats.spec_decoding)

@@ -101,6 +101,7 @@ class BlockPool:
         self.num_usable = num_blocks - reserve_null
         self.free_queue = FreeBlockQueue(self.blocks[1:] if reserve_null else self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.on_evict = None   # called with a cached block about to be handed out again (kvserve/core/host_tier.py)
 
     @property
     def num_free_blocks(self) -> int:
@@ -165,4 +166,6 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash.value) is block:
             del self.cached[block.block_hash.value]
+            if self.on_evict is not None:
+                self.on_evict(block)
         block.block_hash = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 
 from kvserve.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from kvserve.core.host_tier import HostTier, TierHit
 from kvserve.core.kv_groups import KVGroups, cdiv
 from kvserve.core.request import Request
 
@@ -28,7 +29,8 @@ class KVCacheManager:
     """Owns the BlockPool; maps request ids to their blocks (req_to_blocks: the first group's table; extra_tables:
     the other groups')."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, groups: KVGroups | None = None):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, groups: KVGroups | None = None,
+                 tier: HostTier | None = None):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.groups = groups or KVGroups.single(1)
@@ -40,6 +42,12 @@ class KVCacheManager:
         self.extra_tables: dict[str, list[list[KVCacheBlock]]] = {}
         self.num_cached_blocks: dict[str, int] = {}   # leading blocks of the request already in the cache map
         self.pending_copies: list[tuple[int, int]] = []   # copy-on-write (src, dst) block ids for the next forward
+        # the prefix cache's second tier in host memory (host_tier.py): blocks the pool evicts are kept there
+        self.tier = tier
+        if tier is not None:
+            if not (enable_caching and self.flat):
+                raise ValueError("a host tier needs prefix caching and one KV group")
+            self.pool.on_evict = lambda block: tier.save(block.block_hash, block.block_id)
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,8 +99,10 @@ class KVCacheManager:
         hashes = req.block_hashes[:(req.num_tokens - 1) // self.block_size]
         if self.flat:
             hits = []
-            for block_hash in hashes:
+            for block_hash in hashes:   # in the pool, else in the host tier (loaded back by allocate_slots)
                 block = self.pool.get_cached_block(block_hash)
+                if block is None and self.tier is not None:
+                    block = self.tier.lookup(block_hash)
                 if block is None:
                     break
                 hits.append(block)
@@ -150,32 +160,48 @@ class KVCacheManager:
             need += real + len(shared)
             releasable += sum(1 for i in gone if blocks[i].ref_cnt == 1)
             plans.append((first, gone, new, start, shared, real))
-        # cached blocks nobody holds sit on the free list; touching them uses up free capacity too
-        num_free_hits = sum(1 for g in hits for b in g if b is not self.null and b.ref_cnt == 0)
+        # cached blocks nobody holds sit on the free list; touching them uses up free capacity too; a host tier's hit
+        # takes a fresh block to be loaded into
+        num_free_hits = sum(1 for g in hits for b in g if isinstance(b, KVCacheBlock) and b is not self.null
+                            and b.ref_cnt == 0)
+        need += sum(1 for g in hits for b in g if isinstance(b, TierHit))
         if need > self.pool.num_free_blocks + releasable - num_free_hits:
             if fresh:
                 self.req_to_blocks.pop(rid)
                 self.extra_tables.pop(rid, None)
             return None
         # every group's hits leave the free list before any block is taken from it: a free cached block one group
-        # hits must not become another group's new block
+        # hits must not become another group's new block; a host tier's hits are pinned before any eviction saves
+        if self.tier is not None:
+            self.tier.pin(b.slot for g in hits for b in g if isinstance(b, TierHit))
         for g, (blocks, (first, gone, new, start, shared, real)) in enumerate(zip(tables, plans)):
             out = [blocks[i] for i in gone]
             for i in gone:
                 blocks[i] = self.null
             self._drop_copies_into(out)
             self.pool.free_blocks(out)
-            self.pool.touch(self._held(hits[g]))
+            self.pool.touch([b for b in self._held(hits[g]) if isinstance(b, KVCacheBlock)])
         allocated = []
         for g, (blocks, (first, gone, new, start, shared, real)) in enumerate(zip(tables, plans)):
             for i in shared:
                 blocks[i] = self._copy_on_write(blocks[i])
-            blocks.extend(hits[g])
+            blocks.extend(self._load(b) if isinstance(b, TierHit) else b for b in hits[g])
             taken = self.pool.get_new_blocks(real)
             allocated += taken
             taken.reverse()
             blocks.extend(taken.pop() if i >= first else self.null for i in range(start, start + new))
         return allocated
+
+    def _load(self, hit: TierHit) -> KVCacheBlock:
+        """A fresh block for a host-tier hit, cached under its hash, its load queued for the next forward."""
+        [block] = self.pool.get_new_blocks(1)
+        self.pool.cache_block(block, hit.block_hash)
+        self.tier.load(hit, block.block_id)
+        return block
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's (saves, loads) queued since the last call (for the next forward), or none."""
+        return self.tier.take_copies() if self.tier is not None else ([], [])
 
     def _copy_on_write(self, block: KVCacheBlock) -> KVCacheBlock:
         [copy] = self.pool.get_new_blocks(1)
@@ -231,7 +257,11 @@ class KVCacheManager:
             self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in freed]
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.tier is not None:
+            self.tier.reset()
+        return True
 
     def _extra_keys(self, req: Request) -> tuple:
         return tuple(k for k in (("lora", req.lora_id) if req.lora_id else None,

@@ -87,6 +87,8 @@ class SchedulerStats:
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     running_lora_ids: set[int] = field(default_factory=set)   # adapters of the running requests
     waiting_lora_ids: set[int] = field(default_factory=set)
+    kv_tier_saved_blocks: int = 0    # the host tier (kvserve/core/host_tier.py): blocks kept there
+    kv_tier_loaded_blocks: int = 0   # and loaded back instead of recomputed
 
 
 class Scheduler:
@@ -451,9 +453,10 @@ class Scheduler:
             self.on_finished(req)
 
     def stats(self) -> SchedulerStats:
+        tier = self.kv.tier
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
                               self.prefix_cache_queries, self.prefix_cache_hits, self.spec_stats.copy(),
-                              *self._lora_stats())
+                              *self._lora_stats(), *((tier.num_saved, tier.num_loaded) if tier else (0, 0)))
 
     def _lora_stats(self) -> tuple[set[int], set[int]]:
         """The adapters of the running and of the waiting requests (none looked for without LoRA)."""

@@ -8,11 +8,13 @@ import torch
 
 from kvserve.attention import bind_kv_cache, get_backend, kv_cache_bytes_per_block, window_groups
 from kvserve.config import EngineConfig
+from kvserve.core.host_tier import HostTier
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.kv_groups import KVGroups
 from kvserve.errors import InvalidRequestError
 from kvserve.model.moe import moe_layers
 from kvserve.worker.cuda_graphs import build_decode_graphs, why_no_graphs
+from kvserve.worker.kv_tier import HostTierStorage, kv_pools
 
 logger = logging.getLogger("kvserve")
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -32,7 +34,8 @@ class KVCacheSetup:
             bind_kv_cache(m, num_blocks, config.block_size, dtype, self.device, self.attention_backend,
                           calculate_kv_scales=config.calculate_kv_scales,
                           groups=self.kv_groups if m is self.model else None)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_groups)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_groups,
+                                 self._host_tier(config))
         why_not = why_no_graphs(config, self.device, self.attention_backend.name, self.lora is not None,
                                 self.kv_groups.num_groups if self.kv_groups is not None else 1,
                                 has_moe=bool(moe_layers(self.model)))
@@ -41,6 +44,32 @@ class KVCacheSetup:
         elif self.device.type == "cuda":
             logger.info("kvserve: decode steps run eagerly: %s", why_not)
         return self.kv
+
+    def _host_tier(self, config: EngineConfig) -> HostTier | None:
+        """The prefix cache's host tier (kv_offloading_size, preemption_mode swap), its bytes beside the pools."""
+        self.tier_storage = None
+        size = config.host_tier_bytes
+        if not size:
+            return None
+        if self.kv_groups is not None:
+            raise InvalidRequestError("the host KV tier (kv_offloading_size, preemption_mode swap) does not serve "
+                                      "models with sliding-window KV groups yet", "kv_offloading_size")
+        pools = kv_pools(self.models)
+        per_slot = HostTierStorage.bytes_per_slot(pools)
+        if size < per_slot:
+            raise InvalidRequestError(f"the host KV tier's {size} bytes hold no KV block ({per_slot} bytes)",
+                                      "kv_offloading_size")
+        self.tier_storage = HostTierStorage(pools, size // per_slot)
+        logger.info("kvserve: host KV tier: %d blocks (%.2f GiB): blocks evicted from the pool are kept there by "
+                    "hash%s", size // per_slot, size // per_slot * per_slot / 2**30,
+                    "; preempted requests' blocks too (preemption_mode swap)" if config.preemption_mode == "swap"
+                    else "")
+        return HostTier(size // per_slot)
+
+    def move_tier_blocks(self) -> None:
+        """The host tier's saves and loads queued since the last forward (before the next one writes the pools)."""
+        if self.tier_storage is not None:
+            self.tier_storage.copy(*self.kv.take_tier_copies())
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int, capture: bool) -> None:
         """Run decode steps through DecodeGraphs' padded buffers, captured as CUDA graphs where `capture` (the

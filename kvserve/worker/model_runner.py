@@ -63,6 +63,7 @@ class ModelRunner(KVCacheSetup):
         self.draft_model = draft_model
         self.kv_groups: KVGroups | None = None   # init_kv_cache: the KV groups of sliding-window layers
         self.kv: KVCacheManager | None = None   # set by init_kv_cache()
+        self.tier_storage = None   # the host KV tier's bytes, where there is one (kv_setup.py)
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
@@ -227,6 +228,7 @@ class ModelRunner(KVCacheSetup):
             raise EngineDeadError(message) from e
 
     def _execute(self, sched: SchedulerOutput, inp: StepInputs) -> dict[str, list[int]]:
+        self.move_tier_blocks()
         hidden, ids, _ = self.run_forward(inp.message)
         if self.draft_model is not None:
             self._write_draft_kv(sched, ids)
@@ -319,6 +321,7 @@ class ModelRunner(KVCacheSetup):
             if limit > 0 and self.kv.allocate_slots(req, limit) is not None:
                 live.append(req)
                 limits.append(limit)
+        self.move_tier_blocks()   # blocks these allocations evicted are saved before the draft writes them
         copies = self.kv.take_block_copies()
         if copies:   # copy-on-write before the draft writes into the copies
             self._copy_blocks(copies)

@@ -1,0 +1,128 @@
+"""The prefix cache's host tier (kvserve/core/host_tier.py, kvserve/worker/kv_tier.py) and preemption by swap:
+the tier keeps blocks the pool evicts and gives them back on a later hit (LRU, pinned while a step loads them);
+through the engine, greedy and seeded outputs are identical with the tier and without it under preemption storms
+and prefix caching, a prompt whose blocks left the pool and the tier is recomputed correctly, and what the tier
+does not serve yet is refused with a clear error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.core.block_pool import hash_block_tokens
+from kvserve.core.host_tier import HostTier, TierHit
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request
+from kvserve.errors import InvalidRequestError
+
+
+def _hashes(n: int, seed: int = 0):
+    out, parent = [], None
+    for i in range(n):
+        parent = hash_block_tokens(parent, [seed, i, i + 1, i + 2])
+        out.append(parent)
+    return out
+
+
+def test_the_tier_is_an_lru_whose_loading_slots_are_pinned():
+    tier = HostTier(2)
+    a, b, c = _hashes(3)
+    tier.save(a, 10)
+    tier.save(b, 11)
+    assert tier.take_copies() == ([(10, 0), (11, 1)], [])
+    assert tier.lookup(a) == TierHit(0, a)   # a is now the most recently used
+    tier.save(c, 12)                         # evicts b
+    assert tier.lookup(b) is None and tier.lookup(c) == TierHit(1, c)
+    hit = tier.lookup(a)
+    tier.pin([hit.slot])
+    tier.load(hit, 5)
+    tier.save(b, 13)   # the only unpinned slot is c's
+    assert tier.lookup(c) is None and tier.lookup(a) is not None
+    assert tier.take_copies() == ([(12, 1), (13, 1)], [(0, 5)])
+    tier.save(hash_block_tokens(None, [9, 9, 9, 9]), 14)   # nothing pinned any more: the LRU entry goes
+    assert tier.num_evicted == 3
+
+
+def test_the_manager_saves_what_the_pool_evicts_and_loads_it_back():
+    tier = HostTier(8)
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=True, tier=tier)
+    first = Request("a", list(range(100, 113)), SamplingParams(max_tokens=1))   # 13 tokens: 3 full blocks
+    assert kv.allocate_slots(first, 13) is not None
+    first.num_computed_tokens = 13
+    kv.cache_computed_blocks(first)
+    kv.free(first)
+    other = Request("b", list(range(200, 216)), SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(other, 16) is not None   # the whole pool: first's blocks are evicted, and saved
+    saves, loads = kv.take_tier_copies()
+    assert len(saves) == 3 and not loads
+    kv.free(other)
+    again = Request("c", list(range(100, 113)), SamplingParams(max_tokens=1))
+    hits, num = kv.get_computed_blocks(again)
+    assert num == 12 and all(isinstance(h, TierHit) for h in hits)
+    assert kv.allocate_slots(again, 1, hits) is not None
+    saves, loads = kv.take_tier_copies()
+    assert [slot for slot, _ in loads] == [s for _, s in sorted(saves_of(tier, hits))]
+    assert {b for _, b in loads} == set(kv.get_block_ids("c")[:3])
+
+
+def saves_of(tier, hits):
+    return [(i, h.slot) for i, h in enumerate(hits)]
+
+
+def _prompts(seed: int, lengths) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(100, 20000, (40,), generator=g).tolist()
+    return [{"prompt_token_ids": shared + torch.randint(100, 20000, (n,), generator=g).tolist()} for n in lengths]
+
+
+def _run(prompts, **kwargs):
+    llm = LLM(dtype="float32", block_size=4, max_num_batched_tokens=24, max_num_seqs=4, **kwargs)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=7, max_tokens=16, ignore_eos=True)]
+    outs = []
+    for _ in range(2):   # the second time from cached blocks, in the pool or the tier
+        outs += [o.outputs[0].token_ids for o in llm.generate(prompts, params * (len(prompts) // 2), use_tqdm=False)]
+    return outs, llm.llm_engine
+
+
+PROMPTS = _prompts(0, (30, 44, 38, 50))
+
+
+@pytest.fixture(scope="module")
+def without_tier():
+    """The outputs without a tier, and that engine (preempting too)."""
+    return _run(PROMPTS, num_kv_blocks=30)
+
+
+@pytest.mark.parametrize("kwargs", [dict(preemption_mode="swap", swap_space="8MiB"),
+                                    dict(kv_offloading_size="2MiB")])
+def test_outputs_are_identical_with_the_tier_under_preemption(kwargs, without_tier):
+    """A pool of 30 blocks of 4 tokens for four requests of ~70-90 tokens: preemption storms; the second round
+    finds prefixes in the pool and the tier; a small tier (2 MiB: 11 blocks of this model) also evicts its own."""
+    want, plain = without_tier
+    got, engine = _run(PROMPTS, num_kv_blocks=30, **kwargs)
+    assert got == want
+    tier = engine.runner.kv.tier
+    assert engine.scheduler.stats().num_preemptions > 0 and plain.scheduler.stats().num_preemptions > 0
+    assert tier.num_saved > 0 and tier.num_loaded > 0
+    stats = engine.scheduler.stats()   # (what /metrics counts: kvserve:kv_offload_saved_blocks, _loaded_blocks)
+    assert (stats.kv_tier_saved_blocks, stats.kv_tier_loaded_blocks) == (tier.num_saved, tier.num_loaded)
+    if "kv_offloading_size" in kwargs:
+        assert tier.num_evicted > 0   # the tier's own LRU turned over too, and what it lost was recomputed
+
+
+def test_what_the_tier_does_not_serve_yet_is_refused(tmp_path, gguf_path):
+    with pytest.raises(InvalidRequestError, match="enable_prefix_caching"):
+        LLM(kv_offloading_size=1, enable_prefix_caching=False)
+    with pytest.raises(InvalidRequestError, match="preemption_mode"):
+        LLM(preemption_mode="page-out")
+    with pytest.raises(InvalidRequestError, match="kv_offloading_size"):
+        LLM(kv_offloading_size=-1)
+    with pytest.raises(InvalidRequestError, match="hold no KV block"):
+        LLM(kv_offloading_size="1KiB")
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size"):
+        LLM(kv_offloading_size=1, tensor_parallel_size=2)
+    from model_utils import save_tiny_model
+    save_tiny_model("gemma3", tmp_path)
+    with pytest.raises(InvalidRequestError, match="sliding-window"):
+        LLM(model=str(tmp_path), tokenizer=gguf_path, preemption_mode="swap")

@@ -1,6 +1,7 @@
 """EngineConfig: the one configuration object of the engine, validated once."""
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -30,10 +31,13 @@ def parse_size(value: int | float | str, param: str = "kv_cache_memory") -> int:
 
 
 def _gib(value: float | str, param: str) -> int:
-    """A size given as GiB (a number, vLLM's unit for these settings) or with its unit ("512MiB") -> bytes."""
-    if isinstance(value, (int, float)):
-        return int(value * 2**30)
-    return parse_size(value, param)
+    """A size given as GiB (a number, or a string of one: vLLM's unit for these settings) or with its unit
+    ("512MiB") -> bytes; -1 for what is no finite size."""
+    try:
+        gib = float(value)
+    except (TypeError, ValueError):
+        return parse_size(value, param) if isinstance(value, str) else -1
+    return int(gib * 2**30) if math.isfinite(gib) else -1
 
 
 @dataclass

@@ -52,7 +52,7 @@ class EngineMetrics:
         self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)")
         self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = self._counter("vllm:generation_tokens", "Tokens generated")
-        self.preemptions = self._counter("vllm:num_preemptions", "Preemptions (recompute) of running requests")
+        self.preemptions = self._counter("vllm:num_preemptions", "Preemptions of running requests (recompute, or swap into the host KV tier)")
         self.prefix_queries = self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.tier_saved = self._counter("kvserve:kv_offload_saved_blocks",

@@ -36,9 +36,9 @@ def test_the_tier_is_an_lru_whose_loading_slots_are_pinned():
     hit = tier.lookup(a)
     tier.pin([hit.slot])
     tier.load(hit, 5)
-    tier.save(b, 13)   # the only unpinned slot is c's
+    tier.save(b, 13)   # the only unpinned slot is c's, whose own save of this step is dropped: one save a slot
     assert tier.lookup(c) is None and tier.lookup(a) is not None
-    assert tier.take_copies() == ([(12, 1), (13, 1)], [(0, 5)])
+    assert tier.take_copies() == ([(13, 1)], [(0, 5)])
     tier.save(hash_block_tokens(None, [9, 9, 9, 9]), 14)   # nothing pinned any more: the LRU entry goes
     assert tier.num_evicted == 3
 
@@ -48,25 +48,39 @@ def test_the_manager_saves_what_the_pool_evicts_and_loads_it_back():
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=True, tier=tier)
     first = Request("a", list(range(100, 113)), SamplingParams(max_tokens=1))   # 13 tokens: 3 full blocks
     assert kv.allocate_slots(first, 13) is not None
+    first_blocks = kv.get_block_ids("a")
     first.num_computed_tokens = 13
     kv.cache_computed_blocks(first)
     kv.free(first)
     other = Request("b", list(range(200, 216)), SamplingParams(max_tokens=1))
     assert kv.allocate_slots(other, 16) is not None   # the whole pool: first's blocks are evicted, and saved
     saves, loads = kv.take_tier_copies()
-    assert len(saves) == 3 and not loads
+    slot_of = dict(saves)   # pool block -> slot
+    assert sorted(slot_of) == sorted(first_blocks[:3]) and not loads
     kv.free(other)
     again = Request("c", list(range(100, 113)), SamplingParams(max_tokens=1))
     hits, num = kv.get_computed_blocks(again)
     assert num == 12 and all(isinstance(h, TierHit) for h in hits)
+    assert [h.slot for h in hits] == [slot_of[b] for b in first_blocks[:3]]   # block i's bytes back as block i
     assert kv.allocate_slots(again, 1, hits) is not None
     saves, loads = kv.take_tier_copies()
-    assert [slot for slot, _ in loads] == [s for _, s in sorted(saves_of(tier, hits))]
-    assert {b for _, b in loads} == set(kv.get_block_ids("c")[:3])
+    assert loads == list(zip([h.slot for h in hits], kv.get_block_ids("c")[:3]))
+    # a request freed before its step ran takes its loads with it (the blocks may be handed out again)
+    kv.free(again)
+    kv.allocate_slots(Request("d", list(range(100, 113)), SamplingParams(max_tokens=1)), 1,
+                      kv.get_computed_blocks(again)[0])
+    kv.free(Request("d", [], SamplingParams(max_tokens=1)))
+    assert kv.take_tier_copies()[1] == []
 
 
-def saves_of(tier, hits):
-    return [(i, h.slot) for i, h in enumerate(hits)]
+def test_the_tier_counters_reach_the_metrics():
+    from kvserve.core.scheduler import SchedulerStats
+    from kvserve.metrics import EngineMetrics
+    metrics = EngineMetrics("m")
+    metrics.update_scheduler(SchedulerStats(0, 0, 0.0, 0, 0, 0, kv_tier_saved_blocks=7, kv_tier_loaded_blocks=3))
+    metrics.update_scheduler(SchedulerStats(0, 0, 0.0, 0, 0, 0, kv_tier_saved_blocks=9, kv_tier_loaded_blocks=3))
+    get = lambda name: metrics.registry.get_sample_value(name, {"model_name": "m"})   # noqa: E731
+    assert (get("kvserve:kv_offload_saved_blocks_total"), get("kvserve:kv_offload_loaded_blocks_total")) == (9, 3)
 
 
 def _prompts(seed: int, lengths) -> list[dict]:
@@ -116,8 +130,9 @@ def test_what_the_tier_does_not_serve_yet_is_refused(tmp_path, gguf_path):
         LLM(kv_offloading_size=1, enable_prefix_caching=False)
     with pytest.raises(InvalidRequestError, match="preemption_mode"):
         LLM(preemption_mode="page-out")
-    with pytest.raises(InvalidRequestError, match="kv_offloading_size"):
-        LLM(kv_offloading_size=-1)
+    for bad in (-1, float("nan"), "inf", "lots"):
+        with pytest.raises(InvalidRequestError, match="kv_offloading_size"):
+            LLM(kv_offloading_size=bad)
     with pytest.raises(InvalidRequestError, match="hold no KV block"):
         LLM(kv_offloading_size="1KiB")
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size"):

@@ -34,8 +34,10 @@ class HostTier:
         self.entries: OrderedDict[bytes, tuple[int, BlockHash]] = OrderedDict()
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.pinned: set[int] = set()
-        self.saves: list[tuple[int, int]] = []   # (pool block, slot)
-        self.loads: list[tuple[int, int]] = []   # (slot, pool block)
+        # slot -> the pool block to save into it (a slot reused within a step keeps only its last save), and
+        # (slot, pool block) loads
+        self.saves: dict[int, int] = {}
+        self.loads: list[tuple[int, int]] = []
         self.num_saved = self.num_loaded = self.num_evicted = 0
 
     def lookup(self, block_hash: BlockHash) -> TierHit | None:
@@ -55,7 +57,7 @@ class HostTier:
         if slot is None:
             return   # every slot is being loaded this step: this block is lost, as without a tier
         self.entries[block_hash.value] = (slot, block_hash)
-        self.saves.append((block_id, slot))
+        self.saves[slot] = block_id
         self.num_saved += 1
 
     def pin(self, slots) -> None:
@@ -68,16 +70,22 @@ class HostTier:
         self.pinned.add(hit.slot)
         self.num_loaded += 1
 
+    def drop_loads_into(self, block_ids: set[int]) -> None:
+        """Cancel the queued loads into blocks freed before the step ran (a request that failed or left)."""
+        self.loads = [(slot, block) for slot, block in self.loads if block not in block_ids]
+
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(saves, loads) queued since the last call, in the order the runner performs them."""
-        saves, loads = self.saves, self.loads
-        self.saves, self.loads = [], []
+        """(saves as (pool block, slot), loads as (slot, pool block)) queued since the last call: each slot saved
+        into at most once, each block loaded into at most once; the runner performs the saves first."""
+        saves, loads = [(block, slot) for slot, block in self.saves.items()], self.loads
+        self.saves, self.loads = {}, []
         self.pinned.clear()
         return saves, loads
 
     def reset(self) -> None:
-        """Forget every entry (reset_prefix_cache)."""
+        """Forget every entry and queued save (reset_prefix_cache: no block is in use, so none is being loaded)."""
         self.entries.clear()
+        self.saves.clear()
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
 
     def _free_slot(self) -> int | None:

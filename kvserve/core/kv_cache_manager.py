@@ -255,6 +255,8 @@ class KVCacheManager:
         if self.pending_copies:
             freed = {b.block_id for b in blocks}
             self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in freed]
+        if self.tier is not None and self.tier.loads:   # likewise a host-tier load into a freed block
+            self.tier.drop_loads_into({b.block_id for b in blocks})
 
     def reset_prefix_cache(self) -> bool:
         if not self.pool.reset_prefix_cache():

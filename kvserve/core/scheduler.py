@@ -349,7 +349,8 @@ class Scheduler:
         return self._preempt(victim, out)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
-        """Preempt by recompute: free the blocks, forget computed tokens, requeue at the front.
+        """Preempt: free the blocks (cached ones stay findable: in the pool until handed out again, then in the host
+        tier under preemption_mode swap), forget computed tokens, requeue at the front.
 
         Returns the tokens it had been given this step (now back in the budget)."""
         self.running.remove(req)

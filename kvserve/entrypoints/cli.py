@@ -74,13 +74,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None,
                    help="seeds the sampling of requests that give no seed of their own (default 0)")
     g.add_argument("--chat-template", default=None, help="chat template file or inline Jinja")
-    g.add_argument("--kv-offloading-size", type=_size_or_gib, default=None,
+    g.add_argument("--kv-offloading-size", default=None,
                    help="the prefix cache's second tier in host memory, GiB or e.g. 512MiB: blocks evicted from the "
                         "KV pool are kept there by hash and loaded back on a hit (default 0: none)")
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
                    help="swap: a preempted request's blocks are kept in the host tier and loaded back when it resumes "
                         "(default recompute)")
-    g.add_argument("--swap-space", type=_size_or_gib, default=None,
+    g.add_argument("--swap-space", default=None,
                    help="the host tier's size under --preemption-mode swap without --kv-offloading-size (default 4 "
                         "GiB)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -114,14 +114,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "replicas) as Ray actors")
     g.add_argument("--ray-address", default=None,
                    help="the Ray cluster to join: auto, or HOST:PORT (default: start a local Ray instance)")
-
-
-def _size_or_gib(value: str) -> float | str:
-    """A size flag: a plain number is GiB (vLLM's unit for these), anything else a size with its unit."""
-    try:
-        return float(value)
-    except ValueError:
-        return value
 
 
 _ENGINE_FLAGS = ("tokenizer", "dtype", "device", "attention_backend", "enforce_eager", "quantization", "max_model_len", "max_num_seqs",

@@ -387,3 +387,28 @@ def gguf_without_vocabulary(src: Path, dst: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def check_engine_greedy(path: str, tokenizer: str, hf_greedy, num_kv_blocks: int, check_engine=None) -> None:
+    """The engine's greedy tokens equal transformers' (hf_greedy(prompt) -> tokens) on four prompts sharing a
+    13-token prefix: in one batch, then in chunks of 7 tokens with a pool of num_kv_blocks blocks of 4 tokens so
+    small that requests are preempted, each twice (the second time from the prefix cache). check_engine(engine):
+    what else the test asserts of each engine."""
+    from kvserve import LLM, SamplingParams
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 256, (13,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 11, 20, 30)]
+    expected = [hf_greedy(p) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=len(expected[0]), ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    for kwargs in ({}, dict(max_num_batched_tokens=7, num_kv_blocks=num_kv_blocks, block_size=4, max_num_seqs=4,
+                            enable_prefix_caching=True)):
+        llm = LLM(model=path, tokenizer=tokenizer, dtype="float32", **kwargs)
+        if check_engine is not None:
+            check_engine(llm.llm_engine)
+        for _ in range(2):
+            outputs = llm.generate(inputs, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == expected
+        if kwargs:
+            stats = llm.llm_engine.scheduler.stats()
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0

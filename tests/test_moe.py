@@ -20,7 +20,7 @@ from kvserve.model.layers import prepack_linears
 from kvserve.model.model_config import ModelConfig
 from kvserve.model.moe import MoESpec, SparseMoE, expert_groups, moe_struct_layout
 from kvserve.sampling_params import StructuredOutputsParams
-from model_utils import MOE, hf_logits, load_ours, run_single_sequence, save_tiny_model
+from model_utils import MOE, check_engine_greedy, hf_logits, load_ours, run_single_sequence, save_tiny_model
 from tokenizer_utils import load_smollm2_tokenizer
 
 PROMPT = list(range(3, 40))
@@ -55,22 +55,10 @@ def test_engine_greedy_equals_transformers(tiny, gguf_path):
     """One batch, then chunks of 7 tokens with a pool so small that requests are preempted, twice over with the
     prefix cache (the second time from cached blocks)."""
     path, hf = tiny
-    g = torch.Generator().manual_seed(1)
-    shared = torch.randint(3, 256, (13,), generator=g).tolist()
-    prompts = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 11, 20, 30)]
-    expected = [_hf_greedy(hf, p) for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    for kwargs in ({}, dict(max_num_batched_tokens=7, num_kv_blocks=20, block_size=4, max_num_seqs=4,
-                            enable_prefix_caching=True)):
-        llm = LLM(model=path, tokenizer=gguf_path, dtype="float32", **kwargs)
-        assert "mixture of experts" in llm.llm_engine.weights_summary   # (float32: no MoE kernel line)
-        for _ in range(2):
-            outputs = llm.generate(inputs, params, use_tqdm=False)
-            assert [o.outputs[0].token_ids for o in outputs] == expected
-        if kwargs:
-            stats = llm.llm_engine.scheduler.stats()
-            assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+    def names_the_experts(engine):   # (float32: no MoE kernel line)
+        assert "mixture of experts" in engine.weights_summary
+    check_engine_greedy(path, gguf_path, lambda p: _hf_greedy(hf, p), 20, names_the_experts)
 
 
 class CountedMLP(DecoderMLP):

@@ -276,19 +276,9 @@ def test_speculative_decoding_with_a_dense_draft_and_structured_outputs(qwen2_mo
 def test_tp2_equals_tp1(tmp_path):
     """Each expert's (and the shared expert's) intermediate size split over two ranks, the router whole on each, one
     all-reduce of the block's weighted sum, a dense layer between MoE ones; with chunked prefill and preemption."""
-    from test_tensor_parallel import PROMPTS, _assert_same, _outputs
+    from test_tensor_parallel import check_tp2_equals_tp1
     save_tiny_model("qwen2_moe", tmp_path, seed=5)
-    load_smollm2_tokenizer().save_pretrained(str(tmp_path))
-    kwargs = dict(model=str(tmp_path), dtype="float32", max_num_batched_tokens=16, block_size=4, num_kv_blocks=14)
-    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
-    one = LLM(**kwargs)
-    want = _outputs(one, PROMPTS, params)
-    assert one.llm_engine.scheduler.num_preemptions > 0
-    tp = LLM(tensor_parallel_size=2, **kwargs)
-    try:
-        _assert_same(_outputs(tp, PROMPTS, params), want, tol=1e-4)
-    finally:
-        tp.llm_engine.shutdown()
+    check_tp2_equals_tp1(tmp_path, num_kv_blocks=14)
 
 
 def test_what_is_not_supported_yet_is_refused(qwen2_moe, tmp_path):

@@ -213,10 +213,16 @@ def test_tp2_equals_tp1_on_other_families(tmp_path, family):
     """Families declared beside Llama's: Gemma 3 (sandwich norms, windows, two RoPE tables, q/k norm), Phi-3 (fused
     projections in the checkpoint, split before the ranks take their slices)."""
     save_tiny_model(family, tmp_path, intermediate_size=96, **({"sliding_window": 8} if family == "phi3" else {}))
-    load_smollm2_tokenizer().save_pretrained(str(tmp_path))
     # Gemma 3's blocks are pages of one layer (3 KV groups of 1): a pool of 40 still preempts
-    kwargs = dict(model=str(tmp_path), dtype="float32", max_num_batched_tokens=16, block_size=4,
-                  num_kv_blocks=40 if family == "gemma3" else 14)
+    check_tp2_equals_tp1(tmp_path, num_kv_blocks=40 if family == "gemma3" else 14)
+
+
+def check_tp2_equals_tp1(path, num_kv_blocks: int) -> None:
+    """The tiny checkpoint at `path` (the SmolLM2 tokenizer saved beside it here) gives the same tokens and
+    logprobs over two ranks as in one process, with chunked prefill and a pool small enough to preempt."""
+    load_smollm2_tokenizer().save_pretrained(str(path))
+    kwargs = dict(model=str(path), dtype="float32", max_num_batched_tokens=16, block_size=4,
+                  num_kv_blocks=num_kv_blocks)
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
     one = LLM(**kwargs)
     want = _outputs(one, PROMPTS, params)

@@ -131,16 +131,30 @@ static inline void add_bias_bf16(uint16_t* y, int64_t ys, const uint16_t* b, int
     for (int64_t n = 0; n < N; ++n) y[t * ys + n] = f32_to_bf16(bf16_to_f32(y[t * ys + n]) + bf16_to_f32(b[n]));
 }
 
+// y[M, N] = x[M, K] @ W^T by the linear's method: the packed bf16 matmul, or the quantized one; 0, or -1 where a
+// quantized weight's descriptor names a format or shape kvserve_quant_matmul does not take
+static inline int base_matmul(const LinearDesc& L, const uint16_t* x, int64_t xs, uint16_t* y, int64_t ys, int64_t M,
+                              int64_t N, int64_t K) {
+  if (L.quantized)
+    return kvserve_quant_matmul(reinterpret_cast<const int64_t*>(L.weight), x, xs, 1, y, ys, M, K) ? -1 : 0;
+  kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(L.weight), y, ys, M, N, K);
+  return 0;
+}
+
+// act[M, I] = activation(gate) * up for gate_up [M, 2 I] (SiLU or GELU-tanh, Activation)
+static inline void gated_act(int64_t activation, const uint16_t* gate_up, uint16_t* act, int64_t M, int64_t I) {
+  if (activation == ACT_GELU_TANH)
+    kvserve_gelu_tanh_mul_bf16(gate_up, 2 * I, act, M, I);
+  else
+    kvserve_silu_mul_bf16(gate_up, 2 * I, act, M, I);
+}
+
 // y[M, N] = x[M, K] @ W^T (+ b) + LoRA, as Linear.forward: base by the linear's method, bias (after the ranks' sum
 // where the linear is row-parallel), LoRA delta for the rows that chose an adapter. 0, or -1 where a quantized
 // weight's descriptor names a format or shape kvserve_quant_matmul does not take.
 static inline int linear(const LinearDesc& L, const StackArgs& a, const uint16_t* x, int64_t xs, uint16_t* y,
                          int64_t ys, int64_t M, int64_t N, int64_t K) {
-  if (L.quantized) {
-    if (kvserve_quant_matmul(reinterpret_cast<const int64_t*>(L.weight), x, xs, 1, y, ys, M, K)) return -1;
-  } else {
-    kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(L.weight), y, ys, M, N, K);
-  }
+  if (base_matmul(L, x, xs, y, ys, M, N, K)) return -1;
   const bool reduce = L.row_parallel && a.all_reduce;
   if (L.bias && !reduce) add_bias_bf16(y, ys, L.bias, M, N);
   if (a.lora_rows && L.lora) kvserve_lora_add(L.lora, x, xs, 1, y, ys, M, a.lora_rows);
@@ -208,10 +222,7 @@ static int layers_rows(const StackArgs& a) {
       if (kvserve_moe_bf16(L.moe, normed, T, H, hidden)) return failed;
     } else {
       if (linear(L.gate_up, a, normed, H, gate_up, 2 * I, T, 2 * I, H)) return failed;
-      if (L.activation == ACT_GELU_TANH)
-        kvserve_gelu_tanh_mul_bf16(gate_up, 2 * I, act, T, I);
-      else
-        kvserve_silu_mul_bf16(gate_up, 2 * I, act, T, I);
+      gated_act(L.activation, gate_up, act, T, I);
       if (linear(L.down, a, act, I, hidden, H, T, H, I)) return failed;
     }
     if (L.post_ffn_norm) kvserve_rmsnorm_bf16(hidden, nullptr, L.post_ffn_norm, hidden, T, H, a.eps);

@@ -53,13 +53,10 @@ void kvserve_moe_route(const uint16_t* logits, int64_t T, int64_t E, int64_t k, 
   }
 }
 
+// a linear of the block: layers.cpp's base_matmul, plus its bias (no LoRA, no tensor parallelism here)
 static int moe_linear(const LinearDesc& L, const uint16_t* x, int64_t xs, uint16_t* y, int64_t ys, int64_t M,
                       int64_t N, int64_t K) {
-  if (L.quantized) {
-    if (kvserve_quant_matmul(reinterpret_cast<const int64_t*>(L.weight), x, xs, 1, y, ys, M, K)) return -1;
-  } else {
-    kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(L.weight), y, ys, M, N, K);
-  }
+  if (base_matmul(L, x, xs, y, ys, M, N, K)) return -1;
   if (L.bias) add_bias_bf16(y, ys, L.bias, M, N);
   return 0;
 }
@@ -70,10 +67,7 @@ static int expert_mlp(const LinearDesc& gate_up, const LinearDesc& down, int64_t
   uint16_t* gu = work;
   uint16_t* act = gu + M * 2 * I;
   if (moe_linear(gate_up, x, H, gu, 2 * I, M, 2 * I, H)) return -1;
-  if (activation == ACT_GELU_TANH)
-    kvserve_gelu_tanh_mul_bf16(gu, 2 * I, act, M, I);
-  else
-    kvserve_silu_mul_bf16(gu, 2 * I, act, M, I);
+  gated_act(activation, gu, act, M, I);
   return moe_linear(down, act, I, y, H, M, H, I);
 }
 

@@ -14,7 +14,7 @@ import torch
 from kvserve import kernels
 from kvserve.attention import fp8
 from kvserve.model.moe import describe_moe
-from kvserve.model.quantization import describe as describe_weights, weight_bytes
+from kvserve.model.quantization import describe as describe_weights
 from kvserve.config import EngineConfig
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
@@ -123,7 +123,7 @@ class LLMEngine:
         if hasattr(decoder, "spec"):
             logger.info("kvserve: %s: %s", self.model_config.architecture, decoder.spec.describe())
         self.weights_summary = describe_weights(self.model)
-        experts = describe_moe(self.model, weight_bytes)
+        experts = describe_moe(self.model)
         if experts:   # the ready line shows the summary too
             self.weights_summary += f"; {experts}"
         logger.info("kvserve: weights: %s", self.weights_summary)

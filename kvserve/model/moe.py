@@ -23,6 +23,7 @@ from kvserve.model.fused import LinearDesc, linear_desc
 from kvserve.model.layers import Linear
 from kvserve.model.linear_method import invalidate_bindings, method_generation
 from kvserve.model.model_config import ModelConfig
+from kvserve.model.quantization import weight_bytes
 from kvserve.module import InferenceModule
 
 _ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}   # layers.cpp's Activation
@@ -193,9 +194,9 @@ def moe_layers(model: nn.Module) -> list[SparseMoE]:
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
 
 
-def describe_moe(model: nn.Module, weight_bytes) -> str | None:
+def describe_moe(model: nn.Module) -> str | None:
     """What the log says of a model's experts: their shape, and the bytes of weights a token reads (every weight
-    but the experts its router did not choose), or None for a dense model. weight_bytes(module) -> bytes."""
+    but the experts its router did not choose), or None for a dense model."""
     blocks = moe_layers(model)
     if not blocks:
         return None

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.attention import (attention_layers, build_attention_metadata, build_group_metadata,
-                               single_sequence_metadata)
+from kvserve.attention import build_attention_metadata, build_group_metadata, single_sequence_metadata
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_groups import KVGroups
@@ -30,6 +29,7 @@ from kvserve.spec_decode.draft_vocab import DraftVocab, draft_logits, own_ids, r
 from kvserve.structured_output import build_grammar_bitmask
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.kv_setup import KVCacheSetup
+from kvserve.worker.kv_tier import kv_pools
 
 
 @dataclass
@@ -381,14 +381,10 @@ class ModelRunner(KVCacheSetup):
         """Copy-on-write: duplicate shared blocks into the fresh ones before they are written."""
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        done = set()   # KV groups: layers share pools, and a pool copied twice would read a block already overwritten
-        for layer in (a for m in self.models for a in attention_layers(m)):
-            for cache in (layer.k_cache, layer.v_cache):
-                if cache.data_ptr() in done:
-                    continue
-                done.add(cache.data_ptr())
-                raw = cache.view(torch.uint8)   # bytes: torch has no index_copy_ for float8 pools
-                raw.index_copy_(0, dst, raw.index_select(0, src))
+        # each distinct pool once (KV groups: layers share pools, and a pool copied twice would read a block already
+        # overwritten), as bytes (torch has no index_copy_ for float8 pools)
+        for raw in kv_pools(self.models):
+            raw.index_copy_(0, dst, raw.index_select(0, src))
 
     def _record_logprobs(self, reqs: list[Request], emitted_rows: list[range], lp) -> None:
         ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequestError
+from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.sampling_params import MAX_SEED, MIN_SEED
 from kvserve.spec_decode.config import SpeculativeConfig
 
@@ -76,6 +77,9 @@ class EngineConfig:
     kv_offloading_size: float | str = 0
     preemption_mode: str = "recompute"  # recompute | swap
     swap_space: float | str = 4
+    # a KV connector (kvserve/kv_transfer), vLLM's shape: a dict or JSON text, e.g. {"kv_connector":
+    # "SharedStorageConnector", "kv_role": "kv_producer"}; parsed into a KVTransferConfig; None = none
+    kv_transfer_config: dict | str | KVTransferConfig | None = None
     scheduling_policy: str = "fcfs"     # fcfs | priority
     priority_aging_s: float = 10.0      # priority policy: seconds of waiting worth one priority level; 0 = no aging
     chat_template: str | None = None    # path or inline Jinja; defaults to the checkpoint's
@@ -170,6 +174,12 @@ class EngineConfig:
         if self.host_tier_bytes and self.tensor_parallel_size > 1:
             bad("the host KV tier (kv_offloading_size, preemption_mode swap) does not run with tensor_parallel_size > 1 "
                 "yet", "kv_offloading_size")
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_transfer_config is not None and not self.enable_prefix_caching:
+            bad("kv_transfer_config finds and registers blocks by their prefix-cache hash: it needs "
+                "enable_prefix_caching", "kv_transfer_config")
+        if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
+            bad("kv_transfer_config does not run with tensor_parallel_size > 1 yet", "kv_transfer_config")
 
     @property
     def host_tier_bytes(self) -> int:

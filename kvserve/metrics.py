@@ -38,6 +38,9 @@ class IntervalCounts:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    kv_transfer_loaded: int = 0
+    kv_transfer_saved: int = 0
+    kv_transfer_seconds: float = 0.0
 
 
 class EngineMetrics:
@@ -59,6 +62,12 @@ class EngineMetrics:
                                         "KV blocks evicted from the pool and kept in the host tier")
         self.tier_loaded = self._counter("kvserve:kv_offload_loaded_blocks",
                                          "KV blocks loaded back from the host tier instead of recomputed")
+        self.transfer_saved = self._counter("kvserve:kv_transfer_saved_blocks",
+                                            "KV blocks of computed prompts saved to the KV connector's store")
+        self.transfer_loaded = self._counter("kvserve:kv_transfer_loaded_blocks",
+                                             "KV blocks loaded from the KV connector's store instead of computed")
+        self.transfer_seconds = self._counter("kvserve:kv_transfer_seconds",
+                                              "Seconds spent saving and loading KV blocks through the KV connector")
         self.prompt_tokens_cached = self._counter("vllm:prompt_tokens_cached",
                                                   "Prompt tokens of finished prefills served from the prefix cache")
         self.spec_drafts = self._counter("vllm:spec_decode_num_drafts", "Speculative decoding: draft runs verified")
@@ -126,6 +135,15 @@ class EngineMetrics:
         self.prefix_hits.inc(hits)
         self.tier_saved.inc(max(stats.kv_tier_saved_blocks - last.kv_tier_saved_blocks, 0))
         self.tier_loaded.inc(max(stats.kv_tier_loaded_blocks - last.kv_tier_loaded_blocks, 0))
+        saved = max(stats.kv_transfer_saved_blocks - last.kv_transfer_saved_blocks, 0)
+        loaded = max(stats.kv_transfer_loaded_blocks - last.kv_transfer_loaded_blocks, 0)
+        seconds = max(stats.kv_transfer_seconds - last.kv_transfer_seconds, 0)
+        self.transfer_saved.inc(saved)
+        self.transfer_loaded.inc(loaded)
+        self.transfer_seconds.inc(seconds)
+        self.interval.kv_transfer_saved += saved
+        self.interval.kv_transfer_loaded += loaded
+        self.interval.kv_transfer_seconds += seconds
         self.interval.prefix_queries += queries
         self.interval.prefix_hits += hits
         self._update_spec_decoding(last.spec_decoding, stats.spec_decoding)
@@ -221,5 +239,10 @@ class StatLogger:
             fields["spec_acceptance_rate"] = round(100 * counts.spec_accepted_tokens / counts.spec_draft_tokens, 1)
             fields["spec_mean_acceptance_length"] = round(1 + counts.spec_accepted_tokens / counts.spec_drafts, 2)
             message += ", Draft acceptance rate: %.1f%%, Mean acceptance length: %.2f"
+        if counts.kv_transfer_saved or counts.kv_transfer_loaded:
+            fields["kv_transfer_loaded_blocks"] = counts.kv_transfer_loaded
+            fields["kv_transfer_saved_blocks"] = counts.kv_transfer_saved
+            fields["kv_transfer_seconds"] = round(counts.kv_transfer_seconds, 3)
+            message += ", KV transfer: %d blocks loaded, %d saved in %.3f s"
         logger.info(message, *fields.values(), extra=fields)
         return True

@@ -28,14 +28,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A `python -m kvserve serve` subprocess on a free loopback port."""
+    """A `python -m kvserve serve` (or another serving subcommand: proxy) subprocess on a free loopback port."""
 
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, command: str = "serve"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-server-", suffix=".log", delete=False)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--port", str(self.port), *flags],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve", command, "--port", str(self.port), *flags],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:

@@ -161,6 +161,12 @@ class BlockPool:
         self.cached.clear()
         return True
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget the block's hash without saving it anywhere (its bytes are not its tokens' KV)."""
+        if block.block_hash is not None and self.cached.get(block.block_hash.value) is block:
+            del self.cached[block.block_hash.value]
+        block.block_hash = None
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

@@ -70,9 +70,12 @@ class HostTier:
         self.pinned.add(hit.slot)
         self.num_loaded += 1
 
-    def drop_loads_into(self, block_ids: set[int]) -> None:
-        """Cancel the queued loads into blocks freed before the step ran (a request that failed or left)."""
+    def drop_loads_into(self, block_ids: set[int]) -> list[int]:
+        """Cancel the queued loads into blocks freed before the step ran (a request that failed or left); returns
+        the blocks whose loads were cancelled."""
+        dropped = [block for _, block in self.loads if block in block_ids]
         self.loads = [(slot, block) for slot, block in self.loads if block not in block_ids]
+        return dropped
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(saves as (pool block, slot), loads as (slot, pool block)) queued since the last call: each slot saved

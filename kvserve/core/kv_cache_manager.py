@@ -21,6 +21,7 @@ from kvserve.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_blo
 from kvserve.core.host_tier import HostTier, TierHit
 from kvserve.core.kv_groups import KVGroups, cdiv
 from kvserve.core.request import Request
+from kvserve.kv_transfer.keys import ConnectorHit
 
 __all__ = ["KVCacheManager", "cdiv"]
 
@@ -30,7 +31,7 @@ class KVCacheManager:
     the other groups')."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, groups: KVGroups | None = None,
-                 tier: HostTier | None = None):
+                 tier: HostTier | None = None, connector=None):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.groups = groups or KVGroups.single(1)
@@ -48,6 +49,12 @@ class KVCacheManager:
             if not (enable_caching and self.flat):
                 raise ValueError("a host tier needs prefix caching and one KV group")
             self.pool.on_evict = lambda block: tier.save(block.block_hash, block.block_id)
+        # a KV connector (kvserve/kv_transfer): a consumer's lookups go on in its store where the pool and the tier
+        # miss; its hits are loaded, like the tier's, into fresh blocks before the next forward
+        self.connector = connector
+        self.connector_loads: list[tuple[ConnectorHit, int]] = []
+        if connector is not None and not (enable_caching and self.flat):
+            raise ValueError("a KV connector needs prefix caching and one KV group")
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,11 +106,13 @@ class KVCacheManager:
         hashes = req.block_hashes[:(req.num_tokens - 1) // self.block_size]
         if self.flat:
             hits = []
-            for block_hash in hashes:   # in the pool, else in the host tier (loaded back by allocate_slots)
+            for i, block_hash in enumerate(hashes):   # in the pool, else the host tier, else the connector's store
                 block = self.pool.get_cached_block(block_hash)
                 if block is None and self.tier is not None:
                     block = self.tier.lookup(block_hash)
                 if block is None:
+                    if self.connector is not None:   # loaded back, as the tier's hits, by allocate_slots
+                        hits += self.connector.lookup(hashes, i)
                     break
                 hits.append(block)
             return hits, len(hits) * self.block_size
@@ -164,7 +173,7 @@ class KVCacheManager:
         # takes a fresh block to be loaded into
         num_free_hits = sum(1 for g in hits for b in g if isinstance(b, KVCacheBlock) and b is not self.null
                             and b.ref_cnt == 0)
-        need += sum(1 for g in hits for b in g if isinstance(b, TierHit))
+        need += sum(1 for g in hits for b in g if isinstance(b, (TierHit, ConnectorHit)))
         if need > self.pool.num_free_blocks + releasable - num_free_hits:
             if fresh:
                 self.req_to_blocks.pop(rid)
@@ -185,19 +194,38 @@ class KVCacheManager:
         for g, (blocks, (first, gone, new, start, shared, real)) in enumerate(zip(tables, plans)):
             for i in shared:
                 blocks[i] = self._copy_on_write(blocks[i])
-            blocks.extend(self._load(b) if isinstance(b, TierHit) else b for b in hits[g])
+            blocks.extend(self._load(b) if isinstance(b, (TierHit, ConnectorHit)) else b for b in hits[g])
             taken = self.pool.get_new_blocks(real)
             allocated += taken
             taken.reverse()
             blocks.extend(taken.pop() if i >= first else self.null for i in range(start, start + new))
         return allocated
 
-    def _load(self, hit: TierHit) -> KVCacheBlock:
-        """A fresh block for a host-tier hit, cached under its hash, its load queued for the next forward."""
+    def _load(self, hit: TierHit | ConnectorHit) -> KVCacheBlock:
+        """A fresh block for a host-tier or connector hit, cached under its hash, its load queued for the next
+        forward."""
         [block] = self.pool.get_new_blocks(1)
         self.pool.cache_block(block, hit.block_hash)
-        self.tier.load(hit, block.block_id)
+        if isinstance(hit, TierHit):
+            self.tier.load(hit, block.block_id)
+        else:
+            self.connector_loads.append((hit, block.block_id))
         return block
+
+    def take_connector_loads(self) -> list[tuple[ConnectorHit, int]]:
+        """The connector's (hit, pool block) loads queued since the last call (for the next forward)."""
+        loads, self.connector_loads = self.connector_loads, []
+        return loads
+
+    def forget_blocks(self, block_ids: list[int]) -> None:
+        """Drop these blocks from the prefix cache (loads that failed: their bytes are not the tokens')."""
+        for block_id in block_ids:
+            self.pool.uncache(self.pool.blocks[block_id])
+
+    def prompt_block_hashes(self, req: Request) -> list[BlockHash]:
+        """The hashes of the request's full prompt blocks."""
+        self._update_block_hashes(req, req.num_prompt_tokens)
+        return req.block_hashes[:req.num_prompt_tokens // self.block_size]
 
     def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The host tier's (saves, loads) queued since the last call (for the next forward), or none."""
@@ -255,8 +283,16 @@ class KVCacheManager:
         if self.pending_copies:
             freed = {b.block_id for b in blocks}
             self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in freed]
-        if self.tier is not None and self.tier.loads:   # likewise a host-tier load into a freed block
-            self.tier.drop_loads_into({b.block_id for b in blocks})
+        # likewise a host-tier or connector load into a block no other request holds (one that hit the block in
+        # this step reads it after the load); the block leaves the prefix cache: its bytes will not be its tokens'
+        last = {b.block_id for b in blocks if b.ref_cnt == 1}
+        dropped = []
+        if self.tier is not None and self.tier.loads and last:
+            dropped += self.tier.drop_loads_into(last)
+        if self.connector_loads and last:
+            dropped += [block for _, block in self.connector_loads if block in last]
+            self.connector_loads = [(hit, block) for hit, block in self.connector_loads if block not in last]
+        self.forget_blocks(dropped)
 
     def reset_prefix_cache(self) -> bool:
         if not self.pool.reset_prefix_cache():

@@ -89,6 +89,9 @@ class SchedulerStats:
     waiting_lora_ids: set[int] = field(default_factory=set)
     kv_tier_saved_blocks: int = 0    # the host tier (kvserve/core/host_tier.py): blocks kept there
     kv_tier_loaded_blocks: int = 0   # and loaded back instead of recomputed
+    kv_transfer_saved_blocks: int = 0    # the KV connector (kvserve/kv_transfer): blocks saved to its store
+    kv_transfer_loaded_blocks: int = 0   # and loaded from it instead of computed
+    kv_transfer_seconds: float = 0.0     # time spent in the connector's saves and loads
 
 
 class Scheduler:
@@ -454,10 +457,12 @@ class Scheduler:
             self.on_finished(req)
 
     def stats(self) -> SchedulerStats:
-        tier = self.kv.tier
+        tier, connector = self.kv.tier, self.kv.connector
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
                               self.prefix_cache_queries, self.prefix_cache_hits, self.spec_stats.copy(),
-                              *self._lora_stats(), *((tier.num_saved, tier.num_loaded) if tier else (0, 0)))
+                              *self._lora_stats(), *((tier.num_saved, tier.num_loaded) if tier else (0, 0)),
+                              *((connector.num_saved, connector.num_loaded, connector.transfer_seconds)
+                                if connector else (0, 0, 0.0)))
 
     def _lora_stats(self) -> tuple[set[int], set[int]]:
         """The adapters of the running and of the waiting requests (none looked for without LoRA)."""

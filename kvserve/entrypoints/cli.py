@@ -83,6 +83,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", default=None,
                    help="the host tier's size under --preemption-mode swap without --kv-offloading-size (default 4 "
                         "GiB)")
+    g.add_argument("--kv-transfer-config", default=None,
+                   help='a KV connector as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": '
+                        '"kv_producer"}\': prompts\' KV saved to a store other engines load from (disaggregated '
+                        "prefill/decode with kvserve proxy; docs/kv_transfer.md)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV cache of shared prompt prefixes (default: on)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -119,7 +123,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 _ENGINE_FLAGS = ("tokenizer", "dtype", "device", "attention_backend", "enforce_eager", "quantization", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "kv_cache_memory", "kv_cache_dtype", "calculate_kv_scales",
                  "gpu_memory_utilization", "seed", "chat_template", "enable_prefix_caching", "enable_chunked_prefill",
-                 "kv_offloading_size", "preemption_mode", "swap_space",
+                 "kv_offloading_size", "preemption_mode", "swap_space", "kv_transfer_config",
                  "scheduling_policy", "priority_aging_s", "num_threads", "speculative_config",
                  "grammar_compile_timeout_s", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
                  "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "ray_address")
@@ -397,6 +401,20 @@ register("chat", "chat with a model in the terminal (streams tokens; /exit or EO
          run_chat)
 SUBCOMMANDS["bench"] = Subcommand("offline throughput and latency benchmarks, and a serving client", None,
                                   _run_bench, add_parser=_add_bench_parser)
+
+
+def _add_proxy_arguments(p: argparse.ArgumentParser) -> None:
+    from kvserve.entrypoints.proxy import add_proxy_arguments
+    add_proxy_arguments(p)
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from kvserve.entrypoints.proxy import run_proxy
+    return run_proxy(args)
+
+
+register("proxy", "disaggregated prefill/decode: each request's prefill on one instance, its decode on another "
+         "(docs/kv_transfer.md)", _add_proxy_arguments, _run_proxy)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,8 @@ from kvserve.core.host_tier import HostTier
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.kv_groups import KVGroups
 from kvserve.errors import InvalidRequestError
+from kvserve.kv_transfer.connector import KVConnector, engine_fingerprint
+from kvserve.kv_transfer.store import KVTransferError
 from kvserve.model.moe import moe_layers
 from kvserve.worker.cuda_graphs import build_decode_graphs, why_no_graphs
 from kvserve.worker.kv_tier import HostTierStorage, kv_pools
@@ -35,7 +37,7 @@ class KVCacheSetup:
                           calculate_kv_scales=config.calculate_kv_scales,
                           groups=self.kv_groups if m is self.model else None)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_groups,
-                                 self._host_tier(config))
+                                 self._host_tier(config), self._kv_connector(config))
         why_not = why_no_graphs(config, self.device, self.attention_backend.name, self.lora is not None,
                                 self.kv_groups.num_groups if self.kv_groups is not None else 1,
                                 has_moe=bool(moe_layers(self.model)))
@@ -66,10 +68,50 @@ class KVCacheSetup:
                     else "")
         return HostTier(size // per_slot)
 
+    def _kv_connector(self, config: EngineConfig) -> KVConnector | None:
+        """The KV connector of kv_transfer_config (kvserve/kv_transfer), over every pool of the models."""
+        self.kv_connector = None
+        if config.kv_transfer_config is None:
+            return None
+        if self.kv_groups is not None:
+            raise InvalidRequestError("kv_transfer_config does not serve models with sliding-window KV groups yet",
+                                      "kv_transfer_config")
+        pools = kv_pools(self.models)
+        fingerprint = engine_fingerprint(self.models, pools, config.block_size)
+        self.kv_connector = KVConnector(config.kv_transfer_config, pools, fingerprint)
+        role = config.kv_transfer_config
+        logger.info("kvserve: KV connector: %s: %s", self.kv_connector.describe(),
+                    "; ".join(what for what, on in (("saves the KV of every prompt it computes", role.is_producer),
+                                                    ("loads the prompt blocks it finds there", role.is_consumer))
+                              if on))
+        return self.kv_connector
+
     def move_tier_blocks(self) -> None:
-        """The host tier's saves and loads queued since the last forward (before the next one writes the pools)."""
+        """The host tier's saves and loads, then the connector's loads, queued since the last forward (before the
+        next one writes the pools)."""
         if self.tier_storage is not None:
             self.tier_storage.copy(*self.kv.take_tier_copies())
+        if self.kv_connector is not None:
+            loads = self.kv.take_connector_loads()
+            try:
+                self.kv_connector.load(loads)
+            except KVTransferError:
+                self.kv.forget_blocks([block for _, block in loads])   # their bytes are not their tokens' KV
+                raise
+
+    def save_to_connector(self, sched) -> None:
+        """A producer's saves after the forward: every prompt this step finished, its full blocks the store lacks
+        (a failed save is logged: the step's outputs stand, a consumer recomputes what it does not find)."""
+        if self.kv_connector is None or not self.kv_connector.config.is_producer:
+            return
+        for req, n in sched.scheduled:
+            if req.num_computed_tokens < req.num_prompt_tokens <= req.num_computed_tokens + n:
+                hashes = self.kv.prompt_block_hashes(req)
+                try:
+                    self.kv_connector.save(hashes, self.kv.get_block_ids(req.request_id)[:len(hashes)])
+                except (OSError, KVTransferError) as e:
+                    logger.warning("kvserve: KV connector: saving the prompt of request %s failed: %s",
+                                   req.request_id, e)
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int, capture: bool) -> None:
         """Run decode steps through DecodeGraphs' padded buffers, captured as CUDA graphs where `capture` (the

@@ -64,6 +64,7 @@ class ModelRunner(KVCacheSetup):
         self.kv_groups: KVGroups | None = None   # init_kv_cache: the KV groups of sliding-window layers
         self.kv: KVCacheManager | None = None   # set by init_kv_cache()
         self.tier_storage = None   # the host KV tier's bytes, where there is one (kv_setup.py)
+        self.kv_connector = None   # the KV connector of kv_transfer_config (kv_setup.py)
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
@@ -232,6 +233,7 @@ class ModelRunner(KVCacheSetup):
         hidden, ids, _ = self.run_forward(inp.message)
         if self.draft_model is not None:
             self._write_draft_kv(sched, ids)
+        self.save_to_connector(sched)
         self._calls_left = len(inp.message.logits_lens)
         logits = self.iter_logits(hidden, inp.message)
         if inp.prompt_lp:

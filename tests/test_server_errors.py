@@ -128,3 +128,33 @@ def test_body_over_the_size_limit_is_413_before_it_is_read(server):
     assert r.status_code == 413 and "request_too_large" in r.text
     r = post(server, "/v1/completions", json.dumps({"prompt": "x" * 1000, "max_tokens": 1}))
     assert r.status_code == 200   # under the limit: served as usual
+
+
+def test_models_retrieve_and_its_404(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found" and "gpt-4" in e.value.body["message"]
+
+
+def test_openai_refusals_name_the_field_the_request_used(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=0)
+    assert e.value.body["param"] == "max_completion_tokens" and "max_completion_tokens" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=MAX_MODEL_LEN)
+    assert e.value.body["param"] == "max_completion_tokens"
+    for create, kwargs in ((client.chat.completions.create, {"messages": messages}),
+                           (client.completions.create, {"prompt": "Hi"})):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=MODEL, max_tokens=2, stream_options={"include_usage": True}, **kwargs)
+        assert e.value.body["param"] == "stream_options"
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    answered = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    assert client.chat.completions.create(model=MODEL, messages=answered, max_tokens=2).choices
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            *answered, {"role": "tool", "tool_call_id": "call_2", "content": "43"}])
+    assert e.value.body["param"] == "messages[3].tool_call_id" and "call_2" in e.value.body["message"]

@@ -159,8 +159,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSet
     async def create_chat_completion(raw_request: Request):
         return await respond(raw_request, ChatCompletionRequest, chat.create)
 
-    @app.get("/v1/models")
-    async def list_models():
+    def model_cards() -> list[ModelCard]:
         cards = [ModelCard(id=name, root=settings.model_path or name, max_model_len=completions.max_model_len)
                  for name in settings.served_model_names]
         loras = engine.engine.lora
@@ -168,7 +167,20 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSet
             cards.append(ModelCard(id=lora.lora_name, root=lora.lora_path,
                                    parent=lora.base_model_name or settings.served_model_names[0],
                                    max_model_len=completions.max_model_len))
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return cards
+
+    @app.get("/v1/models")
+    async def list_models():
+        return JSONResponse(ModelList(data=model_cards()).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    @api_route
+    async def retrieve_model(model_id: str):
+        for card in model_cards():
+            if card.id == model_id:
+                return JSONResponse(card.model_dump())
+        completions.check_model(model_id)   # 404 naming the models served
+        raise NotFoundError(f"the model {model_id!r} does not exist", "model", "model_not_found")
 
     @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     @api_route

@@ -17,6 +17,7 @@ from kvserve.entrypoints.openai.serving_common import SSE_DONE, ChoiceState, Ope
     sse_error, top_logprobs, usage
 from kvserve.entrypoints.openai.structured import request_constraint
 from kvserve.entrypoints.openai.tools import ToolCallStream, ToolChoice, assemble, resolve_tool_choice
+from kvserve.errors import InvalidRequestError
 from kvserve.outputs import Logprob, RequestOutput
 from kvserve.sampling_params import StructuredOutputsParams
 
@@ -39,10 +40,16 @@ class OpenAIServingChat(OpenAIServing):
         tool_choice = resolve_tool_choice(req, self.tool_call_parser, self.enable_auto_tool_choice)
         constraint, source = _constraint(req, tool_choice)
         request_id = self.request_id(raw_request, "chatcmpl", req.request_id)
+        check_tool_messages(req.messages)
         prompt = self.render(req, tool_choice)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, requested, k, structured_outputs=constraint)
-        streams = await self.add_prompts(request_id, [prompt], [params], req, source)
+        try:
+            params = self.sampling_params(req, requested, k, structured_outputs=constraint)
+            streams = await self.add_prompts(request_id, [prompt], [params], req, source)
+        except InvalidRequestError as e:   # the limit's field is the one the request used
+            if e.param != "max_tokens" or req.max_completion_tokens is None:
+                raise
+            raise type(e)(e.message.replace("max_tokens", "max_completion_tokens"), "max_completion_tokens") from e
         view = _ChatView(self.tokenizer, req, model, request_id, k, tool_choice)
         if req.stream:
             return StreamingResponse(view.stream(self.outputs(streams)), media_type="text/event-stream")
@@ -55,6 +62,17 @@ class OpenAIServingChat(OpenAIServing):
                            req.continue_final_message, req.chat_template_kwargs,
                            tools=tool_choice.tools if tool_choice else None)
         return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+
+
+def check_tool_messages(messages) -> None:
+    """A tool message must answer a tool call of an earlier assistant message (OpenAI answers 400 otherwise)."""
+    call_ids = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant" and m.tool_calls:
+            call_ids.update(call.id for call in m.tool_calls if call.id is not None)
+        elif m.role == "tool" and m.tool_call_id is not None and m.tool_call_id not in call_ids:
+            raise BadRequestError(f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no tool call of an "
+                                  "earlier assistant message", f"messages[{i}].tool_call_id", "invalid_value")
 
 
 def _constraint(req: ChatCompletionRequest,

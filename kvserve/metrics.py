@@ -14,7 +14,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvserve.core.scheduler import SchedulerStats, SpecDecodingStats
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import PoolingRequestOutput, RequestOutput, completions
 
 logger = logging.getLogger("kvserve.stats")
 
@@ -169,7 +169,7 @@ class EngineMetrics:
         """Token counts and latencies of one step's DELTA outputs."""
         now = time.monotonic() if now is None else now
         for out in outputs:
-            num_new = sum(len(o.token_ids) for o in out.outputs)
+            num_new = sum(len(o.token_ids) for o in completions(out))
             if num_new:
                 self._record_tokens(out, num_new, now)
             if out.finished:
@@ -192,7 +192,9 @@ class EngineMetrics:
 
     def _record_finished(self, out: RequestOutput, now: float) -> None:
         self._last_token_time.pop(out.request_id, None)
-        for o in out.outputs:
+        if isinstance(out, PoolingRequestOutput):
+            self.request_success.labels(self.model_name, "stop" if out.outputs.data is not None else "abort").inc()
+        for o in completions(out):
             self.request_success.labels(self.model_name, o.finish_reason or "abort").inc()
         arrival = out.metrics.get("arrival_time")
         if arrival is None:

@@ -46,3 +46,50 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class PoolingOutput:
+    """A request's pooled vector: `embedding` (vLLM's EmbeddingOutput name) or `data`."""
+
+    data: list[float] | None
+
+    @property
+    def embedding(self) -> list[float] | None:
+        return self.data
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling request (LLM.embed): vLLM's EmbeddingRequestOutput shape, `outputs.embedding`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+EmbeddingRequestOutput = PoolingRequestOutput
+
+
+def completions(out: RequestOutput | PoolingRequestOutput) -> list[CompletionOutput]:
+    """A generation request's completions; a pooling request has none."""
+    return out.outputs if isinstance(out, RequestOutput) else []
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """LLM.score's result for one pair: the cosine similarity of their embeddings (`outputs.score`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

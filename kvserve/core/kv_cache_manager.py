@@ -99,8 +99,9 @@ class KVCacheManager:
         """Longest run of cached full blocks for this request's tokens, and how many tokens they hold. With several
         groups the hits are one list per group: full-attention groups need every block of the run, a sliding
         group only those the window of the first token after it reaches (null before them)."""
-        if not self.enable_caching or req.params.prompt_logprobs is not None:
-            return [], 0   # prompt logprobs need every prompt position computed
+        if (not self.enable_caching or req.params.prompt_logprobs is not None
+                or (req.pooling is not None and req.pooling.needs_every_position)):
+            return [], 0   # prompt logprobs, and pooling over every position, need every prompt position computed
         self._update_block_hashes(req, req.num_tokens)
         # the last token is always recomputed so there are logits to sample from
         hashes = req.block_hashes[:(req.num_tokens - 1) // self.block_size]

@@ -79,6 +79,9 @@ class Request:
         # first proposal on
         self.draft_vocab = None
         self.structured_output = None        # StructuredOutputRequest when the output is constrained
+        # a pooling request (LLM.embed): its PoolingState (kvserve/worker/pooling.py); it emits no token and finishes
+        # when its prompt is computed
+        self.pooling = None
         self.num_cached_tokens = -1          # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -270,8 +270,8 @@ class Scheduler:
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit_tokens
-            if num_new > budget and not self.enable_chunked_prefill:
-                break
+            if num_new > budget and (not self.enable_chunked_prefill or (req.pooling and req.pooling.whole)):
+                break   # the whole prompt in one step: an encoder's sequence attends to all of itself
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 freed = self._preempt_lower(req, out)
@@ -398,6 +398,13 @@ class Scheduler:
             req.num_computed_tokens += num_new
             if tokens is None:   # a prefill chunk that did not reach the end of the prompt
                 self.kv.cache_computed_blocks(req)
+                continue
+            if req.pooling is not None:   # its vector is complete: it emits no token
+                self.kv.cache_computed_blocks(req)
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.first_token_time = req.last_token_time = now
+                self._finish(req)
+                updates.append((req, []))
                 continue
             if num_drafts:
                 accepted = len(tokens) - 1

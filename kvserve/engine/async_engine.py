@@ -140,13 +140,16 @@ class AsyncLLMEngine:
         return self.dead_error is None and self._thread is not None and self._thread.is_alive()
 
     # ----- requests (event-loop thread) -----
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None,
                           arrival_time: float | None = None, priority: int = 0,
-                          cache_salt: str | None = None, lora_request=None) -> RequestStream:
-        """Queue a request; raises InvalidRequestError (bad request) or EngineOverloadedError (queue full)."""
+                          cache_salt: str | None = None, lora_request=None, pooling_params=None) -> RequestStream:
+        """Queue a request (a pooling one with pooling_params and no params); raises InvalidRequestError (bad
+        request) or EngineOverloadedError (queue full)."""
         self._check_can_accept()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if params is None:
+            params = SamplingParams()   # a pooling request's: the engine replaces it
         if params.output_kind != RequestOutputKind.DELTA:
             params = params.clone(output_kind=RequestOutputKind.DELTA)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -166,7 +169,7 @@ class AsyncLLMEngine:
                 raise
         stream.add_future = self._loop.create_future()
         add = functools.partial(self._add_on_engine, request_id, prompt, params, arrival_time, priority, cache_salt,
-                                lora_request)
+                                lora_request, pooling_params)
         self._submit(functools.partial(self._run_command, add, stream.add_future))
         try:
             await stream.add_future
@@ -315,8 +318,9 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(_set_result, fut, result)
 
     def _add_on_engine(self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float,
-                       priority: int, cache_salt: str | None, lora_request) -> None:
-        self.engine.add_request(request_id, prompt, params, arrival_time, priority, cache_salt, lora_request)
+                       priority: int, cache_salt: str | None, lora_request, pooling_params) -> None:
+        self.engine.add_request(request_id, prompt, params, arrival_time, priority, cache_salt, lora_request,
+                                pooling_params)
         self._engine_ids.add(request_id)
 
     def _abort_on_engine(self, request_ids: list[str]) -> None:

@@ -13,12 +13,12 @@ import torch
 
 from kvserve import kernels
 from kvserve.attention import fp8
-from kvserve.model.moe import describe_moe
-from kvserve.model.quantization import describe as describe_weights
 from kvserve.config import EngineConfig
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor, ParentState
+from kvserve.engine.describe import log_loaded
+from kvserve.engine.pooling import check_pooling_fits, pooling_state, refuse_generation
 from kvserve.engine.prompts import PromptType, process_prompt
 from kvserve.distributed import start_tensor_parallel
 from kvserve.errors import (ContextLengthExceededError, EngineDeadError, InvalidRequestError, KVServeError, LoRAError,
@@ -27,6 +27,7 @@ from kvserve.lora import LoRARequest
 from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
 from kvserve.outputs import RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import auto_draft_vocab
 from kvserve.spec_decode.proposer import build_proposer
@@ -68,6 +69,7 @@ class LLMEngine:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = self.model_config.vocab_size
+        self.is_encoder = getattr(self.model, "is_encoder", False)   # embeds only (kvserve/model/bert.py)
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -99,49 +101,7 @@ class LLMEngine:
                                                          config.grammar_compile_timeout_s)
         self._ids = itertools.count()
         self._failed: dict[str, KVServeError] = {}   # parent request id -> why it failed, until taken
-        groups = self.kv.groups
-        kv_size = (f"{self.num_kv_blocks} blocks x {config.block_size} tokens = {self.num_kv_pool_tokens} tokens"
-                   if not groups.has_windows else
-                   f"{self.num_kv_blocks} pages of {groups.group_size} layers x {config.block_size} tokens, "
-                   f"{self.num_kv_pool_tokens} tokens in the longest sequence")
-        dtype = str(self.dtype).removeprefix("torch.")
-        if self.model.dtype_reason:   # what dtype="auto" picked, and why (load_model)
-            dtype += f" [auto: {self.model.dtype_reason}]"
-        logger.info("kvserve: loaded %s (%s, %s%s) in %.1fs; KV cache %s%s",
-                    config.model or "SmolLM2-135M-Instruct (bundled)", dtype,
-                    self.device, self.parallel_description(), time.perf_counter() - t0, kv_size,
-                    self.kv_cache_description())
-        fused_stack = self.runs_fused_stack()
-        self.kernel_summary = kernels.summary(self.dtype, self.device, self.kv_cache_dtype, fused_stack)
-        if self.device.type != "cpu" or config.attention_backend != "auto":
-            self.kernel_summary += f"; attention backend: {self.runner.attention_backend.name}"
-        decoder = getattr(self.model, "model", None)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and hasattr(decoder, "fused_status"):
-            self.kernel_summary += f"; decoder layers: {decoder.fused_status()}"
-            if decoder.moe_status():
-                self.kernel_summary += f"; MoE blocks: {decoder.moe_status()}"
-        if hasattr(decoder, "spec"):
-            logger.info("kvserve: %s: %s", self.model_config.architecture, decoder.spec.describe())
-        self.weights_summary = describe_weights(self.model)
-        experts = describe_moe(self.model)
-        if experts:   # the ready line shows the summary too
-            self.weights_summary += f"; {experts}"
-        logger.info("kvserve: weights: %s", self.weights_summary)
-        # a path the machine rules out (no compiler, no packed bf16 matmuls) is a warning: users otherwise never know
-        log = logger.warning if kernels.is_degraded(self.device, fused_stack) else logger.info
-        log("kvserve: kernels: %s", self.kernel_summary)
-        if self.lora is not None:
-            logger.info("kvserve: LoRA: %s", self.lora_description())
-        if self.spec_config:
-            logger.info("kvserve: speculative decoding: %s, %d tokens%s, off above %s running requests",
-                        self.spec_config.method, self.spec_config.num_speculative_tokens,
-                        f" from {self.spec_config.model}" if self.spec_config.model else "",
-                        self.spec_config.disable_by_batch_size)
-        if self.num_kv_pool_tokens < self.max_model_len:
-            logger.warning("kvserve: the KV cache holds %d tokens, fewer than max_model_len %d: the largest request "
-                           "that fits has %d tokens (prompt + output); larger ones are refused. Raise "
-                           "kv_cache_memory (--kv-cache-memory) or lower max_model_len (--max-model-len)",
-                           self.num_kv_pool_tokens, self.max_model_len, self.num_kv_pool_tokens)
+        log_loaded(self, config, t0)
         # the loading thread's OpenMP workers: the server steps on another thread (a Ray replica's too), whose
         # parallel regions they would slow; offline, the next step starts them again
         kernels.release_openmp_workers()
@@ -277,9 +237,16 @@ class LLMEngine:
     # ----- requests -----
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None) -> str:
         """Validate and queue a request; raises InvalidRequestError and queues nothing if it is bad. lora_request:
-        the adapter it runs with (a new one is loaded now; LoRAError if it is bad)."""
+        the adapter it runs with (a new one is loaded now; LoRAError if it is bad). pooling_params: a pooling
+        request (LLM.embed), which computes its prompt and returns one vector instead of generating."""
+        if pooling_params is None and (self.is_encoder or self.config.runner == "pooling"):
+            raise refuse_generation(self.model_config.architecture, self.is_encoder)
+        pooling = None
+        if pooling_params is not None:
+            pooling = pooling_state(pooling_params, self.model_config, self.is_encoder)
+            params = SamplingParams(temperature=0, max_tokens=1)   # the scheduler's bookkeeping: no token is drawn
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.processor.parents:
@@ -291,7 +258,12 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} is more samples than the engine runs at once "
                                       f"(max_num_seqs={self.config.max_num_seqs})", "n")
-        max_tokens = self._check_fits(len(token_ids), params)
+        if pooling is None:
+            max_tokens = self._check_fits(len(token_ids), params)
+        else:
+            check_pooling_fits(len(token_ids), self.max_model_len, self.num_kv_pool_tokens,
+                               self.max_num_batched_tokens, self.is_encoder)
+            max_tokens = 1
         if isinstance(priority, bool) or not isinstance(priority, int) or not -2**63 <= priority < 2**63:
             raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}", "priority")
         if priority != 0 and self.config.scheduling_policy != "priority":
@@ -308,6 +280,7 @@ class LLMEngine:
                                     max_tokens, cache_salt, lora_request, device=self.device))
             if grammar is not None:
                 children[-1].structured_output = self.structured_output.new_request(grammar)
+            children[-1].pooling = pooling
         self.processor.add(ParentState(request_id, text, token_ids, params), children)
         if lora_request is not None:   # unpinned as each sample leaves the scheduler (_on_request_finished)
             for _ in children:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from kvserve.core.request import Request, RequestStatus
 from kvserve.engine.detokenizer import IncrementalDetokenizer, detokenize_logprobs
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.pooling import pooling_output
+from kvserve.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -93,15 +94,20 @@ class OutputProcessor:
                 outputs.append(out)
         return outputs, stopped, failed
 
-    def make_output(self, parent: ParentState, force: bool = False) -> RequestOutput | None:
+    def make_output(self, parent: ParentState, force: bool = False) -> RequestOutput | PoolingRequestOutput | None:
         finished = parent.finished
+        first = parent.children[0]
+        if first.req.pooling is not None:   # one vector, once, when it is done (or aborted: no vector)
+            if not finished and not force:
+                return None
+            self._drop(parent)
+            return pooling_output(parent.request_id, parent.prompt, first.req, finished, _metrics(first.req))
         kind = parent.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished and not force:
             return None
         delta = kind == RequestOutputKind.DELTA
         # a delta carries only the samples that changed: new tokens, or the step that finished them
         outs = [self._completion(i, c, delta) for i, c in enumerate(parent.children) if not delta or _changed(c)]
-        first = parent.children[0]
         prompt_logprobs = self._prompt_logprobs(first)
         if finished:
             self._drop(parent)

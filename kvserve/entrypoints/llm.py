@@ -12,7 +12,9 @@ from kvserve.engine.prompts import PromptType
 from kvserve.entrypoints.chat_utils import Conversation, apply_chat_template
 from kvserve.errors import InvalidRequestError
 from kvserve.lora import LoRARequest
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import (PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput,
+                             completions)
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -60,6 +62,39 @@ class LLM:
         return apply_chat_template(self.get_tokenizer(), conversation, chat_template, add_generation_prompt,
                                    continue_final_message, chat_template_kwargs, tools)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[PoolingRequestOutput]:
+        """One vector per prompt (`outputs.embedding`), in prompt order: an embedding model's (BERT: its
+        sentence-transformers pooling), or a decoder's last hidden state (pooling_params chooses)."""
+        prompts = _as_list(prompts)
+        loras = _per_prompt(lora_request, len(prompts))
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, prompt in enumerate(prompts):
+                ids.append(engine.add_request(None, prompt, lora_request=loras[i],
+                                              pooling_params=pooling_params or PoolingParams()))
+        except InvalidRequestError as e:
+            engine.abort_request(ids)
+            raise type(e)(f"prompt {len(ids)}: {e.message}", e.param) from e
+        return self._run(ids, use_tqdm)
+
+    def score(self, text_1: PromptType | Sequence[PromptType], text_2: PromptType | Sequence[PromptType],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """The cosine similarity of each pair's embeddings: text_1 against every text_2, or pair by pair when both
+        are lists of one length."""
+        first, second = _as_list(text_1), _as_list(text_2)
+        if len(first) != 1 and len(first) != len(second):
+            raise InvalidRequestError(f"text_1 has {len(first)} entries and text_2 {len(second)}: give one text_1, or "
+                                      "as many as text_2", "text_1")
+        vectors = self.embed(first + second, PoolingParams(normalize=True), use_tqdm=use_tqdm)
+        left, right = vectors[:len(first)], vectors[len(first):]
+        left = left * len(right) if len(left) == 1 else left
+        return [ScoringRequestOutput(f"{a.request_id}-{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
+                                     ScoringOutput(_dot(a.outputs.embedding, b.outputs.embedding)))
+                for a, b in zip(left, right)]
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (refused while requests are running)."""
         return self.llm_engine.reset_prefix_cache()
@@ -106,7 +141,7 @@ class LLM:
                     done[out.request_id] = out
                     if bar is not None:
                         num_in += len(out.prompt_token_ids)
-                        num_out += sum(len(o.token_ids) for o in out.outputs)
+                        num_out += sum(len(o.token_ids) for o in completions(out))
                         elapsed = time.perf_counter() - start
                         bar.set_postfix_str(f"input: {num_in / elapsed:.0f} tok/s, "
                                             f"output: {num_out / elapsed:.0f} tok/s")
@@ -129,6 +164,10 @@ class LLM:
         if isinstance(error, InvalidRequestError):
             raise type(error)(f"prompt {i}: {error.message}", error.param) from error
         raise type(error)(f"prompt {i}: {error}") from error
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b))
 
 
 def _per_prompt(lora_request, n: int) -> list:

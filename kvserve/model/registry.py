@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from kvserve.errors import ModelLoadError
+from kvserve.model.bert import BertModel
 from kvserve.model.gemma2 import Gemma2ForCausalLM
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
@@ -25,6 +26,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,   # with a shared expert
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    # encoders, for pooling (embeddings)
+    "BertModel": BertModel,
 }
 
 

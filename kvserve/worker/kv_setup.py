@@ -140,6 +140,8 @@ class KVCacheSetup:
         per_block = sum(kv_cache_bytes_per_block(m, config.block_size, dtype,
                                                  self.kv_groups if m is self.model else None) for m in self.models)
         budget = config.kv_cache_memory
+        if per_block == 0:   # an encoder keeps no KV: its blocks are the scheduler's bookkeeping only
+            per_block, budget = 1, 1 << 62
         if budget is None and self.device.type == "cuda":
             budget = self._profile_cuda_budget(config, dtype, min(max_num_batched_tokens, max_model_len))
         if budget is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from kvserve.structured_output import build_grammar_bitmask
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.kv_setup import KVCacheSetup
 from kvserve.worker.kv_tier import kv_pools
+from kvserve.worker.pooling import pool_step
 
 
 @dataclass
@@ -41,6 +42,7 @@ class StepInputs:
     sample_rows: np.ndarray           # flattened rows that sample: per request its last token's, or with
                                       # drafts the k + 1 rows of its last token and its drafts
     prompt_lp: list[tuple[Request, int, int, int]]   # (req, first position, its row, count) for prompt logprobs
+    pool: list[tuple[Request, int, int, int]] = field(default_factory=list)   # pooling: pool_step's spans
 
 
 logger = logging.getLogger("kvserve")
@@ -124,7 +126,7 @@ class ModelRunner(KVCacheSetup):
     # ----- steps -----
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         query_lens, seq_lens, tables, ids, pos = [], [], [], [], []
-        sample_reqs, sample_rows, prompt_lp = [], [], []
+        sample_reqs, sample_rows, prompt_lp, pool = [], [], [], []
         row = 0
         for req, n in sched.scheduled:
             start = req.num_computed_tokens
@@ -136,7 +138,9 @@ class ModelRunner(KVCacheSetup):
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(self.kv.get_group_block_ids(req.request_id))
-            if start + n == req.num_tokens + num_drafts:
+            if req.pooling is not None:
+                pool.append((req, row, n, start))
+            elif start + n == req.num_tokens + num_drafts:
                 sample_reqs.append(req)
                 sample_rows.extend(range(row + n - 1 - num_drafts, row + n))
             if req.params.prompt_logprobs is not None:
@@ -151,7 +155,7 @@ class ModelRunner(KVCacheSetup):
         lora_rows, lora_slots = self._lora_step(sched) if self.lora is not None else ((), [])
         message = StepMessage.build(ids, np.concatenate(pos), query_lens, seq_lens, tables, sched.block_copies,
                                     calls, lora_rows, lora_slots)
-        return StepInputs(message, sample_reqs, np.asarray(sample_rows, np.int64), prompt_lp)
+        return StepInputs(message, sample_reqs, np.asarray(sample_rows, np.int64), prompt_lp, pool)
 
     def _lora_step(self, sched: SchedulerOutput) -> tuple[np.ndarray, list]:
         """Put the step's adapters into slots: (each row's slot, -1 for the base model; the slots' adapters, which
@@ -238,9 +242,10 @@ class ModelRunner(KVCacheSetup):
         logits = self.iter_logits(hidden, inp.message)
         if inp.prompt_lp:
             self._prompt_logprobs(logits, inp)
+        pooled = pool_step(hidden, inp.pool) if inp.pool else {}
         if not inp.sample_reqs:
-            return {}
-        return self._sample(next(logits), inp.sample_reqs)
+            return pooled
+        return {**self._sample(next(logits), inp.sample_reqs), **pooled}
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, list[int]]:
         """Sample every row, then keep per request its drafts up to the first one the target disagrees with.

@@ -20,6 +20,8 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.entrypoints.chat_utils import render_chat
 from kvserve.entrypoints.openai.errors import APIError, BadRequestError, ConflictError, InternalServerError, \
     NotFoundError, error_response, to_api_error
+from kvserve.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding, RerankRequest,
+                                                          ScoreRequest)
 from kvserve.entrypoints.openai.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
     DetokenizeResponse, LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, \
@@ -94,10 +96,12 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.state.engine = engine
     _add_error_handlers(app)
     _add_openai_routes(app, engine, settings)
+    _add_pooling_routes(app, engine, settings)
     _add_server_routes(app, engine, settings)
     _add_lora_routes(app, engine, settings)
     _add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-                            LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest))
+                            LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, EmbeddingRequest, ScoreRequest,
+                            RerankRequest))
     # each add_middleware wraps the ones before it: the access log sees every answer, the key is checked before a
     # body is read, and the size limit before the body is parsed
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes
@@ -136,6 +140,25 @@ def _add_body_schemas(app: FastAPI, models) -> None:
                 schemas[model_cls.__name__] = schema
         return app.openapi_schema
     app.openapi = openapi
+
+
+def _add_pooling_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSettings) -> None:
+    """/v1/embeddings and vLLM's /pooling, /score, /rerank (serving_embedding.py)."""
+    serving = OpenAIServingEmbedding(engine, settings.served_model_names)
+
+    def route(path: str, request_type, create):
+        @app.post(path, openapi_extra=_json_body(request_type))
+        @api_route
+        async def handler(raw_request: Request):
+            req = await parse_body(raw_request, request_type)
+            return await _until_disconnect(raw_request, create(req, raw_request))
+
+    route("/v1/embeddings", EmbeddingRequest, serving.create_embedding)
+    route("/pooling", EmbeddingRequest, lambda req, raw: serving.create_embedding(req, raw, kind="pooling"))
+    for path in ("/score", "/v1/score"):
+        route(path, ScoreRequest, serving.create_score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        route(path, RerankRequest, serving.create_rerank)
 
 
 def _add_openai_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSettings) -> None:
@@ -310,9 +333,12 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings, host: str, port
                 f"weights: {llm.weights_summary}\n"
                 + (f"LoRA: {llm.lora_description()}; adapters: {', '.join(sorted(llm.lora.registry)) or 'none yet'}\n"
                    if llm.lora is not None else "") +
-                f"try: curl http://{bound_host}:{bound_port}/v1/chat/completions -H 'Content-Type: application/json'"
-                f"{key} -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
-                f"\"content\": \"Name three planets.\"}}], \"max_tokens\": 32}}'")
+                (f"try: curl http://{bound_host}:{bound_port}/v1/embeddings -H 'Content-Type: application/json'"
+                   f"{key} -d '{{\"model\": \"{name}\", \"input\": [\"Name three planets.\"]}}'"
+                   if llm.is_encoder or llm.config.runner == "pooling" else
+                   f"try: curl http://{bound_host}:{bound_port}/v1/chat/completions -H 'Content-Type: application/json'"
+                   f"{key} -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
+                   f"\"content\": \"Name three planets.\"}}], \"max_tokens\": 32}}'"))
 
     server = _Server(config, engine, ready_line, shutdown_timeout_s)
 

@@ -8,7 +8,8 @@ from tqdm.auto import tqdm
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.prompts import PromptType
+from kvserve.engine.prompts import PromptType, process_prompt
+from kvserve.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchRound
 from kvserve.entrypoints.chat_utils import Conversation, apply_chat_template
 from kvserve.errors import InvalidRequestError
 from kvserve.lora import LoRARequest
@@ -94,6 +95,28 @@ class LLM:
         return [ScoringRequestOutput(f"{a.request_id}-{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
                                      ScoringOutput(_dot(a.outputs.embedding, b.outputs.embedding)))
                 for a, b in zip(left, right)]
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """The best params.beam_width sequences of each prompt by beam search (vLLM's LLM.beam_search), each with
+        its tokens (the prompt's first), text and cumulative logprob, best first. The beams share their blocks
+        through the prefix cache (without it every beam computes its whole sequence each step)."""
+        engine = self.llm_engine
+        token_ids = [process_prompt(p, engine.tokenizer, engine.vocab_size)[1] for p in _as_list(prompts)]
+        longest = max((len(t) for t in token_ids), default=0)
+        if longest + params.max_tokens > engine.max_model_len:
+            raise InvalidRequestError(f"a prompt of {longest} tokens and max_tokens={params.max_tokens} exceed "
+                                      f"max_model_len {engine.max_model_len}", "max_tokens")
+        search = BeamSearchRound(token_ids, params, engine.eos_token_ids)
+        while beams := search.beams():
+            prompts_now = [{"prompt_token_ids": b} for b in beams]
+            search.advance(self.generate(prompts_now, search.step_params, use_tqdm=use_tqdm))
+        out = []
+        for prompt, seqs in zip(token_ids, search.best()):
+            for seq in seqs:
+                seq.text = engine.tokenizer.decode(seq.tokens[len(prompt):], skip_special_tokens=True)
+            out.append(BeamSearchOutput(seqs))
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (refused while requests are running)."""

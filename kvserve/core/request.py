@@ -82,6 +82,10 @@ class Request:
         # a pooling request (LLM.embed): its PoolingState (kvserve/worker/pooling.py); it emits no token and finishes
         # when its prompt is computed
         self.pooling = None
+        # beam search (kvserve/engine/beam_group.py): the BeamGroup this beam belongs to; held from its sample until
+        # the group has chosen the next beams (the scheduler skips it)
+        self.beam = None
+        self.held = False
         self.num_cached_tokens = -1          # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -188,6 +188,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.held:   # a beam waiting for its group's choice
+                i += 1
+                continue
             num_new = self._num_new_tokens(req, budget)
             while self.kv.allocate_slots(req, num_new) is None:
                 if req.spec_token_ids:   # drafts are worth no preemption: drop them first, then everyone's
@@ -245,6 +248,9 @@ class Scheduler:
             req = self.waiting[0]
             error = self._why_it_can_never_run(req)
             ready, block = True, False
+            if req.held:   # a preempted beam waiting for its group's choice
+                held.append(self.waiting.popleft())
+                continue
             try:   # asked once: the compilation or load may end (or fail) at any moment
                 if error is None and req.structured_output is not None:
                     ready = req.structured_output.is_ready()
@@ -275,6 +281,8 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 freed = self._preempt_lower(req, out)
+                if freed is None:
+                    freed = self._preempt_held(out)
                 if freed is None:
                     break
                 budget += freed
@@ -351,6 +359,12 @@ class Scheduler:
             return None
         return self._preempt(victim, out)
 
+    def _preempt_held(self, out: SchedulerOutput) -> int | None:
+        """Preempt the latest running beam that waits for its group's choice (it computes nothing until then): the
+        room it holds may be what the group's other beams need to sample."""
+        held = [r for r in self.running if r.held]
+        return self._preempt(held[-1], out) if held else None
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
         """Preempt: free the blocks (cached ones stay findable: in the pool until handed out again, then in the host
         tier under preemption_mode swap), forget computed tokens, requeue at the front.
@@ -424,6 +438,7 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
+            req.held = req.beam is not None and not req.is_finished
             if req.is_finished:
                 self._finish(req)
             updates.append((req, new_tokens))

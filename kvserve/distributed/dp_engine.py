@@ -99,13 +99,15 @@ class DataParallelEngine:
     # ----- requests -----
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           arrival_time: float | None = None, priority: int = 0,
-                          cache_salt: str | None = None, lora_request=None, pooling_params=None) -> RequestStream:
+                          cache_salt: str | None = None, lora_request=None, pooling_params=None,
+                          beam_search=None) -> RequestStream:
         """Route and queue a request on a replica; raises as AsyncLLMEngine.add_request does."""
         self._check_can_accept()
         if lora_request is not None:
             raise LoRAError("LoRA adapters are not served by data-parallel replicas yet")
-        if pooling_params is not None:
-            raise InvalidRequestError("embeddings are not served by data-parallel replicas yet", "model")
+        if pooling_params is not None or beam_search is not None:
+            raise InvalidRequestError("embeddings and beam search are not served by data-parallel replicas yet",
+                                      "model")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if params.output_kind != RequestOutputKind.DELTA:

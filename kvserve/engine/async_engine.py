@@ -142,7 +142,8 @@ class AsyncLLMEngine:
     # ----- requests (event-loop thread) -----
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None,
                           arrival_time: float | None = None, priority: int = 0,
-                          cache_salt: str | None = None, lora_request=None, pooling_params=None) -> RequestStream:
+                          cache_salt: str | None = None, lora_request=None, pooling_params=None,
+                          beam_search=None) -> RequestStream:
         """Queue a request (a pooling one with pooling_params and no params); raises InvalidRequestError (bad
         request) or EngineOverloadedError (queue full)."""
         self._check_can_accept()
@@ -169,7 +170,7 @@ class AsyncLLMEngine:
                 raise
         stream.add_future = self._loop.create_future()
         add = functools.partial(self._add_on_engine, request_id, prompt, params, arrival_time, priority, cache_salt,
-                                lora_request, pooling_params)
+                                lora_request, pooling_params, beam_search)
         self._submit(functools.partial(self._run_command, add, stream.add_future))
         try:
             await stream.add_future
@@ -318,9 +319,9 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(_set_result, fut, result)
 
     def _add_on_engine(self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float,
-                       priority: int, cache_salt: str | None, lora_request, pooling_params) -> None:
+                       priority: int, cache_salt: str | None, lora_request, pooling_params, beam_search) -> None:
         self.engine.add_request(request_id, prompt, params, arrival_time, priority, cache_salt, lora_request,
-                                pooling_params)
+                                pooling_params, beam_search)
         self._engine_ids.add(request_id)
 
     def _abort_on_engine(self, request_ids: list[str]) -> None:

@@ -17,7 +17,9 @@ from kvserve.config import EngineConfig
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor, ParentState
+from kvserve.engine.beam_group import BeamGroup, advance_beam_groups, beam_request_params
 from kvserve.engine.describe import log_loaded
+from kvserve.entrypoints.beam_search import BeamSearchParams
 from kvserve.engine.pooling import check_pooling_fits, pooling_state, refuse_generation
 from kvserve.engine.prompts import PromptType, process_prompt
 from kvserve.distributed import start_tensor_parallel
@@ -237,10 +239,14 @@ class LLMEngine:
     # ----- requests -----
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None) -> str:
+                    lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None,
+                    beam_search: BeamSearchParams | None = None) -> str:
         """Validate and queue a request; raises InvalidRequestError and queues nothing if it is bad. lora_request:
         the adapter it runs with (a new one is loaded now; LoRAError if it is bad). pooling_params: a pooling
-        request (LLM.embed), which computes its prompt and returns one vector instead of generating."""
+        request (LLM.embed), which computes its prompt and returns one vector instead of generating. beam_search:
+        a beam search (beam_group.py), whose one output holds the best beam_width sequences."""
+        if beam_search is not None:
+            params = beam_request_params(beam_search, self.spec_config is not None)
         if pooling_params is None and (self.is_encoder or self.config.runner == "pooling"):
             raise refuse_generation(self.model_config.architecture, self.is_encoder)
         pooling = None
@@ -281,7 +287,11 @@ class LLMEngine:
             if grammar is not None:
                 children[-1].structured_output = self.structured_output.new_request(grammar)
             children[-1].pooling = pooling
-        self.processor.add(ParentState(request_id, text, token_ids, params), children)
+        group = None
+        if beam_search is not None:
+            group = children[0].beam = BeamGroup(request_id, children[0], beam_search, self.eos_token_ids,
+                                                 self.block_size)
+        self.processor.add(ParentState(request_id, text, token_ids, params, beam=group), children)
         if lora_request is not None:   # unpinned as each sample leaves the scheduler (_on_request_finished)
             for _ in children:
                 self.lora.pin(lora_request.lora_int_id)
@@ -383,6 +393,7 @@ class LLMEngine:
         try:
             sampled = self.runner.execute_model(sched)
             updates = self.scheduler.update_from_output(sched, sampled)
+            advance_beam_groups(self, updates)
             outputs, stopped, failed = self.processor.process(updates)
         except EngineDeadError:
             raise   # a tensor-parallel rank died: no step can run again
@@ -421,8 +432,8 @@ class LLMEngine:
         adaptive = self.spec_config.adaptive_draft_length
         reqs, max_drafts = [], []
         for req in running:
-            if req.num_computed_tokens != req.num_tokens - 1:
-                continue   # still in its prompt
+            if req.num_computed_tokens != req.num_tokens - 1 or req.beam is not None:
+                continue   # still in its prompt, or a beam (its next token is its group's choice)
             if adaptive:   # the scheduler shortens it after a rejection and lengthens it after a whole acceptance
                 req.draft_len = k if req.draft_len is None else min(req.draft_len, k)
             reqs.append(req)

@@ -32,9 +32,12 @@ class ParentState:
     prompt_token_ids: list[int]
     params: SamplingParams
     children: list[ChildState] = field(default_factory=list)
+    beam: object = None   # a beam search's BeamGroup (kvserve/engine/beam_group.py)
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(c.req.is_finished for c in self.children)
 
 
@@ -53,6 +56,12 @@ class OutputProcessor:
             self.child_to_parent[req.request_id] = parent
         self.parents[parent.request_id] = parent
 
+    def add_child(self, parent: ParentState, req: Request) -> None:
+        """A child that joins a running parent (a beam search's fork)."""
+        parent.children.append(ChildState(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                                      req.params)))
+        self.child_to_parent[req.request_id] = parent
+
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
         return [c.req.request_id for c in parent.children] if parent else []
@@ -67,6 +76,9 @@ class OutputProcessor:
         for req, new_tokens in updates:
             parent = self.child_to_parent[req.request_id]
             if parent.request_id in failed:
+                continue
+            if parent.beam is not None:   # its BeamGroup builds the output, once
+                touched[parent.request_id] = parent
                 continue
             try:
                 child = next(c for c in parent.children if c.req is req)
@@ -97,6 +109,12 @@ class OutputProcessor:
     def make_output(self, parent: ParentState, force: bool = False) -> RequestOutput | PoolingRequestOutput | None:
         finished = parent.finished
         first = parent.children[0]
+        if parent.beam is not None:
+            if not parent.beam.done and not force:
+                return None
+            self._drop(parent)
+            return parent.beam.output(parent.prompt, self.tokenizer, _metrics(first.req),
+                                      aborted=not parent.beam.done)
         if first.req.pooling is not None:   # one vector, once, when it is done (or aborted: no vector)
             if not finished and not force:
                 return None

@@ -8,8 +8,8 @@ from tqdm.auto import tqdm
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.prompts import PromptType, process_prompt
-from kvserve.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchRound
+from kvserve.engine.prompts import PromptType
+from kvserve.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from kvserve.entrypoints.chat_utils import Conversation, apply_chat_template
 from kvserve.errors import InvalidRequestError
 from kvserve.lora import LoRARequest
@@ -100,23 +100,19 @@ class LLM:
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """The best params.beam_width sequences of each prompt by beam search (vLLM's LLM.beam_search), each with
         its tokens (the prompt's first), text and cumulative logprob, best first. The beams share their blocks
-        through the prefix cache (without it every beam computes its whole sequence each step)."""
+        (copy-on-write); prompts are searched side by side."""
+        prompts = _as_list(prompts)
         engine = self.llm_engine
-        token_ids = [process_prompt(p, engine.tokenizer, engine.vocab_size)[1] for p in _as_list(prompts)]
-        longest = max((len(t) for t in token_ids), default=0)
-        if longest + params.max_tokens > engine.max_model_len:
-            raise InvalidRequestError(f"a prompt of {longest} tokens and max_tokens={params.max_tokens} exceed "
-                                      f"max_model_len {engine.max_model_len}", "max_tokens")
-        search = BeamSearchRound(token_ids, params, engine.eos_token_ids)
-        while beams := search.beams():
-            prompts_now = [{"prompt_token_ids": b} for b in beams]
-            search.advance(self.generate(prompts_now, search.step_params, use_tqdm=use_tqdm))
-        out = []
-        for prompt, seqs in zip(token_ids, search.best()):
-            for seq in seqs:
-                seq.text = engine.tokenizer.decode(seq.tokens[len(prompt):], skip_special_tokens=True)
-            out.append(BeamSearchOutput(seqs))
-        return out
+        ids = []
+        try:
+            for prompt in prompts:
+                ids.append(engine.add_request(None, prompt, beam_search=params))
+        except InvalidRequestError as e:
+            engine.abort_request(ids)
+            raise type(e)(f"prompt {len(ids)}: {e.message}" if len(prompts) > 1 else e.message, e.param) from e
+        return [BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + o.token_ids, o.cumulative_logprob, o.text,
+                                                     finished=True) for o in out.outputs])
+                for out in self._run(ids, use_tqdm)]
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (refused while requests are running)."""

@@ -73,6 +73,8 @@ class SamplingFields(OpenAIBaseModel):
     priority: int = 0
     request_id: str | None = None
     cache_salt: str | None = None
+    use_beam_search: bool = False       # n beams of beam search as the n choices (not streamed)
+    length_penalty: float = 1.0         # beam search: finished beams ranked by logprob / length ** length_penalty
     # constrained decoding (docs/structured_outputs.md): at most one source per request
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None

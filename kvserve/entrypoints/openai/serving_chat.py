@@ -15,6 +15,7 @@ from kvserve.entrypoints.openai.protocol import AssistantMessage, ChatChoice, Ch
     TopLogprob
 from kvserve.entrypoints.openai.serving_common import SSE_DONE, ChoiceState, OpenAIServing, PromptInput, sse, \
     sse_error, top_logprobs, usage
+from kvserve.entrypoints.openai.serving_beam import beam_choices, beam_search, check_beam_search
 from kvserve.entrypoints.openai.structured import request_constraint
 from kvserve.entrypoints.openai.tools import ToolCallStream, ToolChoice, assemble, resolve_tool_choice
 from kvserve.errors import InvalidRequestError
@@ -43,6 +44,14 @@ class OpenAIServingChat(OpenAIServing):
         check_tool_messages(req.messages)
         prompt = self.render(req, tool_choice)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.use_beam_search:
+            check_beam_search(req, constraint is not None)
+            choices, usage_info = beam_choices([prompt], await beam_search(self, request_id, [prompt], req,
+                                                                                 requested))
+            return JSONResponse(ChatCompletionResponse(
+                id=request_id, model=model, usage=usage_info,
+                choices=[ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=reason)
+                         for i, text, reason in choices]).model_dump())
         try:
             params = self.sampling_params(req, requested, k, structured_outputs=constraint)
             streams = await self.add_prompts(request_id, [prompt], [params], req, source)

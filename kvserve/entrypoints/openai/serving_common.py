@@ -112,7 +112,7 @@ class OpenAIServing:
 
     async def add_prompts(self, request_id: str, prompts: list[PromptInput], params: list[SamplingParams | None],
                           req: SamplingFields, constraint_source: str | None = None,
-                          pooling_params=None) -> list[RequestStream]:
+                          pooling_params=None, beam_search=None) -> list[RequestStream]:
         """Queue every prompt at once (engine ids '<id>-<i>' when there are several), or none of them. The engine
         names its grammar errors structured_outputs; `constraint_source` is the field the constraint came from.
         pooling_params: pooling requests (embeddings), with params None."""
@@ -122,7 +122,7 @@ class OpenAIServing:
             self.check_model(req.model)   # an adapter unloaded since the request was checked: 404, not the base
         results = await asyncio.gather(
             *(self.engine.add_request(rid, prompt.engine_prompt(), p, priority=req.priority, cache_salt=req.cache_salt,
-                                      lora_request=lora, pooling_params=pooling_params)
+                                      lora_request=lora, pooling_params=pooling_params, beam_search=beam_search)
               for rid, prompt, p in zip(ids, prompts, params)), return_exceptions=True)
         errors = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if not errors:

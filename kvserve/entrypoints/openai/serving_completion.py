@@ -12,6 +12,7 @@ from kvserve.entrypoints.openai.protocol import CompletionChoice, CompletionLogP
     CompletionResponse
 from kvserve.entrypoints.openai.serving_common import SSE_DONE, ChoiceState, OpenAIServing, PromptInput, sse, \
     sse_error, top_logprobs, usage
+from kvserve.entrypoints.openai.serving_beam import beam_choices, beam_search, check_beam_search
 from kvserve.entrypoints.openai.structured import request_constraint
 from kvserve.outputs import Logprob, RequestOutput
 
@@ -26,6 +27,14 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self.request_id(raw_request, "cmpl", req.request_id)
         prompts = self._prompts(req)
         constraint, source = request_constraint(req)
+        if req.use_beam_search:
+            check_beam_search(req, constraint is not None)
+            choices, usage_info = beam_choices(prompts, await beam_search(self, request_id, prompts, req,
+                                                                                req.max_tokens))
+            return JSONResponse(CompletionResponse(
+                id=request_id, model=model, usage=usage_info,
+                choices=[CompletionChoice(index=i, text=text, finish_reason=reason) for i, text, reason in choices]
+            ).model_dump())
         params = [self.sampling_params(req, req.max_tokens, req.logprobs,
                                        req.logprobs if req.echo and req.logprobs is not None else None,
                                        constraint)] * len(prompts)

@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "python3 (>= 3.11) is required"; exit 1; }
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { apt-get update -qq && apt-get install -y -qq python3-venv; }
 	@command -v c++ >/dev/null || { apt-get update -qq && apt-get install -y -qq g++; }
+	@# Debian's Chromium: the dashboard's browser test drives it (playwright, no browser download); without it that
+	@# test is skipped, saying so
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; } || \
+		echo "chromium could not be installed: tests/test_dashboard.py's browser test will be skipped"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -89,6 +93,10 @@ peers: setup
 peers-llamacpp:
 	@command -v cmake >/dev/null || { apt-get update -qq && apt-get install -y -qq cmake; }
 	@command -v c++ >/dev/null || { apt-get update -qq && apt-get install -y -qq g++; }
+	@# Debian's Chromium: the dashboard's browser test drives it (playwright, no browser download); without it that
+	@# test is skipped, saying so
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; } || \
+		echo "chromium could not be installed: tests/test_dashboard.py's browser test will be skipped"
 	bash benchmarks/peers/install-llamacpp.sh
 
 clean:

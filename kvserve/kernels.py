@@ -433,7 +433,7 @@ _MADV_HUGEPAGE = 14
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of nbytes, 2 MiB aligned, advised to the kernel as transparent huge pages before it is
     touched (Linux; elsewhere, or when refused, plain pages): weights streamed every step read faster from huge
-    pages (docs/benchmarks.md)."""
+    pages (benchmarks/LOG.md)."""
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
     buf = raw[start:start + nbytes]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,12 +44,39 @@ class IntervalCounts:
     kv_transfer_seconds: float = 0.0
 
 
+class RecentWindow:
+    """The last few minutes of time to first token, inter-token latency and generated tokens (the dashboard's
+    charts; Prometheus keeps the whole history in its histograms)."""
+
+    KEEP_S = 300.0
+
+    def __init__(self):
+        self.ttft: deque[tuple[float, float]] = deque(maxlen=100_000)
+        self.itl: deque[tuple[float, float]] = deque(maxlen=100_000)
+        self.tokens: deque[tuple[float, int]] = deque(maxlen=100_000)
+
+    def summary(self, now: float, window_s: float = 60.0, rate_window_s: float = 10.0) -> dict:
+        """p50/p90 of TTFT and ITL (ms) over the last window_s seconds, tokens/s over the last rate_window_s."""
+        for series in (self.ttft, self.itl, self.tokens):
+            while series and series[0][0] < now - self.KEEP_S:
+                series.popleft()
+        out = {}
+        for name, series in (("ttft", self.ttft), ("itl", self.itl)):
+            values = sorted(v for t, v in series if t >= now - window_s)
+            for q in (50, 90):
+                out[f"{name}_p{q}_ms"] = round(values[min(len(values) - 1, len(values) * q // 100)] * 1000, 2) \
+                    if values else None
+        out["tokens_per_s"] = round(sum(n for t, n in self.tokens if t >= now - rate_window_s) / rate_window_s, 1)
+        return out
+
+
 class EngineMetrics:
     """The vllm:* metrics of one served model, in their own registry."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
         prometheus_client.disable_created_metrics()   # vLLM exposes no *_created series
         self.registry = registry or CollectorRegistry()
+        self.recent = RecentWindow()
         self.model_name = model_name
         self.num_running = self._gauge("vllm:num_requests_running", "Requests in the running batch")
         self.num_waiting = self._gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
@@ -181,12 +209,15 @@ class EngineMetrics:
             arrival = out.metrics.get("arrival_time")
             if arrival is not None:
                 self.ttft.observe(max(now - arrival, 0.0))
+                self.recent.ttft.append((now, max(now - arrival, 0.0)))
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             self.prompt_tokens_cached.inc(out.num_cached_tokens)
             self.interval.prompt_tokens += len(out.prompt_token_ids)
         else:
             self.itl.observe(max(now - last, 0.0))
+            self.recent.itl.append((now, max(now - last, 0.0)))
         self._last_token_time[out.request_id] = now
+        self.recent.tokens.append((now, num_new))
         self.generation_tokens.inc(num_new)
         self.interval.generation_tokens += num_new
 

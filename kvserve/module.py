@@ -8,7 +8,7 @@ class InferenceModule(nn.Module):
     """An nn.Module whose call is its forward, without nn.Module.__call__'s hook machinery.
 
     A single-stream decode step makes ~330 module calls, so that machinery is a visible share of it
-    (docs/benchmarks.md). kvserve registers no hooks on its models; hooks registered on these modules are
+    (benchmarks/LOG.md). kvserve registers no hooks on its models; hooks registered on these modules are
     ignored. Tested in tests/test_module.py."""
 
     def __init_subclass__(cls, **kwargs):

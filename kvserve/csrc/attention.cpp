@@ -577,7 +577,7 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
     const int64_t base0 = tile_offset(table, p, bs, Hkv, D, g0);
     const int64_t base1 = n > 16 ? tile_offset(table, p + 16, bs, Hkv, D, g0) : base0;
     // the tiles PF_CHUNKS ahead go to L2 one line per line the chunk reads: a burst of prefetches at the start of
-    // each chunk overflows the miss queues (docs/benchmarks.md)
+    // each chunk overflows the miss queues (benchmarks/LOG.md)
     const int64_t ahead = p + PF_CHUNKS * TCH;
     const bool prefetch = ahead < end;
     const int64_t pf0 = prefetch ? tile_offset(table, ahead, bs, Hkv, D, g0) : 0;

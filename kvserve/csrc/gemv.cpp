@@ -20,7 +20,7 @@ static_assert(GEMV_MAX_ROWS >= 1 && GEMV_MAX_ROWS <= 8, "kvserve_packed_matmul_b
 
 // outputs [16 nb, 16 nb + 16) of the M rows; K2 = K / 2 pairs. P partial sums per row keep at least ~6
 // independent vdpbf16ps chains in flight. No software prefetch: the hardware streamer does better on these
-// sequential reads (docs/benchmarks.md).
+// sequential reads (benchmarks/LOG.md).
 template <int M, int P>
 inline void gemv_block(const int32_t* const* xd, const int32_t* w, int64_t K2, __m512* out) {
   __m512 acc[M][P];
@@ -96,7 +96,7 @@ void gemm_tile(const uint16_t* x, int64_t xs, const int32_t* w, int64_t K2, uint
 constexpr int GEMM_MR = 6, GEMM_NB = 4;
 // Up to this many row tiles per group (48 rows) the next group's slice is prefetched: the first tile of a group
 // would otherwise wait on DRAM for most of its time. With more tiles that wait is amortized and the prefetches
-// cost more than they save (docs/benchmarks.md).
+// cost more than they save (benchmarks/LOG.md).
 constexpr int64_t GEMM_PREFETCH_TILES = 8;
 using GemmFn = void (*)(const uint16_t*, int64_t, const int32_t*, int64_t, uint16_t*, int64_t, int64_t, const char*,
                        int64_t);

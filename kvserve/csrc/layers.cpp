@@ -234,7 +234,7 @@ static int layers_rows(const StackArgs& a) {
 // kernel: each thread runs the whole stack on its own sequences, alone (the kernels' parallel loops inside run
 // on one thread). No barrier per kernel, and while one thread's attention waits on memory the other's matmuls
 // compute. The matmuls of ~12+ rows per thread stay compute-bound; below, each thread streaming all the weights
-// costs more than it saves (measured by batch size on 2 cores, docs/benchmarks.md).
+// costs more than it saves (measured by batch size on 2 cores, benchmarks/LOG.md).
 constexpr int64_t SPLIT_MIN_SEQS = 24;
 
 // Returns 0, or -1 - l where a linear of layer l refused its weights (layers_rows)

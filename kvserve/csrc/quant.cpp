@@ -751,7 +751,7 @@ KV_ALWAYS_INLINE void octet_rows(const __m256i* q, const OctetScales& sc, const 
 // across: a row's octets taken in runs, as quant_matmul.cpp's rows_in_runs, sum to the same bits as in one pass).
 // PREFETCH: the weights `ahead` bytes on are prefetched into L2 (rows_in_runs: the next unit's); a row in one pass
 // leaves its weights to the hardware's prefetchers (a prefetch 2 KiB ahead in the row, once needed for the long
-// rows that now go in runs, no longer pays: docs/benchmarks.md)
+// rows that now go in runs, no longer pays: benchmarks/LOG.md)
 template <int T, int R, bool PREFETCH = false>
 KV_ALWAYS_INLINE void octets_dot(const uint8_t* w, const QX* const* x, int64_t nsub, int64_t o0, int64_t o1,
                                  __m256* acc, int64_t ahead = 0) {

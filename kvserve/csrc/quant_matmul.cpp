@@ -194,7 +194,7 @@ template <int R> constexpr int64_t run_octets() {
 // (octets_dot). The runs' jumps between rows defeat the hardware's prefetchers: each run prefetches, into L2, the
 // same bytes QNB rows on, the next unit's, which the same thread takes next within its static share of the units
 // (from a unit's first row tile, which reads it from memory; a later tile's prefetch finds it cached). A prefetch
-// into L1, or 2 KiB ahead in the row, measured slower (docs/benchmarks.md).
+// into L1, or 2 KiB ahead in the row, measured slower (benchmarks/LOG.md).
 template <int T, int R>
 void rows_in_runs(const uint8_t* w, int64_t count, int64_t row_bytes, const QX* const* xr, int64_t nblocks,
                   float (*out)[QKR]) {
@@ -219,7 +219,7 @@ void rows_in_runs(const uint8_t* w, int64_t count, int64_t row_bytes, const QX* 
 // weight rows w, w + row_bytes, ... (count of them) over their first nblocks blocks against R rows of x, into out[i]:
 // rows in cache go two at a time (row_dot_pair, R split in two passes past 4) where the format and whole octets
 // allow. Rows read from memory go one at a time: a pair's two interleaved streams defeat the hardware prefetchers
-// (docs/benchmarks.md). The rows not taken in pairs go in runs of octets (rows_in_runs) where their rows of x
+// (benchmarks/LOG.md). The rows not taken in pairs go in runs of octets (rows_in_runs) where their rows of x
 // overflow L1.
 template <int T, int R, typename A>
 KV_ALWAYS_INLINE void rows_over(const uint8_t* w, int64_t count, int64_t row_bytes, const A* const* xr,

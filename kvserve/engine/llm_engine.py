@@ -161,7 +161,7 @@ class LLMEngine:
 
     # ----- set-up -----
     def _max_num_batched_tokens(self) -> int:
-        """The step token budget: 1024 on CPU, which measured best (docs/benchmarks.md); on CUDA bigger steps pay.
+        """The step token budget: 1024 on CPU, which measured best (benchmarks/LOG.md); on CUDA bigger steps pay.
         Without chunked prefill, a whole prompt must fit one step."""
         n = self.config.max_num_batched_tokens
         if n is None:

@@ -5,7 +5,7 @@ experts (its MoE block's descriptor, kvserve/model/moe.py).
 
 The call runs the kernels the per-layer modules call, in their order, on the same shapes, so its output is
 bit-identical to theirs; it saves their Python: ~10 calls per layer that each allocate a tensor and convert
-ctypes arguments (docs/benchmarks.md measures it). The layers reach C++ as typed structs (LayerDesc, LinearDesc,
+ctypes arguments (benchmarks/LOG.md measures it). The layers reach C++ as typed structs (LayerDesc, LinearDesc,
 StackArgs: named fields mirroring layers.cpp's, their layout checked against the library's by a test).
 It applies where every piece has its C++ kernel: packed bf16 or quantized weights (each linear's method, as the
 modules call it), the C++ attention backend on bf16 or FP8 pools; anywhere else the model runs its modules (and

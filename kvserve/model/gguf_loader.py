@@ -79,7 +79,7 @@ def open_gguf(path: str):
 def _plain_view_reader():
     """gguf's GGUFReader parsing through a plain ndarray view of its np.memmap: a memmap runs two Python methods
     for every slice it hands out (__getitem__, __array_finalize__), which made most of the parse time of a
-    49k-token vocabulary (docs/benchmarks.md). The memmap itself is kept as `mapping`."""
+    49k-token vocabulary (benchmarks/LOG.md). The memmap itself is kept as `mapping`."""
     from gguf import GGUFReader
 
     class PlainViewReader(GGUFReader):
@@ -99,7 +99,7 @@ def _plain_view_reader():
 def _metadata_reader():
     """The plain-view reader that steps over the vocabulary's arrays (_SKIP_KEYS) without parsing them: gguf's
     reader builds a numpy view and a Python list entry for every token and merge (most of a file's parse time,
-    docs/benchmarks.md), and none of them is read here (the tokenizer is converted from the file apart,
+    benchmarks/LOG.md), and none of them is read here (the tokenizer is converted from the file apart,
     tokenizer.py). Every other field is parsed by gguf's own code. A gguf release without the private methods
     this overrides gets the plain reader (open_gguf drops those fields either way)."""
     import struct

@@ -132,7 +132,7 @@ def auto_dtype(device: torch.device | str, checkpoint_dtype: torch.dtype | None 
                quantized: bool = False) -> tuple[torch.dtype, str]:
     """dtype="auto": the dtype, and why. CUDA: bf16 (fp16 for an fp16 checkpoint, or without bf16). CPU: bf16
     wherever the packed bf16 matmuls and the fused layer stack run (AVX-512 BF16, or AVX2 widening bf16 weights
-    to float32 in registers: half the bytes of float32 a step, and faster in batches too, docs/benchmarks.md);
+    to float32 in registers: half the bytes of float32 a step, and faster in batches too, benchmarks/LOG.md);
     for a quantized model (every linear GGUF or int8 blocks) also wherever the fused stack's bf16 ops are
     vectorized (AVX-512 without BF16); float32 elsewhere (torch's bf16 ops without these kernels are slower)."""
     if torch.device(device).type == "cuda":

@@ -49,7 +49,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for x [B, V] (first maximum; NaN counts as the maximum): the C++ kernel on float32 CPU
-    rows, several times faster than torch's over a decode batch's vocabulary (docs/benchmarks.md)."""
+    rows, several times faster than torch's over a decode batch's vocabulary (benchmarks/LOG.md)."""
     lib = kernels.load() if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 else None
     if lib is None:
         return x.argmax(dim=-1)

@@ -39,7 +39,7 @@ class SpeculativeConfig:
     suffix_max_cached_requests: int = 1000   # suffix: finished requests whose outputs the global tree keeps
     suffix_min_token_prob: float = 0.1   # suffix: a draft stops where its estimated probability falls below this
     # no drafts in a step with more running requests than this: a big batch is compute-bound, and verifying
-    # k + 1 tokens per request then costs about k + 1 decodes (docs/benchmarks.md measures the threshold)
+    # k + 1 tokens per request then costs about k + 1 decodes (benchmarks/LOG.md measures the threshold)
     disable_by_batch_size: int | None = 8
     # ngram and suffix: a draft is at most this many times as long as the context it matched (vLLM's
     # suffix_decoding_max_spec_factor); None: up to num_speculative_tokens whatever the match

@@ -11,17 +11,20 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.metrics import EngineMetrics
 from kvserve.entrypoints.chat_utils import render_chat
 from kvserve.entrypoints.openai.errors import APIError, BadRequestError, ConflictError, InternalServerError, \
     NotFoundError, error_response, to_api_error
 from kvserve.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding, RerankRequest,
                                                           ScoreRequest)
+from kvserve.entrypoints.openai.dashboard import page as dashboard_page
+from kvserve.entrypoints.openai.dashboard import snapshot
 from kvserve.entrypoints.openai.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
     DetokenizeResponse, LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, \
@@ -258,6 +261,19 @@ def _add_server_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSet
             raise ConflictError("the prefix cache was not reset: KV blocks are in use by running requests; "
                                 "retry when the server is idle", None, "engine_busy")
         return {"success": True}
+
+    @app.get("/dashboard")
+    async def dashboard():
+        return HTMLResponse(dashboard_page())
+
+    @app.get("/dashboard/state")
+    @api_route
+    async def dashboard_state():
+        metrics = getattr(engine, "metrics", None)
+        if not isinstance(metrics, EngineMetrics):
+            raise NotFoundError("the dashboard shows one engine: not data-parallel replicas yet", None, "not_found")
+        name = settings.served_model_names[0]
+        return JSONResponse(await engine.call_engine(lambda e: snapshot(e, metrics, name)))
 
 
 def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSettings) -> None:

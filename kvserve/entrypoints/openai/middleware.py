@@ -4,6 +4,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from urllib.parse import parse_qs
 
 from kvserve.entrypoints.openai.errors import AuthenticationError, BadRequestError, PayloadTooLargeError, \
     error_response
@@ -25,6 +26,9 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         auth = dict(scope["headers"]).get(b"authorization")
+        if auth is None and scope["path"].startswith("/dashboard"):   # a browser opens /dashboard?key=KEY
+            key = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key")
+            auth = f"Bearer {key[0]}".encode() if key else None
         if auth is None:
             err = AuthenticationError("missing API key: send the header 'Authorization: Bearer <key>'", None,
                                       "missing_api_key")

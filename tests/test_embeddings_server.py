@@ -58,3 +58,12 @@ def test_bad_embedding_requests_are_refused(server, body, param):
     with pytest.raises(openai.BadRequestError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0).embeddings.create(
             model=MODEL, input="x", dimensions=10**6)
+
+
+def test_langchain_openai_embeddings_work_against_the_server(server, client):
+    from langchain_openai import OpenAIEmbeddings
+    emb = OpenAIEmbeddings(model=MODEL, base_url=f"{server.url}/v1", api_key=API_KEY,
+                           check_embedding_ctx_length=False)   # no tiktoken: the server tokenizes
+    docs = emb.embed_documents(TEXTS)
+    np.testing.assert_allclose(docs, _embed(client, input=TEXTS, encoding_format="float"), atol=1e-6)
+    np.testing.assert_allclose(emb.embed_query(TEXTS[0]), docs[0], atol=1e-6)

@@ -84,6 +84,9 @@ class EngineConfig:
     # (generation, and embeddings too; an encoder such as BERT pools only). task="embed" is pooling
     runner: str = "auto"
     task: str | None = None
+    # per-request accounting (kvserve/engine/accounting.py): each output's metrics["accounting"], the server's
+    # usage.kvserve_accounting
+    enable_request_accounting: bool = False
     scheduling_policy: str = "fcfs"     # fcfs | priority
     priority_aging_s: float = 10.0      # priority policy: seconds of waiting worth one priority level; 0 = no aging
     chat_template: str | None = None    # path or inline Jinja; defaults to the checkpoint's

@@ -86,6 +86,7 @@ class Request:
         # the group has chosen the next beams (the scheduler skips it)
         self.beam = None
         self.held = False
+        self.accounting = None   # RequestAccounting with enable_request_accounting (kvserve/engine/accounting.py)
         self.num_cached_tokens = -1          # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

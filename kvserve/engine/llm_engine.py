@@ -17,6 +17,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor, ParentState
+from kvserve.engine.accounting import Accountant, RequestAccounting
 from kvserve.engine.beam_group import BeamGroup, advance_beam_groups, beam_request_params
 from kvserve.engine.describe import log_loaded
 from kvserve.entrypoints.beam_search import BeamSearchParams
@@ -102,6 +103,7 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
                                                          config.grammar_compile_timeout_s)
         self._ids = itertools.count()
+        self.accountant = Accountant() if config.enable_request_accounting else None
         self._failed: dict[str, KVServeError] = {}   # parent request id -> why it failed, until taken
         log_loaded(self, config, t0)
         # the loading thread's OpenMP workers: the server steps on another thread (a Ray replica's too), whose
@@ -287,6 +289,8 @@ class LLMEngine:
             if grammar is not None:
                 children[-1].structured_output = self.structured_output.new_request(grammar)
             children[-1].pooling = pooling
+            if self.accountant is not None:
+                children[-1].accounting = RequestAccounting()
         group = None
         if beam_search is not None:
             group = children[0].beam = BeamGroup(request_id, children[0], beam_search, self.eos_token_ids,
@@ -385,6 +389,8 @@ class LLMEngine:
         for req, error in sched.rejected:
             self._fail(req, error)
         if sched.is_empty:
+            if self.accountant is not None:
+                self.accountant.idle()
             self._wait_for_held_requests()
             return []
         # taken first: output processing drops a finished request's parent, even in a step that then fails
@@ -392,6 +398,8 @@ class LLMEngine:
                                         if (p := self.processor.child_to_parent.get(req.request_id)) is not None))
         try:
             sampled = self.runner.execute_model(sched)
+            if self.accountant is not None:
+                self.accountant.step(self.scheduler, self.kv, sched.scheduled)
             updates = self.scheduler.update_from_output(sched, sampled)
             advance_beam_groups(self, updates)
             outputs, stopped, failed = self.processor.process(updates)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvserve.core.request import Request, RequestStatus
 from kvserve.engine.detokenizer import IncrementalDetokenizer, detokenize_logprobs
+from kvserve.engine.accounting import accounting_metrics
 from kvserve.engine.pooling import pooling_output
 from kvserve.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
@@ -189,6 +190,9 @@ def _changed(c: ChildState) -> bool:
 
 
 def _metrics(req: Request) -> dict:
-    return {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time,
-            "first_token_time": req.first_token_time, "last_token_time": req.last_token_time,
-            "num_preemptions": req.num_preemptions}
+    metrics = {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time,
+               "first_token_time": req.first_token_time, "last_token_time": req.last_token_time,
+               "num_preemptions": req.num_preemptions}
+    if req.accounting is not None:
+        metrics["accounting"] = accounting_metrics(req)
+    return metrics

@@ -86,6 +86,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--runner", choices=["auto", "generate", "pooling"], default=None,
                    help="pooling: embeddings only (/v1/embeddings, /score, /rerank); auto (default): a decoder "
                         "generates and embeds, an encoder (BERT) embeds (docs/embeddings.md)")
+    g.add_argument("--enable-request-accounting", action="store_true", default=None,
+                   help="usage.kvserve_accounting in every answer: prompt tokens computed and cached, KV "
+                        "block-seconds, seconds queued, in prefill and in decode (docs/serving.md)")
     g.add_argument("--kv-transfer-config", default=None,
                    help='a KV connector as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": '
                         '"kv_producer"}\': prompts\' KV saved to a store other engines load from (disaggregated '
@@ -127,6 +130,7 @@ _ENGINE_FLAGS = ("tokenizer", "dtype", "device", "attention_backend", "enforce_e
                  "max_num_batched_tokens", "block_size", "kv_cache_memory", "kv_cache_dtype", "calculate_kv_scales",
                  "gpu_memory_utilization", "seed", "chat_template", "enable_prefix_caching", "enable_chunked_prefill",
                  "kv_offloading_size", "preemption_mode", "swap_space", "kv_transfer_config", "runner",
+                 "enable_request_accounting",
                  "scheduling_policy", "priority_aging_s", "num_threads", "speculative_config",
                  "grammar_compile_timeout_s", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
                  "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "ray_address")

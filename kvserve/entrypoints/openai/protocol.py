@@ -203,6 +203,12 @@ class UsageInfo(ResponseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class AccountedUsage(UsageInfo):
+    """usage with --enable-request-accounting: what the request cost (kvserve/engine/accounting.py)."""
+
+    kvserve_accounting: dict
+
+
 class CompletionLogProbs(ResponseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)

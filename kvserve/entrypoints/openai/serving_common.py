@@ -13,8 +13,8 @@ from pydantic import BaseModel, ValidationError
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvserve.entrypoints.openai.errors import (APIError, BadRequestError, NotFoundError, error_body,
                                                from_validation_error)
-from kvserve.entrypoints.openai.protocol import OpenAIBaseModel, PromptTokensDetails, SamplingFields, UsageInfo, \
-    random_id
+from kvserve.entrypoints.openai.protocol import AccountedUsage, OpenAIBaseModel, PromptTokensDetails, \
+    SamplingFields, UsageInfo, random_id
 from kvserve.engine.prompts import check_text
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -204,9 +204,27 @@ def usage(outputs: list[RequestOutput | None], num_completion_tokens: int) -> Us
     """Exact token counts of a request's prompts and choices."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
     cached = sum(o.num_cached_tokens for o in outputs if o is not None)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=num_completion_tokens,
-                     total_tokens=prompt + num_completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    fields = dict(prompt_tokens=prompt, completion_tokens=num_completion_tokens,
+                  total_tokens=prompt + num_completion_tokens,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    accounts = [o.metrics["accounting"] for o in outputs if o is not None and "accounting" in o.metrics]
+    if not accounts:
+        return UsageInfo(**fields)
+    return AccountedUsage(**fields, kvserve_accounting=_merge_accounts(accounts))
+
+
+def _merge_accounts(accounts: list[dict]) -> dict:
+    """Several prompts' accounts as one: tokens and block-seconds summed, times the longest."""
+    merged = dict(accounts[0])
+    for a in accounts[1:]:
+        for key, value in a.items():
+            if value is None or merged.get(key) is None:
+                merged[key] = merged.get(key) if value is None else value
+            elif key.endswith("_seconds") and key != "kv_block_seconds":
+                merged[key] = max(merged[key], value)
+            else:
+                merged[key] += value
+    return merged
 
 
 def sse(chunk: BaseModel) -> str:

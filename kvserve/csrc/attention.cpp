@@ -448,7 +448,7 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
 // (broadcast) . V[k]. The kernel reads the tiles in address order and never transposes or copies K/V.
 // P is rounded to bf16, as flash attention does on GPUs.
 constexpr int TCH = 32;   // keys per chunk: two 16-key groups
-constexpr int PF_CHUNKS = 1;   // prefetch distance in chunks: 1 measured best of 1-3
+constexpr int PF_CHUNKS = 1;   // a tunable: the prefetch distance in chunks (benchmarks/attention_kernel.py)
 
 inline int64_t tile_offset(const int32_t* table, int64_t pos, int64_t bs, int64_t Hkv, int64_t D, int64_t g) {
   return ((int64_t(table[pos / bs]) * (bs / 16) + (pos % bs) / 16) * Hkv + g) * 16 * D;

@@ -4,7 +4,7 @@
 // so every vdpbf16ps multiplies one 64-byte line of Wp (16 outputs x 2 inputs) by a broadcast pair of x.
 // Up to GEMV_MAX_ROWS rows a step is bound by reading W: the GEMV streams it once with every row in registers.
 // More rows are compute-bound: register tiles of GEMM_MR rows x GEMM_NB column blocks (see gemm_tile), which
-// match or beat oneDNN at every size measured (1.1-1.4x at 12-256 rows, 1.0-1.04x at 1024-4096).
+// match or beat oneDNN at every size measured (benchmarks/matmul.py; the runs are in benchmarks/LOG.md).
 // On AVX2 CPUs the same packed W is widened to float32 in registers (see below).
 #include "common.h"
 

@@ -234,8 +234,12 @@ static int layers_rows(const StackArgs& a) {
 // kernel: each thread runs the whole stack on its own sequences, alone (the kernels' parallel loops inside run
 // on one thread). No barrier per kernel, and while one thread's attention waits on memory the other's matmuls
 // compute. The matmuls of ~12+ rows per thread stay compute-bound; below, each thread streaming all the weights
-// costs more than it saves (measured by batch size on 2 cores, benchmarks/LOG.md).
+// costs more than it saves. A tunable (the sequences per thread from which the split pays): benchmarks/
+// fused_stack_ab.py measures the split against the kernels' own threads by batch size; benchmarks/LOG.md has runs.
 constexpr int64_t SPLIT_MIN_SEQS = 24;
+// A tunable of the split's balance, never of a result: the bytes of K/V one core reads in the time it takes for
+// one matmul FLOP (its matmul rate over its memory read rate).
+constexpr double KV_BYTES_PER_FLOP = 0.12;
 
 // Returns 0, or -1 - l where a linear of layer l refused its weights (layers_rows)
 int kvserve_decoder_stack_bf16(const StackArgs* args) {
@@ -249,13 +253,13 @@ int kvserve_decoder_stack_bf16(const StackArgs* args) {
   for (int64_t l = 0; l < a.num_layers; ++l) moe = moe || a.layers[l].moe;
   if (!a.split || a.all_reduce || moe || !decode_only || B < SPLIT_MIN_SEQS * nt / 2 || nt < 2 || omp_in_parallel())
     return layers_rows(a);
-  // Shares balanced on the estimated time of each sequence on one core: its row through the matmuls (~200
-  // GFLOP/s) plus its attention reading K/V (~23.5 GB/s), i.e. ~0.12 bytes of K/V per matmul FLOP.
+  // Shares balanced on the estimated time of each sequence on one core: its row through the matmuls plus its
+  // attention reading K/V, weighed by KV_BYTES_PER_FLOP.
   const int64_t H = a.hidden_size, NH = a.num_heads, NKV = a.num_kv_heads, D = a.head_dim, I = a.intermediate_size;
   const int64_t nqkv = (NH + 2 * NKV) * D, per_row = kvserve_stack_scratch_per_token(H, NH, NKV, D, I);
   const double row_flops = 2.0 * (H * nqkv + NH * D * H + H * 2 * I + I * H), kv_bytes = 4.0 * NKV * D;
   std::vector<double> cum(B + 1, 0.);
-  for (int64_t b = 0; b < B; ++b) cum[b + 1] = cum[b] + 0.12 * row_flops + kv_bytes * a.seq_lens[b];
+  for (int64_t b = 0; b < B; ++b) cum[b + 1] = cum[b] + KV_BYTES_PER_FLOP * row_flops + kv_bytes * a.seq_lens[b];
   int failed = 0;
   #pragma omp parallel num_threads(nt) reduction(min : failed)
   {

@@ -258,7 +258,7 @@ extern "C" {
 // Ends the calling thread's OpenMP worker threads (omp_pause_resource_all; they start again at its next parallel
 // region). libgomp counts every worker it keeps; once they outnumber the CPUs it shortens its spin waits, and each
 // parallel region of another thread then wakes its workers through the kernel (the server's engine thread ran
-// the quantized matmuls 3x slower while the main thread's workers, from loading the model, lived on). libgomp
+// its matmuls several times slower while the main thread's workers, from loading the model, lived on). libgomp
 // pauses the calling thread's pool only (LLVM's libomp, which these builds do not link, pauses them all); -1
 // inside a parallel region.
 int kvserve_omp_release() { return omp_pause_resource_all(omp_pause_soft); }

@@ -1,6 +1,6 @@
 // int8 W8A8 (--quantization int8): weights int8 with one float scale per output row (per channel), activations int8
-// with one float scale per row of x and group of IG values (IG = i8_act_group(K): 128 where K allows; per token
-// with one scale per row put Qwen2.5-Coder-1.5B's perplexity 5% above float32's), quantized as they arrive. Each
+// with one float scale per row of x and group of IG values (IG = i8_act_group(K): 128 where K allows; one scale
+// per whole row cost several times the perplexity, docs/quantization.md), quantized as they arrive. Each
 // group's products are exact int32 sums, added up in float in a fixed order:
 //   y[m][n] = sw[n] * sum_g dx[m][g] * sum_(k in g) qx[m][k] qw[n][k],
 // so every path (AVX-512 VNNI, AVX2, scalar) and every row tile gives the same bits (fused multiply-adds all).

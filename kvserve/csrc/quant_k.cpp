@@ -2,8 +2,8 @@
 // quantizes them): Q2_K, Q3_K, Q5_K and IQ4_XS. Their unpacking (k_ints, k_quants; quants<T> on AVX2), their rows
 // dequantized for embedding lookups (dequant_k_row, and dequant_typed for every kept format), and their dot
 // products (row_dot_k_scalar, row_dot_k_simd). The activations take a scale per 128 values (like llama.cpp's
-// block_q8_K, with two scales where it has one: a scale per 256 put Qwen2.5-Coder-1.5B's perplexity 1-1.5% above
-// the dequantized model's with Q5_K, per 128 within 0.5%), so a super-block's products stay integer over each
+// block_q8_K, with two scales where it has one: a scale per 256 cost measurably more perplexity with Q5_K than
+// per 128, docs/quantization.md), so a super-block's products stay integer over each
 // activation scale's 4 sub-blocks: each sub-block's int8 dot products (vpmaddubsw) are weighted by its integer
 // scales per 16 values (vpmaddwd, or AVX-512 VNNI's vpdpwssd) and summed, and its mins are the integer mins times
 // the activations' integer sums per 16 values:

@@ -187,8 +187,8 @@ template <int R> constexpr int64_t run_octets() {
   return std::max<int64_t>(1, RUN_BYTES / (R * int64_t(sizeof(QX))));
 }
 
-// rows_over's rows that are not taken in pairs, when their R rows of x overflow L1 (Qwen2.5-Coder-1.5B's ffn_down,
-// 8960 inputs: 12 KiB a row of x, from 2 rows on): the rows go a run of run_octets at a time, every weight row
+// rows_over's rows that are not taken in pairs, when their R rows of x overflow L1 (a down projection of 8960
+// inputs: 12 KiB a row of x, from 2 rows on): the rows go a run of run_octets at a time, every weight row
 // through each run, so that the run's activations stay in L1 while the rows pass. Each (weight row, row of x) keeps
 // its float lanes between runs, so its octets add in the same order and the result is the same bits as in one pass
 // (octets_dot). The runs' jumps between rows defeat the hardware's prefetchers: each run prefetches, into L2, the

@@ -254,3 +254,58 @@ def test_a_failed_load_fails_its_step_and_leaves_no_block_behind(alone, tmp_path
     pool = consumer.llm_engine.runner.kv.pool
     assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.cached == {}   # the blocks never loaded left the cache
     assert _outputs(consumer, PROMPTS[:1], PARAMS[:1]) == alone[:1]   # the engine goes on, loading again
+
+
+# ----- no block lost, leaked or loaded after free, across the pool, the host tier and the connector -----
+from hypothesis import given, settings, strategies as st   # noqa: E402
+
+from kvserve.core.host_tier import HostTier, TierHit   # noqa: E402
+
+
+class _EveryBlockStore:
+    """A connector whose store holds every block it is asked for (the manager's bookkeeping is what is tested)."""
+
+    def lookup(self, hashes, start):
+        return [ConnectorHit(h, b"k", None) for h in hashes[start:]]
+
+
+def _check(kv: KVCacheManager) -> None:
+    pool = kv.pool
+    held = {}
+    for rid in kv.req_to_blocks:
+        for b in kv.get_block_ids(rid):
+            held[b] = held.get(b, 0) + 1
+    for block in pool.blocks:
+        assert block.ref_cnt == held.get(block.block_id, 0)   # no block leaked or freed twice
+    assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)
+    for block_hash, block in pool.cached.items():
+        assert block.block_hash is not None and block.block_hash.value == block_hash
+    loads = [b for _, b in kv.connector_loads] + [b for _, b in (kv.tier.loads if kv.tier else [])]
+    assert all(pool.blocks[b].ref_cnt > 0 for b in loads)   # a queued load always has a holder
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "step", "free", "copies"]), st.integers(0, 7),
+                          st.integers(1, 40)), min_size=1, max_size=40), st.booleans(), st.booleans())
+def test_blocks_stay_accounted_for_across_tiers(ops, with_tier, with_connector):
+    kv = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True, tier=HostTier(6) if with_tier else None,
+                        connector=_EveryBlockStore() if with_connector else None)
+    live: dict[str, Request] = {}
+    for n, (op, which, length) in enumerate(ops):
+        if op == "add":   # prompts over few token values: prefixes repeat
+            req = Request(f"r{n}", [(which + i) % 3 for i in range(length)], SamplingParams(max_tokens=4))
+            hits, num_hits = kv.get_computed_blocks(req)
+            if kv.allocate_slots(req, max(1, req.num_tokens - num_hits), hits) is not None:
+                req.num_computed_tokens = num_hits
+                live[req.request_id] = req
+        elif op == "step" and live:   # the request computes what it holds room for
+            req = sorted(live.values(), key=lambda r: r.request_id)[which % len(live)]
+            req.num_computed_tokens = min(req.num_tokens, len(kv.get_block_ids(req.request_id)) * 4)
+            kv.cache_computed_blocks(req)
+        elif op == "free" and live:
+            req = live.pop(sorted(live)[which % len(live)])
+            kv.free(req)
+        elif op == "copies":   # the runner takes the step's copies
+            kv.take_tier_copies()
+            kv.take_connector_loads()
+        _check(kv)

@@ -193,6 +193,12 @@ class EngineConfig:
                 "enable_prefix_caching", "kv_transfer_config")
         if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
             bad("kv_transfer_config does not run with tensor_parallel_size > 1 yet", "kv_transfer_config")
+        if self.kv_transfer_config is not None and self.enable_lora:
+            bad("kv_transfer_config does not run with LoRA adapters yet (an adapter's number differs between "
+                "engines)", "kv_transfer_config")
+        if self.kv_transfer_config is not None and self.calculate_kv_scales:
+            bad("kv_transfer_config does not run with calculate_kv_scales (each engine calibrates its own FP8 "
+                "scales)", "kv_transfer_config")
 
     @property
     def host_tier_bytes(self) -> int:

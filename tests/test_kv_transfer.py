@@ -51,6 +51,10 @@ def test_what_the_connector_does_not_serve_is_refused(tmp_path, gguf_path):
         LLM(kv_transfer_config=config, enable_prefix_caching=False)
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size"):
         LLM(kv_transfer_config=config, tensor_parallel_size=2)
+    with pytest.raises(InvalidRequestError, match="LoRA"):
+        LLM(kv_transfer_config=config, enable_lora=True)
+    with pytest.raises(InvalidRequestError, match="calculate_kv_scales"):
+        LLM(kv_transfer_config=config, kv_cache_dtype="fp8", calculate_kv_scales=True)
     from model_utils import save_tiny_model
     save_tiny_model("gemma3", tmp_path / "gemma3")
     with pytest.raises(InvalidRequestError, match="sliding-window"):
@@ -83,15 +87,17 @@ def test_the_file_store_keeps_whole_blocks_and_evicts_the_least_recently_used(tm
     keys = [bytes([i]) * 32 for i in range(12)]
     for i, key in enumerate(keys[:3]):
         store.put(key, memoryview(bytes([i]) * 64))
-    assert [b.key for b in store.find_run(keys[:2] + keys[5:6] + keys[2:3])] == keys[:2]   # up to the first miss
+    assert store.find_run(keys[:2] + keys[5:6] + keys[2:3]) == keys[:2]   # up to the first miss
     out = bytearray(2 * 64)
     store.read(store.find_run(keys[1:3]), memoryview(out))
     assert out == bytes([1]) * 64 + bytes([2]) * 64
-    with open(store._path(keys[0]), "r+b") as f:   # a truncated file is an error, not a block
+    with open(store._path(keys[0]), "r+b") as f:   # a truncated file is a miss, and an error if read
         f.truncate(60)
-    blocks = store.find_run(keys[:1])
+    assert store.find_run(keys[:2]) == []
     with pytest.raises(KVTransferError, match="truncated"):
-        store.read(blocks, memoryview(bytearray(64)))
+        store.read(keys[:1], memoryview(bytearray(64)))
+    with pytest.raises(KVTransferError, match="could not be read"):
+        store.read([keys[9]], memoryview(bytearray(64)))
     os.utime(store._path(keys[1]), (1, 1))   # the least recently used
     monkeypatch.setattr(store_module, "GRACE_S", 0.0)
     for i, key in enumerate(keys[3:], start=3):   # 12 blocks of 104 bytes in 1000: the oldest leave
@@ -131,7 +137,7 @@ class _Store:
         self.held = held
 
     def lookup(self, hashes, start):
-        return [ConnectorHit(h, b"k", None) for h in hashes[start:] if h in self.held][:len(hashes) - start]
+        return [ConnectorHit(h, b"k") for h in hashes[start:] if h in self.held][:len(hashes) - start]
 
 
 def test_the_manager_continues_pool_hits_with_the_connector_and_drops_loads_into_freed_blocks():
@@ -214,8 +220,17 @@ def test_a_decode_engine_fed_by_a_prefill_engine_gives_one_engines_outputs(trans
     assert saved == sum(len(p["prompt_token_ids"]) // 4 for p in PROMPTS) - 3 * 10
     stats = consumer.llm_engine.scheduler.stats()
     assert stats.kv_transfer_loaded_blocks == loaded.num_loaded > 0 and stats.num_preemptions > 0
-    if transport == "tcp":
-        producer.llm_engine.runner.kv_connector.store.close()
+    producer.llm_engine.shutdown()   # a TCP producer's port is free again
+
+
+def test_engines_whose_kv_bytes_differ_never_find_each_others_blocks(tmp_path):
+    """The same model with another KV dtype or attention backend (another layout) computes other bytes."""
+    config = _config("kv_both", tmp_path)
+    _outputs(_llm(kv_transfer_config=config), params=SamplingParams(max_tokens=1))
+    for other in (dict(kv_cache_dtype="fp8"), dict(attention_backend="torch")):
+        consumer = _llm(kv_transfer_config=config, **other)
+        _outputs(consumer, PROMPTS[:1], PARAMS[:1])
+        assert consumer.llm_engine.runner.kv_connector.num_loaded == 0
 
 
 def test_a_consumer_that_cannot_reach_its_producer_computes_the_prompts(alone, caplog):
@@ -238,15 +253,14 @@ def test_engines_sharing_a_store_both_ways_and_a_producer_saving_its_cached_pref
     assert second.llm_engine.runner.kv_connector.num_loaded == (40 + 44 - 1) // 4   # the last token computed
 
 
-def test_a_failed_load_fails_its_step_and_leaves_no_block_behind(alone, tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [KVTransferError("the store lost them"), MemoryError("the store lost them")])
+def test_a_failed_load_fails_its_step_and_leaves_no_block_behind(alone, tmp_path, monkeypatch, error):
     config = _config("kv_both", tmp_path)
     _outputs(_llm(kv_transfer_config=config), params=SamplingParams(max_tokens=1))
     consumer = _llm(kv_transfer_config=config)
 
-    def lost(self, blocks, out):
-        for block in blocks:
-            block.file.close()
-        raise KVTransferError("the store lost them")
+    def lost(self, keys, out):
+        raise error
     with monkeypatch.context() as m:
         m.setattr(FileStore, "read", lost)
         with pytest.raises(RequestFailedError, match="the store lost them"):
@@ -266,7 +280,7 @@ class _EveryBlockStore:
     """A connector whose store holds every block it is asked for (the manager's bookkeeping is what is tested)."""
 
     def lookup(self, hashes, start):
-        return [ConnectorHit(h, b"k", None) for h in hashes[start:]]
+        return [ConnectorHit(h, b"k") for h in hashes[start:]]
 
 
 def _check(kv: KVCacheManager) -> None:

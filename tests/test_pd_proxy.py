@@ -60,9 +60,12 @@ def test_answers_through_the_proxy_equal_one_servers(pd, server):
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     want = direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
     assert text == want.choices[0].message.content
-    r = httpx.post(f"{proxy.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": -1},
-                   headers={"Authorization": f"Bearer {API_KEY}"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    # the prefill instance refuses it, and the proxy answers with that: the decode instances never see it
+    r = httpx.post(f"{proxy.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "temperature": -1},
+                   headers={"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "pd-bad-temperature"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert "pd-bad-temperature" in prefill.output()
+    assert all("pd-bad-temperature" not in d.output() for d in decodes)
     assert httpx.post(f"{proxy.url}/v1/completions", content=b"{", timeout=30).status_code == 400
 
 

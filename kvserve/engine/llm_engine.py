@@ -135,9 +135,13 @@ class LLMEngine:
                 f"thread{'s' if threads > 1 else ''} per rank)")
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; also done when the engine is collected)."""
+        """Stop the tensor-parallel workers and a KV connector's server, if any (idempotent; also done when the
+        engine is collected)."""
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
+        connector = getattr(getattr(self, "runner", None), "kv_connector", None)
+        if connector is not None:
+            connector.close()
 
     def lora_description(self) -> str:
         """'4 adapters of rank <= 16 per step (12.3 MiB of slots), 8 kept in memory', or '' without LoRA."""

@@ -20,6 +20,7 @@ import uuid
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 logger = logging.getLogger("kvserve.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -34,31 +35,34 @@ def error_body(message: str, status: int, kind: str = "server_error") -> dict:
 def prefill_body(body: dict) -> dict:
     """The request as its prefill: one token, not streamed, one choice."""
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens", "n", "best_of")}
+    out["max_tokens"] = 1
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
-    else:
-        out["max_tokens"] = 1
     return out
 
 
 class DisaggregatedProxy:
     """The routes' state: the instances and one HTTP client."""
 
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float | None = None):
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], prefill_timeout_s: float = 600.0):
         if not prefill_urls or not decode_urls:
             raise ValueError("kvserve proxy needs at least one --prefill and one --decode URL")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in decode_urls]
         self._prefill = itertools.cycle(self.prefill_urls)
         self._decode = itertools.cycle(self.decode_urls)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        # no cap on connections: each stream holds one for its whole length
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.prefill_timeout = httpx.Timeout(prefill_timeout_s, connect=10.0)
         self.num_prefill_failures = 0
 
     async def prefill(self, path: str, body: dict, headers: dict, request_id: str) -> Response | None:
         """Run the prefill; the instance's refusal of a bad request (4xx) as the answer, else None."""
         url = next(self._prefill)
         try:
-            r = await self.client.post(url + path, json=prefill_body(body), headers=headers)
+            r = await self.client.post(url + path, json=prefill_body(body), headers=headers,
+                                       timeout=self.prefill_timeout)
         except httpx.HTTPError as e:
             self.num_prefill_failures += 1
             logger.warning("kvserve proxy: request %s: the prefill instance %s failed (%s: %s); the decode instance "
@@ -94,7 +98,8 @@ class DisaggregatedProxy:
                 finally:
                     await upstream.aclose()
                 return Response(content, upstream.status_code, response_headers)
-            return StreamingResponse(self._relay(upstream, url, request_id), headers=response_headers)
+            return StreamingResponse(self._relay(upstream, url, request_id), headers=response_headers,
+                                     background=BackgroundTask(upstream.aclose))   # also if the relay never starts
         return JSONResponse(error_body(f"request {request_id}: no decode instance could be reached: "
                                        f"{'; '.join(errors)}", 502), 502)
 
@@ -109,11 +114,12 @@ class DisaggregatedProxy:
         (the cut event's part is dropped, so a client parses every event it gets)."""
         done, pending = False, b""
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.aiter_bytes():
                 pending += chunk
                 end = pending.rfind(b"\n\n") + 2
                 if end >= 2:
-                    done = done or b"data: [DONE]" in pending[:end]
+                    events = pending[:end].split(b"\n\n")
+                    done = done or any(e.strip() == b"data: [DONE]" for e in events)
                     yield pending[:end]
                     pending = pending[end:]
             if not done:
@@ -129,6 +135,7 @@ class DisaggregatedProxy:
 
 
 def build_app(proxy: DisaggregatedProxy) -> FastAPI:
+    """The proxy's routes: completions and chat through prefill then decode, /v1/models, /health."""
     app = FastAPI(title="kvserve proxy")
 
     async def forward(request: Request) -> Response:
@@ -157,7 +164,8 @@ def build_app(proxy: DisaggregatedProxy) -> FastAPI:
         for url in proxy.decode_urls:
             try:
                 r = await proxy.client.get(url + "/v1/models", headers=headers)
-            except httpx.HTTPError:
+            except httpx.HTTPError as e:
+                logger.warning("kvserve proxy: /v1/models: the decode instance %s cannot be reached: %s", url, e)
                 continue
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         return JSONResponse(error_body("no decode instance could be reached", 502), 502)
@@ -170,18 +178,22 @@ def build_app(proxy: DisaggregatedProxy) -> FastAPI:
 
 
 def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
+    """`kvserve proxy`'s flags."""
     p.add_argument("--prefill", action="append", required=True, metavar="URL",
                    help="a prefill instance (kvserve serve with a kv_producer --kv-transfer-config); repeat for more")
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="a decode instance (kv_consumer, the same connector and model); repeat for more")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill-timeout", type=float, default=600.0,
+                   help="seconds a prefill may take before the decode instance computes the prompt itself")
 
 
 def run_proxy(args: argparse.Namespace) -> int:
+    """Serve the proxy until interrupted."""
     import uvicorn
     logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
-    proxy = DisaggregatedProxy(args.prefill, args.decode)
+    proxy = DisaggregatedProxy(args.prefill, args.decode, args.prefill_timeout)
     logger.info("kvserve proxy: prefill on %s, decode on %s; listening on http://%s:%d", ", ".join(args.prefill),
                 ", ".join(args.decode), args.host, args.port)
     uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from kvserve.attention import attention_layers
 from kvserve.core.block_pool import BlockHash
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.keys import ConnectorHit, connector_keys
@@ -27,12 +28,14 @@ from kvserve.kv_transfer.store import FileStore
 logger = logging.getLogger("kvserve")
 
 
-def engine_fingerprint(models, pools: list[torch.Tensor], block_size: int) -> bytes:
+def engine_fingerprint(models, block_size: int, layout: str) -> bytes:
     """What makes two engines' KV blocks interchangeable: each model's config and a sample of each of its tensors
-    (dtype, quantization and weights all show there), the pools' layout and the block size."""
-    h = hashlib.sha256(f"block_size={block_size};".encode())
-    for pool in pools:
-        h.update(f"pool {tuple(pool.shape[1:])} {pool.dtype};".encode())
+    (dtype, quantization and weights all show there), every attention layer's K and V pools (dtype, shape), the
+    layout their backend writes (`layout`: the attention backend's name) and the block size."""
+    h = hashlib.sha256(f"block_size={block_size};layout={layout};".encode())
+    for layer in (a for m in models for a in attention_layers(m)):
+        for cache in (layer.k_cache, layer.v_cache):
+            h.update(f"cache {tuple(cache.shape[1:])} {cache.dtype};".encode())
     for model in models:
         h.update(repr(getattr(model, "config", None)).encode())
         for name, tensor in sorted(model.state_dict().items()):
@@ -56,6 +59,7 @@ class KVConnector:
         self.store = self._make_store()
         self.num_saved = self.num_loaded = 0
         self.transfer_seconds = 0.0
+        self.closed = False
 
     def _make_store(self):
         if self.config.kv_connector == "TcpConnector":
@@ -64,7 +68,14 @@ class KVConnector:
         path = f"{self.config.storage_path}/{self.root.hex()[:16]}"
         return FileStore(path, self.config.kv_buffer_size, self.block_bytes)
 
+    def close(self) -> None:
+        """Stop a producer's TCP server (idempotent); a directory store has nothing to close."""
+        if hasattr(self.store, "close") and not self.closed:
+            self.store.close()
+        self.closed = True
+
     def describe(self) -> str:
+        """'SharedStorageConnector (kv_producer) at /dev/shm/kvserve-kv/...'."""
         return f"{self.config.kv_connector} ({self.config.kv_role}) at {self.store.where}"
 
     # ----- the scheduler's side -----
@@ -73,8 +84,8 @@ class KVConnector:
         if not self.config.is_consumer or start >= len(block_hashes):
             return []
         keys = connector_keys(self.root, block_hashes)[start:]
-        handles = self.store.find_run(keys)
-        return [ConnectorHit(h, k, handle) for h, k, handle in zip(block_hashes[start:], keys, handles)]
+        found = self.store.find_run(keys)
+        return [ConnectorHit(h, k) for h, k in zip(block_hashes[start:], found)]
 
     # ----- the runner's side -----
     def load(self, loads: list[tuple[ConnectorHit, int]]) -> None:
@@ -83,7 +94,7 @@ class KVConnector:
             return
         begin = time.perf_counter()
         buf = torch.empty((len(loads), self.block_bytes), dtype=torch.uint8)
-        self.store.read([hit.handle for hit, _ in loads], memoryview(buf.numpy().reshape(-1)))
+        self.store.read([hit.key for hit, _ in loads], memoryview(buf.numpy().reshape(-1)))
         blocks = torch.tensor([block for _, block in loads])
         offset = 0
         for pool, num_bytes in zip(self.pools, self.row_bytes):

@@ -22,10 +22,9 @@ from kvserve.core.block_pool import BlockHash
 
 @dataclass(frozen=True)
 class ConnectorHit:
-    """A prefix-cache hit in the KV connector's store: `handle` is the store's (read by the runner's load)."""
+    """A prefix-cache hit in the KV connector's store, under `key` (read by the runner's load)."""
     block_hash: BlockHash
     key: bytes
-    handle: object
 
 
 def connector_keys(root: bytes, block_hashes: list[BlockHash]) -> list[bytes]:

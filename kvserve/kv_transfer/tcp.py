@@ -15,6 +15,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from collections import OrderedDict
 
 from kvserve.kv_transfer.config import KVTransferConfig
@@ -22,7 +23,9 @@ from kvserve.kv_transfer.store import KVTransferError
 
 logger = logging.getLogger("kvserve")
 KEY_BYTES = 32
+CONNECT_TIMEOUT_S = 1.0   # a lookup runs on the scheduler's thread: an unreachable producer must cost little
 TIMEOUT_S = 30.0
+RETRY_AFTER_S = 10.0      # after a failure, lookups find nothing without trying for this long
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -46,10 +49,12 @@ class MemoryStore:
         self.where = "memory"
 
     def contains(self, key: bytes) -> bool:
+        """Whether a block is held under `key`."""
         with self.lock:
             return key in self.blocks
 
     def find_run(self, keys: list[bytes]) -> list[bytes]:
+        """The leading keys held, up to the first that is not (each becomes the most recently used)."""
         with self.lock:
             found = []
             for key in keys:
@@ -60,10 +65,12 @@ class MemoryStore:
             return found
 
     def get(self, key: bytes) -> bytes | None:
+        """A block's bytes, or None."""
         with self.lock:
             return self.blocks.get(key)
 
     def read(self, keys: list[bytes], out: memoryview) -> None:
+        """The blocks' bytes into `out`; KVTransferError for one no longer held."""
         for i, key in enumerate(keys):
             data = self.get(key)
             if data is None:
@@ -71,6 +78,7 @@ class MemoryStore:
             out[i * self.block_bytes:(i + 1) * self.block_bytes] = data
 
     def put(self, key: bytes, payload: memoryview) -> None:
+        """Keep a block, the least recently used leaving past max_bytes."""
         with self.lock:
             if key in self.blocks:
                 return
@@ -118,6 +126,7 @@ class ServedStore(MemoryStore):
         threading.Thread(target=self.server.serve_forever, name="kvserve-kv-server", daemon=True).start()
 
     def close(self) -> None:
+        """Stop serving and free the port."""
         self.server.shutdown()
         self.server.server_close()
 
@@ -131,10 +140,12 @@ class RemoteStore:
         self.where = f"tcp://{address[0]}:{address[1]}"
         self.sock: socket.socket | None = None
         self._unreachable_logged = False
+        self._retry_at = 0.0
 
     def _request(self, op: bytes, keys: list[bytes]) -> socket.socket:
         if self.sock is None:
-            self.sock = socket.create_connection(self.address, timeout=TIMEOUT_S)
+            self.sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT_S)
+            self.sock.settimeout(TIMEOUT_S)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.sendall(struct.pack("<cI", op, len(keys)) + b"".join(keys))
         return self.sock
@@ -145,16 +156,22 @@ class RemoteStore:
             self.sock = None
 
     def contains(self, key: bytes) -> bool:
-        return False   # a consumer saves nothing
+        """Nothing: a consumer saves nothing."""
+        return False
 
     def put(self, key: bytes, payload: memoryview) -> None:
+        """Refused: a consumer holds no store."""
         raise KVTransferError("a TcpConnector consumer holds no store to save into")
 
     def find_run(self, keys: list[bytes]) -> list[bytes]:
+        """The leading keys the producer holds; none while it cannot be reached (retried every RETRY_AFTER_S)."""
+        if time.monotonic() < self._retry_at:
+            return []
         try:
             (count,) = struct.unpack("<I", _recv_exact(self._request(b"F", keys), 4))
         except OSError as e:   # ConnectionError and timeouts too: found nothing, the prompt is computed
             self._drop()
+            self._retry_at = time.monotonic() + RETRY_AFTER_S
             if not self._unreachable_logged:
                 logger.warning("kvserve: TcpConnector: the producer at %s cannot be reached (%s); prompts are "
                                "computed here until it can", self.where, e)
@@ -164,6 +181,7 @@ class RemoteStore:
         return keys[:count]
 
     def read(self, keys: list[bytes], out: memoryview) -> None:
+        """The blocks' bytes from the producer into `out`; KVTransferError if it no longer has one or fails."""
         try:
             sock = self._request(b"R", keys)
             for i, key in enumerate(keys):

@@ -77,7 +77,10 @@ class KVCacheSetup:
             raise InvalidRequestError("kv_transfer_config does not serve models with sliding-window KV groups yet",
                                       "kv_transfer_config")
         pools = kv_pools(self.models)
-        fingerprint = engine_fingerprint(self.models, pools, config.block_size)
+        if not pools:
+            raise InvalidRequestError("kv_transfer_config: this model keeps no KV cache (an encoder)",
+                                      "kv_transfer_config")
+        fingerprint = engine_fingerprint(self.models, config.block_size, self.attention_backend.name)
         self.kv_connector = KVConnector(config.kv_transfer_config, pools, fingerprint)
         role = config.kv_transfer_config
         logger.info("kvserve: KV connector: %s: %s", self.kv_connector.describe(),
@@ -89,15 +92,16 @@ class KVCacheSetup:
     def move_tier_blocks(self) -> None:
         """The host tier's saves and loads, then the connector's loads, queued since the last forward (before the
         next one writes the pools)."""
-        if self.tier_storage is not None:
-            self.tier_storage.copy(*self.kv.take_tier_copies())
-        if self.kv_connector is not None:
-            loads = self.kv.take_connector_loads()
-            try:
+        saves, tier_loads = self.kv.take_tier_copies()
+        loads = self.kv.take_connector_loads()
+        try:
+            if self.tier_storage is not None:
+                self.tier_storage.copy(saves, tier_loads)
+            if self.kv_connector is not None:
                 self.kv_connector.load(loads)
-            except KVTransferError:
-                self.kv.forget_blocks([block for _, block in loads])   # their bytes are not their tokens' KV
-                raise
+        except BaseException:   # whatever failed, these blocks' bytes may not be their tokens' KV
+            self.kv.forget_blocks([block for _, block in tier_loads] + [block for _, block in loads])
+            raise
 
     def save_to_connector(self, sched) -> None:
         """A producer's saves after the forward: every prompt this step finished, its full blocks the store lacks
@@ -109,9 +113,9 @@ class KVCacheSetup:
                 hashes = self.kv.prompt_block_hashes(req)
                 try:
                     self.kv_connector.save(hashes, self.kv.get_block_ids(req.request_id)[:len(hashes)])
-                except (OSError, KVTransferError) as e:
-                    logger.warning("kvserve: KV connector: saving the prompt of request %s failed: %s",
-                                   req.request_id, e)
+                except Exception as e:   # noqa: BLE001 - best effort: the step's outputs stand
+                    logger.warning("kvserve: KV connector: saving the prompt of request %s failed: %s: %s",
+                                   req.request_id, type(e).__name__, e)
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int, capture: bool) -> None:
         """Run decode steps through DecodeGraphs' padded buffers, captured as CUDA graphs where `capture` (the

@@ -223,8 +223,11 @@ class EngineMetrics:
 
     def _record_finished(self, out: RequestOutput, now: float) -> None:
         self._last_token_time.pop(out.request_id, None)
-        if isinstance(out, PoolingRequestOutput):
+        if isinstance(out, PoolingRequestOutput):   # no token: its prompt is counted as it finishes
             self.request_success.labels(self.model_name, "stop" if out.outputs.data is not None else "abort").inc()
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.prompt_tokens_cached.inc(out.num_cached_tokens)
+            self.interval.prompt_tokens += len(out.prompt_token_ids)
         for o in completions(out):
             self.request_success.labels(self.model_name, o.finish_reason or "abort").inc()
         arrival = out.metrics.get("arrival_time")

@@ -101,3 +101,13 @@ def test_beam_search_under_preemption_and_beside_other_requests_equals_a_roomy_e
         done.update((o.request_id, o) for o in engine.step() if o.finished)
     assert [[p["prompt_token_ids"] + o.token_ids for o in done[i].outputs] for i, p in zip(ids, prompts)] == roomy
     assert engine.scheduler.stats().num_preemptions > 0 and len(done[other].outputs[0].token_ids) == 30
+
+
+def test_beam_searches_with_more_beams_than_seats_never_stall():
+    """Held beams fill max_num_seqs while their groups' other beams wait: they are preempted, not waited for."""
+    llm = LLM(block_size=4, num_kv_blocks=48, max_num_seqs=4)
+    prompts = [{"prompt_token_ids": list(range(500 + 9 * i, 530 + 9 * i))} for i in range(4)]
+    params = BeamSearchParams(beam_width=4, max_tokens=6)
+    results = llm.beam_search(prompts, params)
+    roomy = LLM(block_size=4).beam_search(prompts, params)
+    assert [[s.tokens for s in r.sequences] for r in results] == [[s.tokens for s in r.sequences] for r in roomy]

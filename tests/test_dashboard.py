@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import httpx
 import pytest
@@ -50,6 +51,7 @@ def test_the_state_shows_the_running_requests_and_agrees_with_metrics(server, cl
         for t in threads:
             t.join()
     wait_idle(server)
+    time.sleep(0.6)   # past the age a snapshot is reused for
     state = _state(server)
     assert state["counts"]["generation_tokens"] == metric(server, "vllm:generation_tokens_total")
     assert state["counts"]["prompt_tokens"] == metric(server, "vllm:prompt_tokens_total")

@@ -270,6 +270,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 freed = self._preempt_lower(req, out)
                 if freed is None:
+                    freed = self._preempt_held(out)   # held beams must not fill every seat their group needs
+                if freed is None:
                     break
                 budget += freed
                 running_adapters = self._running_adapters()

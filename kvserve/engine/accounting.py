@@ -20,15 +20,19 @@ class RequestAccounting:
 
 
 class Accountant:
-    """Adds each step's work and the blocks held since the last step to the running requests' accounts."""
+    """Adds each step's work, and the blocks held while it ran, to the running requests' accounts (time between
+    steps, when the engine is idle or waits for new requests, is nobody's)."""
 
     def __init__(self):
-        self.last = time.monotonic()
+        self.start = time.monotonic()
+
+    def begin(self) -> None:
+        """Call as a step starts (before it schedules)."""
+        self.start = time.monotonic()
 
     def step(self, scheduler, kv, scheduled) -> None:
         """Call after a step's forward, before its requests are updated (those that finish still count)."""
-        now = time.monotonic()
-        elapsed, self.last = now - self.last, now
+        elapsed = time.monotonic() - self.start
         for req in scheduler.running:
             if req.accounting is not None:
                 held = sum(len(table) for table in kv.get_group_block_ids(req.request_id))
@@ -37,10 +41,6 @@ class Accountant:
             if req.accounting is not None:
                 start = req.num_computed_tokens
                 req.accounting.prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
-
-    def idle(self) -> None:
-        """Nothing ran: no blocks are held by a running request (the clock restarts)."""
-        self.last = time.monotonic()
 
 
 def accounting_metrics(req) -> dict:

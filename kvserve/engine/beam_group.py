@@ -88,12 +88,20 @@ class BeamGroup:
                 replace_last_token(parent, cand.token, self.block_size)
                 beam = parent
             else:
-                beam = fork_beam(engine, parent, f"{self.request_id}#{next(self._ids)}", cand.token, self.block_size)
+                beam = fork_beam(engine, parent, self._new_id(engine), cand.token, self.block_size)
             beam.held = False
             live[beam.request_id] = (beam, cand.cum_logprob)
         dropped = [rid for rid in self.live if rid not in continued]
         engine.scheduler.finish_requests(dropped, RequestStatus.FINISHED_STOPPED)
         self.live = live
+
+    def _new_id(self, engine) -> str:
+        """'<id>#k' for the next beam, never an id a request in flight already has."""
+        while True:
+            request_id = f"{self.request_id}#{next(self._ids)}"
+            if request_id not in engine.scheduler.requests and request_id not in engine.processor.child_to_parent \
+                    and request_id not in engine.processor.parents:
+                return request_id
 
     def output(self, prompt: str | None, tokenizer, metrics: dict, aborted: bool = False) -> RequestOutput:
         """The best beam_width sequences, best first (an aborted search: those finished so far)."""
@@ -145,15 +153,18 @@ def fork_beam(engine, parent: Request, request_id: str, token: int, block_size: 
     child.block_hashes = parent.block_hashes[:(child.num_tokens - 1) // block_size]
     child.first_scheduled_time = parent.first_scheduled_time
     child.logprobs = list(parent.logprobs)
+    child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+    child.accounting = type(parent.accounting)() if parent.accounting is not None else None
+    engine.processor.add_child(engine.processor.child_to_parent[parent.request_id], child)   # abortable from here
+    if child.lora_request is not None:   # each beam leaves the scheduler once: each unpins once
+        engine.lora.pin(child.lora_id)
     scheduler = engine.scheduler
+    scheduler.requests[request_id] = child
     if parent.status == RequestStatus.RUNNING:
-        scheduler.requests[request_id] = child
         engine.kv.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = max(parent.num_cached_tokens, 0)
         child.status = RequestStatus.RUNNING
         scheduler.running.append(child)
-    else:   # a preempted parent: the child computes its tokens again, from the prefix cache where it can
-        scheduler.add_request(child)
-    engine.processor.add_child(engine.processor.child_to_parent[parent.request_id], child)
+    else:   # a preempted parent: the child computes its tokens again (the prefix cache helps), first in line
+        scheduler.waiting.appendleft(child)
     return child

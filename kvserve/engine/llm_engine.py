@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import itertools
 import logging
@@ -29,10 +28,12 @@ from kvserve.errors import (ContextLengthExceededError, EngineDeadError, Invalid
 from kvserve.lora import LoRARequest
 from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
+from kvserve.model.loader import load_model_config
+from kvserve.model.registry import get_model_class
 from kvserve.outputs import RequestOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.config import auto_draft_vocab
+from kvserve.spec_decode.draft_loader import load_draft_model
 from kvserve.spec_decode.proposer import build_proposer
 from kvserve.structured_output import StructuredOutputManager
 from kvserve.worker.model_runner import ModelRunner
@@ -49,6 +50,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         t0 = time.perf_counter()
+        if config.tensor_parallel_size > 1 or config.enable_lora or config.speculative_config:
+            _refuse_for_encoders(config)
         self.executor = start_tensor_parallel(config, self.device) if config.tensor_parallel_size > 1 else None
         # the engine thread's OpenMP thread count (per OS thread): config.num_threads, or each rank's share
         self.num_threads = torch.get_num_threads() if self.executor is not None else config.num_threads
@@ -80,7 +83,7 @@ class LLMEngine:
         self.block_size = config.block_size
         self.max_num_batched_tokens = self._max_num_batched_tokens()
         self.spec_config = config.speculative_config
-        draft_model = self._load_draft_model() if self.spec_config and self.spec_config.model else None
+        draft_model = load_draft_model(self) if self.spec_config and self.spec_config.model else None
         self.runner = ModelRunner(self.model, self.vocab_size, self.device, config.seed, draft_model)
         shard = self.executor.plans[0] if self.executor is not None else None   # tensor parallel: rank 0's part
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, shard,
@@ -182,65 +185,12 @@ class LLMEngine:
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
-        if self.config.max_model_len is None:
-            return limit
+        if self.config.max_model_len is None:   # an embedding model's own limit, as sentence-transformers keeps it
+            return min(limit, self.model_config.max_seq_length or limit)
         if self.config.max_model_len > limit:
             raise InvalidRequestError(f"max_model_len {self.config.max_model_len} exceeds the model's context "
                                       f"length {limit}", "max_model_len")
         return self.config.max_model_len
-
-    def _load_draft_model(self):
-        """The draft model of speculative decoding, loaded as the target is; refused unless it shares the target's
-        vocabulary and is smaller."""
-        spec = self.spec_config
-        cut = auto_draft_vocab(self.vocab_size) if spec.draft_vocab_size == "auto" else spec.draft_vocab_size
-        if cut is not None and cut > self.vocab_size:
-            raise InvalidRequestError(f"speculative_config: draft_vocab_size {cut} exceeds the "
-                                      f"vocabulary ({self.vocab_size} tokens)", "speculative_config")
-        try:
-            # "gguf" is the target file's: an HF draft beside a GGUF target loads dequantized
-            quantization = "auto" if self.config.quantization == "gguf" else self.config.quantization
-            draft, draft_config = load_model(dataclasses.replace(self.config, model=spec.model, speculative_config=None,
-                                                                 quantization=quantization))
-        except KVServeError as e:
-            raise InvalidRequestError(f"speculative_config: the draft model {spec.model!r} could not be loaded: {e}",
-                                      "speculative_config") from e
-        if draft_config.vocab_size != self.vocab_size:
-            raise InvalidRequestError(f"speculative_config: the draft model's vocabulary has {draft_config.vocab_size}"
-                                      f" tokens, the target's {self.vocab_size}: they must be the same",
-                                      "speculative_config")
-        # tensor-parallel: the target here is rank 0's shard (the largest), the draft runs whole on rank 0
-        num_draft = _num_parameters(draft)
-        num_target = _num_parameters(self.model) * (self.executor.size if self.executor is not None else 1)
-        if num_draft >= num_target:
-            raise InvalidRequestError(f"speculative_config: the draft model ({num_draft:,} parameters) is not smaller "
-                                      f"than the target ({num_target:,}): it would only slow decoding down",
-                                      "speculative_config")
-        stored = draft.head_format()
-        if spec.draft_head_quantization == "q4_0" or (spec.draft_head_quantization == "auto"
-                                                      and stored in ("Q8_0", "INT8")):
-            try:
-                draft.quantize_head_q4_0()
-            except (ValueError, KVServeError) as e:
-                raise InvalidRequestError(f"speculative_config: draft_head_quantization q4_0: {e}",
-                                          "speculative_config") from None
-            logger.info("kvserve: the draft model's output matrix requantized from %s to Q4_0 "
-                        "(speculative_config draft_head_quantization)", stored or "its plain weights")
-        if spec.draft_quantization is not None:
-            try:
-                formats = draft.quantize_layers_q4_0(stored_only=spec.draft_quantization == "auto")
-            except (ValueError, KVServeError) as e:
-                raise InvalidRequestError(f"speculative_config: draft_quantization {spec.draft_quantization}: {e}",
-                                          "speculative_config") from None
-            if formats:
-                logger.info("kvserve: the draft model's layer matrices in %s requantized to Q4_0 (speculative_config "
-                            "draft_quantization)", ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())))
-        if cut is not None and cut < self.vocab_size:
-            draft.restrict_vocab(cut)
-            logger.info("kvserve: the draft model proposes among the first %d of %d token ids and each request's own "
-                        "past them, the whole vocabulary for requests whose output brings new ones (speculative_config "
-                        "draft_vocab_size %s)", cut, self.vocab_size, spec.draft_vocab_size)
-        return draft
 
     # ----- requests -----
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
@@ -261,7 +211,7 @@ class LLMEngine:
             params = SamplingParams(temperature=0, max_tokens=1)   # the scheduler's bookkeeping: no token is drawn
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.processor.parents:
+        if request_id in self.processor.parents or self._id_taken(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, token_ids = process_prompt(prompt, self.tokenizer, self.vocab_size)
         if isinstance(prompt, dict) and cache_salt is None:
@@ -276,25 +226,10 @@ class LLMEngine:
             check_pooling_fits(len(token_ids), self.max_model_len, self.num_kv_pool_tokens,
                                self.max_num_batched_tokens, self.is_encoder)
             max_tokens = 1
-        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**63 <= priority < 2**63:
-            raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}", "priority")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            priority = 0   # only the priority policy orders by it, as in vLLM
+        priority = self._check_priority(priority)
         self._check_lora(lora_request)
-        grammar = params.structured_outputs   # compiles from now on, on the manager's threads
-        children = []
-        for i in range(params.n):
-            child_params = params
-            if params.n > 1:
-                child_params = params.clone(n=1, seed=params.sample_seed(i))
-            rid = request_id if params.n == 1 else f"{i}_{request_id}"
-            children.append(Request(rid, token_ids, child_params, self.eos_token_ids, arrival_time, priority,
-                                    max_tokens, cache_salt, lora_request, device=self.device))
-            if grammar is not None:
-                children[-1].structured_output = self.structured_output.new_request(grammar)
-            children[-1].pooling = pooling
-            if self.accountant is not None:
-                children[-1].accounting = RequestAccounting()
+        children = self._children(request_id, token_ids, params, arrival_time, priority, max_tokens, cache_salt,
+                                  lora_request, pooling)
         group = None
         if beam_search is not None:
             group = children[0].beam = BeamGroup(request_id, children[0], beam_search, self.eos_token_ids,
@@ -312,6 +247,39 @@ class LLMEngine:
                 self.lora.unpin(c.lora_id)   # the scheduler never saw it, so never tells us it left
             raise
         return request_id
+
+    def _check_priority(self, priority) -> int:
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**63 <= priority < 2**63:
+            raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}", "priority")
+        return priority if self.config.scheduling_policy == "priority" else 0   # only that policy orders by it
+
+    def _children(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time, priority: int,
+                  max_tokens: int, cache_salt, lora_request, pooling) -> list[Request]:
+        """The request's Request objects: one, or its n samples ("i_<id>", each with its own seed)."""
+        grammar = params.structured_outputs   # compiles from now on, on the manager's threads
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone(n=1, seed=params.sample_seed(i))
+            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            if rid != request_id and self._id_taken(rid):
+                raise InvalidRequestError(f"request id {request_id!r}: its sample {rid!r} would take the id of a "
+                                          "request in flight", "request_id")
+            children.append(Request(rid, token_ids, child_params, self.eos_token_ids, arrival_time, priority,
+                                    max_tokens, cache_salt, lora_request, device=self.device))
+            if grammar is not None:
+                children[-1].structured_output = self.structured_output.new_request(grammar)
+            children[-1].pooling = pooling
+            if self.accountant is not None:
+                children[-1].accounting = RequestAccounting()
+        return children
+
+    def _id_taken(self, request_id: str) -> bool:
+        """Whether a request (an n > 1 sample "i_<id>", a beam "<id>#k") already goes by this id or by one its
+        samples would take."""
+        taken = self.processor.child_to_parent
+        return request_id in taken or request_id in self.scheduler.requests
 
     def _on_request_finished(self, req: Request) -> None:
         """The scheduler let go of `req` (finished, aborted or failed)."""
@@ -389,12 +357,12 @@ class LLMEngine:
 
         Requests that fail (their step's forward pass or output processing raised; one that can never fit the KV
         cache) are aborted and reported by take_failed_requests(); the others go on."""
+        if self.accountant is not None:
+            self.accountant.begin()
         sched = self.scheduler.schedule()
         for req, error in sched.rejected:
             self._fail(req, error)
         if sched.is_empty:
-            if self.accountant is not None:
-                self.accountant.idle()
             self._wait_for_held_requests()
             return []
         # taken first: output processing drops a finished request's parent, even in a step that then fails
@@ -477,8 +445,12 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
 
-def _num_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def _refuse_for_encoders(config: EngineConfig) -> None:
+    """An encoder (BERT) runs without tensor parallelism, LoRA and speculative decoding: refused before any starts."""
+    architecture = load_model_config(config).architecture
+    if getattr(get_model_class(architecture), "is_encoder", False):
+        raise InvalidRequestError(f"{architecture} is an encoder: it runs without tensor_parallel_size > 1, LoRA "
+                                  "adapters or speculative decoding", "model")
 
 
 def _read_template(template: str) -> str:

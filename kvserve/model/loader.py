@@ -286,6 +286,9 @@ def _read_sentence_transformers(d: Path, cfg: ModelConfig) -> None:
             cfg.pooling_type = modes[0]
     cfg.pooling_normalize = any(str(m.get("type", "")).endswith(".Normalize")
                                 for m in (modules if isinstance(modules, list) else []))
+    if (d / "sentence_bert_config.json").is_file():
+        limit = _read_json(d / "sentence_bert_config.json").get("max_seq_length")
+        cfg.max_seq_length = int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
 def safetensors_files(model_dir: str) -> list[Path]:

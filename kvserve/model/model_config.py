@@ -67,6 +67,7 @@ class ModelConfig:
     # None: LAST for decoders
     pooling_type: str | None = None
     pooling_normalize: bool = True
+    max_seq_length: int | None = None   # sentence-transformers' limit (sentence_bert_config.json): max_model_len's default
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -165,10 +165,12 @@ class DecodeGraphs:
 
 
 def why_no_graphs(config, device: torch.device, attention_backend: str, has_lora: bool,
-                  num_kv_groups: int = 1, has_moe: bool = False) -> str | None:
+                  num_kv_groups: int = 1, has_moe: bool = False, is_encoder: bool = False) -> str | None:
     """Why an engine's decode steps cannot replay CUDA graphs (config: its EngineConfig), or None when they can."""
     if device.type != "cuda":
         return "not on CUDA"
+    if is_encoder:
+        return "an encoder runs whole sequences, never decode steps"
     if config.enforce_eager:
         return "enforce_eager"
     if attention_backend != "triton":

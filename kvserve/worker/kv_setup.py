@@ -40,7 +40,8 @@ class KVCacheSetup:
                                  self._host_tier(config), self._kv_connector(config))
         why_not = why_no_graphs(config, self.device, self.attention_backend.name, self.lora is not None,
                                 self.kv_groups.num_groups if self.kv_groups is not None else 1,
-                                has_moe=bool(moe_layers(self.model)))
+                                has_moe=bool(moe_layers(self.model)),
+                                is_encoder=getattr(self.model, "is_encoder", False))
         if why_not is None:
             self.use_decode_graphs(config.max_num_seqs, max_model_len, config.block_size, capture=True)
         elif self.device.type == "cuda":

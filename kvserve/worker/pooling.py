@@ -40,7 +40,7 @@ def pool_step(hidden: torch.Tensor, spans) -> dict[str, list[int]]:
             part = rows.float().sum(0)
             state.total = part if start == 0 or state.total is None else state.total + part
         elif state.pooling_type == "CLS" and start == 0:
-            state.total = rows[0].float()
+            state.total = rows[0].float().clone()   # not a view that keeps (or, under CUDA graphs, loses) the step
         if start + n < req.num_tokens:
             continue
         if state.pooling_type == "LAST":

@@ -5,6 +5,7 @@ import asyncio
 import functools
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from kvserve.entrypoints.openai.errors import APIError, BadRequestError, Conflic
 from kvserve.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding, RerankRequest,
                                                           ScoreRequest)
 from kvserve.entrypoints.openai.dashboard import page as dashboard_page
-from kvserve.entrypoints.openai.dashboard import snapshot
+from kvserve.entrypoints.openai.dashboard import STATE_MAX_AGE_S, snapshot
 from kvserve.entrypoints.openai.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
     DetokenizeResponse, LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, \
@@ -266,14 +267,19 @@ def _add_server_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSet
     async def dashboard():
         return HTMLResponse(dashboard_page())
 
+    last = {"time": 0.0, "state": None}   # one snapshot serves every poll within STATE_MAX_AGE_S
+
     @app.get("/dashboard/state")
     @api_route
     async def dashboard_state():
         metrics = getattr(engine, "metrics", None)
         if not isinstance(metrics, EngineMetrics):
             raise NotFoundError("the dashboard shows one engine: not data-parallel replicas yet", None, "not_found")
-        name = settings.served_model_names[0]
-        return JSONResponse(await engine.call_engine(lambda e: snapshot(e, metrics, name)))
+        if time.monotonic() - last["time"] > STATE_MAX_AGE_S:   # the engine thread takes it between two steps
+            name = settings.served_model_names[0]
+            last["state"] = await engine.call_engine(lambda e: snapshot(e, metrics, name))
+            last["time"] = time.monotonic()
+        return JSONResponse(last["state"])
 
 
 def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, settings: ServerSettings) -> None:

@@ -15,6 +15,7 @@ from collections import Counter
 from importlib import resources
 
 MAX_CELLS = 4096
+STATE_MAX_AGE_S = 0.5   # polls (every open page, once a second) within this share one snapshot
 FREE, CACHED, NULL = -1, -2, -3
 
 

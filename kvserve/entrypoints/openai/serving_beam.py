@@ -20,6 +20,17 @@ def check_beam_search(req: SamplingFields, constrained: bool) -> None:
     if not 1 <= req.n <= MAX_BEAM_WIDTH:
         raise BadRequestError(f"use_beam_search: n is the beam width, at most {MAX_BEAM_WIDTH}; got {req.n}", "n",
                               "invalid_value")
+    unsupported = [name for name, off in (("stop", req.stop is None), ("stop_token_ids", not req.stop_token_ids),
+                                          ("logit_bias", not req.logit_bias), ("min_tokens", not req.min_tokens),
+                                          ("presence_penalty", not req.presence_penalty),
+                                          ("frequency_penalty", not req.frequency_penalty),
+                                          ("repetition_penalty", req.repetition_penalty in (None, 1.0)),
+                                          ("logprobs", not getattr(req, "logprobs", None)),
+                                          ("echo", not getattr(req, "echo", False)),
+                                          ("stream_options", req.stream_options is None)) if not off]
+    if unsupported:
+        raise BadRequestError(f"use_beam_search does not run with {unsupported[0]}", unsupported[0],
+                              "unsupported_parameter")
     if req.temperature not in (None, 0, 0.0):
         raise BadRequestError("use_beam_search ranks by the model's own logprobs: leave temperature out or 0",
                               "temperature", "invalid_value")

@@ -9,12 +9,12 @@ machine, or a disk), TcpConnector (a producer serves its blocks over TCP to cons
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidRequestError
+from kvserve.json_options import json_object
 
 PARAM = "kv_transfer_config"
 CONNECTORS = ("SharedStorageConnector", "TcpConnector")
@@ -65,17 +65,7 @@ class KVTransferConfig:
             if value is not None:
                 value.validate()
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise InvalidRequestError(f"kv_transfer_config is not valid JSON: {e}", PARAM) from None
-        if not isinstance(value, dict):
-            raise InvalidRequestError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}", PARAM)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequestError(f"unknown kv_transfer_config key(s) {unknown}; known: {sorted(known)}", PARAM)
+        value = json_object(value, cls, PARAM)
         if "kv_connector" not in value:
             raise InvalidRequestError(f"kv_transfer_config needs kv_connector ({', '.join(CONNECTORS)})", PARAM)
         config = cls(**value)

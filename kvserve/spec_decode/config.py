@@ -1,10 +1,10 @@
 """SpeculativeConfig: which proposer guesses the next tokens, and how many (vLLM's `speculative_config` shape)."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequestError
+from kvserve.json_options import json_object
 
 METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPEC_FACTOR = 64   # a match of one token then allows any k (num_speculative_tokens is at most 64)
@@ -58,18 +58,7 @@ class SpeculativeConfig:
         if isinstance(value, cls):   # built directly: checked, and its method's defaults filled in, here too
             value.validate()
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise InvalidRequestError(f"speculative_config is not valid JSON: {e}", PARAM) from None
-        if not isinstance(value, dict):
-            raise InvalidRequestError(f"speculative_config must be a JSON object, got {type(value).__name__}", PARAM)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequestError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}", PARAM)
-        value = dict(value)
+        value = json_object(value, cls, PARAM)
         if value.get("method") is None:   # vLLM infers it: a draft model when one is named
             value["method"] = "draft_model" if value.get("model") else None
         if value["method"] is None:

@@ -268,9 +268,7 @@ class Scheduler:
                     break
                 continue
             if len(self.running) >= self.max_num_seqs:
-                freed = self._preempt_lower(req, out)
-                if freed is None:
-                    freed = self._preempt_held(out)   # held beams must not fill every seat their group needs
+                freed = self._make_room(req, out)
                 if freed is None:
                     break
                 budget += freed
@@ -282,9 +280,7 @@ class Scheduler:
                 break   # the whole prompt in one step: an encoder's sequence attends to all of itself
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
-                freed = self._preempt_lower(req, out)
-                if freed is None:
-                    freed = self._preempt_held(out)
+                freed = self._make_room(req, out)
                 if freed is None:
                     break
                 budget += freed
@@ -360,6 +356,12 @@ class Scheduler:
         if self.rank(victim) <= self.rank(req):
             return None
         return self._preempt(victim, out)
+
+    def _make_room(self, req: Request, out: SchedulerOutput) -> int | None:
+        """A seat or blocks for the waiting `req`: a lower-ranked running request preempted, else a held beam (held
+        beams must not fill every seat and block their group's other beams need); the tokens given back, or None."""
+        freed = self._preempt_lower(req, out)
+        return freed if freed is not None else self._preempt_held(out)
 
     def _preempt_held(self, out: SchedulerOutput) -> int | None:
         """Preempt the latest running beam that waits for its group's choice (it computes nothing until then): the

@@ -99,8 +99,7 @@ class BeamGroup:
         """'<id>#k' for the next beam, never an id a request in flight already has."""
         while True:
             request_id = f"{self.request_id}#{next(self._ids)}"
-            if request_id not in engine.scheduler.requests and request_id not in engine.processor.child_to_parent \
-                    and request_id not in engine.processor.parents:
+            if not engine.id_in_use(request_id):
                 return request_id
 
     def output(self, prompt: str | None, tokenizer, metrics: dict, aborted: bool = False) -> RequestOutput:

@@ -211,7 +211,7 @@ class LLMEngine:
             params = SamplingParams(temperature=0, max_tokens=1)   # the scheduler's bookkeeping: no token is drawn
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.processor.parents or self._id_taken(request_id):
+        if self.id_in_use(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, token_ids = process_prompt(prompt, self.tokenizer, self.vocab_size)
         if isinstance(prompt, dict) and cache_salt is None:
@@ -263,7 +263,7 @@ class LLMEngine:
             if params.n > 1:
                 child_params = params.clone(n=1, seed=params.sample_seed(i))
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
-            if rid != request_id and self._id_taken(rid):
+            if rid != request_id and self.id_in_use(rid):
                 raise InvalidRequestError(f"request id {request_id!r}: its sample {rid!r} would take the id of a "
                                           "request in flight", "request_id")
             children.append(Request(rid, token_ids, child_params, self.eos_token_ids, arrival_time, priority,
@@ -275,11 +275,10 @@ class LLMEngine:
                 children[-1].accounting = RequestAccounting()
         return children
 
-    def _id_taken(self, request_id: str) -> bool:
-        """Whether a request (an n > 1 sample "i_<id>", a beam "<id>#k") already goes by this id or by one its
-        samples would take."""
-        taken = self.processor.child_to_parent
-        return request_id in taken or request_id in self.scheduler.requests
+    def id_in_use(self, request_id: str) -> bool:
+        """Whether a request in flight, one of its n > 1 samples ("i_<id>") or beams ("<id>#k") goes by this id."""
+        return (request_id in self.processor.parents or request_id in self.processor.child_to_parent
+                or request_id in self.scheduler.requests)
 
     def _on_request_finished(self, req: Request) -> None:
         """The scheduler let go of `req` (finished, aborted or failed)."""

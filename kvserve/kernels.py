@@ -356,13 +356,13 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m kvserve.kernels [--with-portable]", file=sys.stderr)
         return 2
     threads = {}
-    if args:   # daemons: Ctrl-C does not wait for them
-        threads["portable"] = threading.Thread(target=load_variant, args=("portable",), daemon=True)
-        threads["portable"].start()
+    # the test variants compile beside the native one (daemons: Ctrl-C does not wait for them); the no-avx512 one
+    # only where the native build has AVX-512, which the CPU's flags tell before it is built
+    wanted = (["portable"] + (["no-avx512"] if "avx512f" in _cpu_id().split() else [])) if args else []
+    for name in wanted:
+        threads[name] = threading.Thread(target=load_variant, args=(name,), daemon=True)
+        threads[name].start()
     st = status()
-    if args and st.avx512:   # the native build without AVX-512, while the portable one still compiles
-        threads["no-avx512"] = threading.Thread(target=load_variant, args=("no-avx512",), daemon=True)
-        threads["no-avx512"].start()
     for name, thread in threads.items():
         thread.join()
         if not _libs.get(name):

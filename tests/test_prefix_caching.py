@@ -205,3 +205,36 @@ def test_random_shared_prefix_workloads_never_leak_or_free_a_block_in_use(ops, b
                                    if r.num_computed_tokens + k == r.num_tokens})
     assert not s.has_unfinished_requests() and all(k.is_finished for kids in parents for k in kids)
     assert kv.num_free_blocks == num_blocks
+
+
+def _trace(kv: KVCacheManager, workload, general_only: bool) -> list:
+    """Run `workload` (prompts sharing prefixes, n samples, a small pool) through a scheduler; each step's scheduled
+    tokens, block tables, copies and free blocks."""
+    if general_only:
+        kv._fits = lambda req, n: False
+    s = Scheduler(kv, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64)
+    for i, (prompt, n, max_tokens) in enumerate(workload):
+        group = [req(f"{j}_{i}", prompt, max_tokens=max_tokens) for j in range(n)]
+        s.add_request(group[0], group[1:])
+    trace = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        trace.append(([(r.request_id, n) for r, n in out.scheduled], sorted(out.block_copies), kv.num_free_blocks,
+                      {r.request_id: kv.get_block_ids(r.request_id) for r, _ in out.scheduled}))
+        s.update_from_output(out, {r.request_id: [7] for r, n in out.scheduled
+                                   if r.num_computed_tokens + n >= r.num_tokens})
+    return trace
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 13), st.integers(1, 3), st.integers(1, 9)),
+                min_size=1, max_size=6),
+       st.booleans())
+def test_the_decode_fast_path_allocates_as_the_general_plan(prompts, caching):
+    # prompts share one of three prefixes; the fast path (blocks already there, none shared) must change nothing:
+    # not the tables, not the copies on write, not the free blocks, not the order of preemptions
+    workload = [([prefix] * 5 + list(range(10, 10 + length)), n, max_tokens)
+                for prefix, length, n, max_tokens in prompts]
+    runs = [_trace(KVCacheManager(num_blocks=12, block_size=4, enable_caching=caching), workload, general)
+            for general in (False, True)]
+    assert runs[0] == runs[1]

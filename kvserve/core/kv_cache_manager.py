@@ -142,6 +142,8 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks=()) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens; None when the pool cannot (preempt or wait).
         new_computed_blocks: get_computed_blocks' hits (with several groups, one list per group)."""
+        if self.flat and not new_computed_blocks and self._fits(req, num_new_tokens):
+            return []   # most decode steps: what the general plan below comes to when nothing changes
         rid = req.request_id
         fresh = rid not in self.req_to_blocks
         if fresh:
@@ -201,6 +203,16 @@ class KVCacheManager:
             taken.reverse()
             blocks.extend(taken.pop() if i >= first else self.null for i in range(start, start + new))
         return allocated
+
+    def _fits(self, req: Request, num_new_tokens: int) -> bool:
+        """One group without windows: the request's blocks already hold its next tokens, and none of the blocks
+        they write is shared (no copy on write)."""
+        blocks = self.req_to_blocks.get(req.request_id)
+        if blocks is None:
+            return False
+        first, end = req.num_computed_tokens // self.block_size, cdiv(req.num_computed_tokens + num_new_tokens,
+                                                                        self.block_size)
+        return end <= len(blocks) and all(blocks[i].ref_cnt == 1 for i in range(first, end))
 
     def _load(self, hit: TierHit | ConnectorHit) -> KVCacheBlock:
         """A fresh block for a host-tier or connector hit, cached under its hash, its load queued for the next

@@ -3,11 +3,16 @@ matmul on the same shapes, side by side: what an AVX2 machine ran for dense mode
 runs now (bf16). On an AVX-512 machine, run it as an AVX2 one:
 
     ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bf16_matmul_avx2.py
+
+and as an AVX-512 CPU without BF16 (Skylake to Ice Lake; the GEMM's tiles then take 16 lanes):
+
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI python benchmarks/bf16_matmul_avx2.py no-avx512bf16
 """
 import torch, sys, time
 from kvserve import kernels
 torch.set_num_threads(2)
-lib = kernels.load_variant("no-avx512")
+lib = kernels.load_variant(sys.argv[1] if len(sys.argv) > 1 else "no-avx512")
+assert lib.kvserve_packed_matmul_kind() == 2, "not a build that widens bf16 weights"
 def best(f, n=20):
     f(); t = []
     for _ in range(n):
@@ -15,7 +20,7 @@ def best(f, n=20):
     return min(t)
 g = torch.Generator().manual_seed(0)
 shapes = {"smol qkv": (960, 576), "smol gate_up": (3072, 576), "smol down": (576, 1536), "qwen1.5B gate_up": (17920, 1536), "qwen1.5B down": (1536, 8960)}
-print(f"{'shape':18} {'M':>4} {'avx2 bf16 ms':>12} {'oneDNN f32 ms':>13} {'ratio':>6}")
+print(f"{'shape':18} {'M':>4} {'widened ms':>12} {'oneDNN f32 ms':>13} {'ratio':>6}")
 for name, (n, k) in shapes.items():
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     wp = torch.empty(kernels.packed_numel(n, k), dtype=torch.bfloat16)

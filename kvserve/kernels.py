@@ -9,10 +9,10 @@ compiler and the CPU (the code is built for -march=native).
 
 What runs depends on the CPU, and the engine logs it at start (`summary()`): AVX-512 gives the vectorized
 attention; AVX-512 BF16 adds the tiled bf16 KV layout and vdpbf16ps matmuls. AVX2 has an attention kernel of its
-own and packed bf16 matmuls that widen the bf16 weights to float32 in registers; on both, bf16 runs the packed
-matmuls and the fused layer stack (the fast path). AVX-512 CPUs without BF16 keep oneDNN's 512-bit float32
-matmuls, and run the fused stack for quantized models. Elsewhere the portable C++ build runs the attention, and with
-no compiler (or a failed build) everything is plain torch. Every path computes the same model: the tests run the
+own and packed bf16 matmuls that widen the bf16 weights to float32 in registers, and so do AVX-512 CPUs without
+BF16 (their GEMM tiles on 16 lanes); on all of them, bf16 runs the packed matmuls and the fused layer stack (the
+fast path). Elsewhere the portable C++ build runs the attention, and with no compiler (or a failed build)
+everything is plain torch. Every path computes the same model: the tests run the
 engine on each (`variant()`).
 """
 from __future__ import annotations
@@ -66,11 +66,14 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-o
 # flush-to-zero for the whole process (torch included) the moment the library loads
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 # native: everything this CPU supports; no-avx512: the same without AVX-512 (what an AVX2 CPU runs; tests compare
-# the two bit for bit where they differ); portable: the plain C++ paths every x86/ARM CPU runs; none: no C++ at all
-# (no compiler), every op in torch
-VARIANTS = {"native": (), "no-avx512": ("-mno-avx512f",), "portable": ("-DKVSERVE_PORTABLE",), "none": None}
+# the two bit for bit where they differ); no-avx512bf16: the same without AVX-512 BF16 (what Skylake to Ice Lake
+# Xeons run); portable: the plain C++ paths every x86/ARM CPU runs; none: no C++ at all (no compiler), every op in
+# torch
+VARIANTS = {"native": (), "no-avx512": ("-mno-avx512f",), "no-avx512bf16": ("-mno-avx512bf16",),
+            "portable": ("-DKVSERVE_PORTABLE",), "none": None}
 # KVSERVE_KERNELS picks the variant for the whole process: KVSERVE_KERNELS=no-avx512 (with oneDNN and ATen held to
-# AVX2: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2) runs on an AVX-512 machine what an AVX2 machine runs
+# AVX2: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2) runs on an AVX-512 machine what an AVX2 machine runs;
+# KVSERVE_KERNELS=no-avx512bf16 ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI what an AVX-512 CPU without BF16 runs
 _ENV = "KVSERVE_KERNELS"
 
 
@@ -287,7 +290,7 @@ class KernelStatus:
     bf16: bool            # AVX-512 BF16: tiled bf16 KV, vdpbf16ps matmuls
     reason: str | None    # why the library is missing
     avx2: bool = False    # AVX2 attention and bf16 layer ops
-    bf16_matmul: bool = False   # packed bf16 matmuls: vdpbf16ps, or AVX2 widening bf16 weights to float32
+    bf16_matmul: bool = False   # packed bf16 matmuls: vdpbf16ps, or bf16 weights widened to float32 (AVX2, AVX-512)
 
     @property
     def fast_bf16(self) -> bool:
@@ -304,10 +307,9 @@ def status() -> KernelStatus:
                         kind >= 1 and lib.silu_mul_fast)
 
 
-def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None,
-            fused_stack: bool = False) -> str:
+def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None) -> str:
     """One line: which kernel paths an engine of this dtype (and KV cache dtype) on this device runs, and what it
-    falls back to. fused_stack: the engine's model runs the fused layer stack."""
+    falls back to."""
     if device.type != "cpu":
         return f"{device.type}: torch ops"
     st = status()
@@ -327,11 +329,9 @@ def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | No
         attention = ("C++ paged attention (AVX-512)" if st.avx512 else "C++ paged attention (AVX2)" if st.avx2
                      else "C++ paged attention (portable: no AVX2)")
     if dtype == torch.bfloat16 and st.bf16_matmul:
-        return (f"{attention}; packed bf16 matmuls (AVX2: the bf16 weights widened to float32 in registers), "
-                "quantized ones by int8 dot products; the fused layer stack where the layers allow")
-    if fused_stack and dtype == torch.bfloat16:
-        return (f"{attention}; quantized matmuls (int8 dot products), fused layer stack in bf16 (AVX-512 without "
-                f"BF16: dense bf16 linears run in oneDNN, outside the stack){_SEE}")
+        return (f"{attention}; packed bf16 matmuls (the bf16 weights widened to float32 in registers, "
+                f"{'AVX-512' if st.avx512 else 'AVX2'} FMAs), quantized ones by int8 dot products; the fused layer "
+                "stack where the layers allow")
     if st.bf16_matmul:
         return f"{attention}; {matmuls} (--dtype bfloat16 runs the bf16 kernels)"
     return f"{attention}; {matmuls} (no bf16 matmul kernels here: --dtype float32 is the fast path){_SEE}"
@@ -348,17 +348,19 @@ def is_degraded(device: torch.device, fused_stack: bool = False) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvserve.kernels [--with-portable]`: build the kernels now (make setup does) and say what this CPU
     runs; --with-portable also builds the variants the tests compare against, at the same time: the portable one,
-    and on a CPU with AVX-512 the no-avx512 one (each build is one compiler process, so on two cores a pair takes
-    about as long as one)."""
+    on a CPU with AVX-512 the no-avx512 one, and with AVX-512 BF16 the no-avx512bf16 one (one compiler process
+    each, all at once)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = sys.argv[1:] if argv is None else argv
     if args not in ([], ["--with-portable"]):
         print("usage: python -m kvserve.kernels [--with-portable]", file=sys.stderr)
         return 2
     threads = {}
-    # the test variants compile beside the native one (daemons: Ctrl-C does not wait for them); the no-avx512 one
-    # only where the native build has AVX-512, which the CPU's flags tell before it is built
-    wanted = (["portable"] + (["no-avx512"] if "avx512f" in _cpu_id().split() else [])) if args else []
+    # the test variants compile beside the native one (daemons: Ctrl-C does not wait for them); each one that drops
+    # a feature only where the native build has it, which the CPU's flags tell before it is built
+    flags = _cpu_id().split()
+    wanted = ["portable"] + [name for name, flag in (("no-avx512", "avx512f"), ("no-avx512bf16", "avx512_bf16"))
+                             if flag in flags] if args else []
     for name in wanted:
         threads[name] = threading.Thread(target=load_variant, args=(name,), daemon=True)
         threads[name].start()

@@ -9,8 +9,8 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve import kernels
-from kvserve.attention import (TorchPagedAttention, attention_layers, bind_kv_cache, build_attention_metadata, fp8,
-                               kv_layout)
+from kvserve.attention import (CpuPagedAttention, TorchPagedAttention, attention_layers, bind_kv_cache,
+                               build_attention_metadata, fp8, kv_layout)
 from kvserve.config import EngineConfig
 from kvserve.model import load_model
 from kvserve.model.fused import struct_layout
@@ -78,6 +78,29 @@ def test_fused_stack_is_bit_identical_to_the_modules(tmp_path, head_dim, block_s
         assert got.dtype == torch.float32 and torch.equal(got, want) and torch.equal(twice, want)
     for got, want, twice in zip(fused_pools, module_pools, again_pools):
         assert torch.equal(got, want) and torch.equal(twice, want)
+
+
+@pytest.mark.parametrize("variant", ["no-avx512", "no-avx512bf16"])
+def test_the_builds_that_widen_bf16_weights_run_the_stack_bit_identical_to_the_modules(tmp_path, variant):
+    """What an AVX2 CPU and an AVX-512 CPU without BF16 run (bf16 weights widened to float32 in registers; the
+    GEMM's tiles on 8 and on 16 lanes), built here: the stack equals the modules, and the two builds give the same
+    bits."""
+    if "avx512f" not in kernels._cpu_id().split() or variant == "no-avx512bf16" and \
+            "avx512_bf16" not in kernels._cpu_id().split():
+        pytest.skip(f"the native build here already is what {variant} would drop")
+    runs = {}
+    for name in ("no-avx512", variant):
+        with kernels.variant(name) as lib:
+            assert lib.kvserve_packed_matmul_kind() == 2
+            model = _tiny_bf16(tmp_path / name, hidden_size=128, intermediate_size=96)
+            backend = CpuPagedAttention(lib)   # this build's attention, on pools it does not tile
+            fused, fused_pools = _run_steps(model, 16, backend)
+            assert model.model._fused is not None and not model.model._fused.tiled
+            model.model.use_fused_layers = False
+            modules, module_pools = _run_steps(model, 16, backend)
+        assert all(torch.equal(a, b) for a, b in zip(fused + fused_pools, modules + module_pools))
+        runs[name] = fused
+    assert all(torch.equal(a, b) for a, b in zip(runs["no-avx512"], runs[variant]))
 
 
 def _tiny_quantized_bf16(tmp_path, qtype: str, **overrides):

@@ -7,8 +7,10 @@
 #include <cmath>
 #include <numeric>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #include <omp.h>
 

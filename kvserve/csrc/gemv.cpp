@@ -108,13 +108,15 @@ constexpr GemmFn gemm_row_fns[GEMM_MR + 1] = {nullptr, gemm_tile<1, NB, PF>, gem
 const GemmFn* const gemm_fns[2][GEMM_NB + 1] = {
     {nullptr, gemm_row_fns<1, false>, gemm_row_fns<2, false>, gemm_row_fns<3, false>, gemm_row_fns<4, false>},
     {nullptr, gemm_row_fns<1, true>, gemm_row_fns<2, true>, gemm_row_fns<3, true>, gemm_row_fns<4, true>}};
-#elif defined(KV_HAVE_AVX2) && !defined(KV_HAVE_AVX512)
+#elif defined(KV_HAVE_AVX2)
 #define KV_HAVE_GEMV 2
 // loops over the register arrays unrolled whole: a loop left rolled makes GCC keep the accumulators in memory
 #define KV_UNROLL _Pragma("GCC unroll 16")
-// AVX2: the same packed W, each pair widened to two float32 vectors in registers (a bf16 is the top half of its
-// float32: the low dword half shifted up, the high half masked), FMAs in float32. (AVX-512 CPUs without BF16 keep
-// oneDNN, whose 512-bit float32 GEMM these 256-bit tiles would not match where a core has two 512-bit FMA units.)
+// AVX2, and AVX-512 without BF16: the same packed W, each pair widened to two float32 vectors in registers (a bf16
+// is the top half of its float32: the low dword half shifted up, the high half masked), FMAs in float32. The GEMV
+// is bound by reading W and runs on 8 lanes everywhere; the GEMM's tiles take 16 lanes where the CPU has AVX-512
+// (one vector a panel row), with every column's sum the same chain of FMAs as on 8 lanes: both builds give the same
+// bits.
 
 // the k and k + 1 floats of 8 columns from their 8 packed pairs
 KV_ALWAYS_INLINE void widen_pairs(const int32_t* p, __m256& even, __m256& odd) {
@@ -204,15 +206,38 @@ void gemv_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, in
     }
 }
 
+// GEMM tiles read x widened and packed per tile of GEMM_MR rows, k-major (xt[k][r], see pack_tiles): each k step's
+// broadcasts come from one line, not from one line of every row
+#ifdef KV_HAVE_AVX512
+constexpr int GEMM_MR = 12;   // each panel row loaded feeds 12 FMAs; 12 + 2 of the 32 vector registers
+
+// GEMM tile: MR rows x 16 columns from a widened float32 panel [K][16], MR accumulators of 16 lanes
+template <int MR>
+void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int64_t ys, int64_t left) {
+  __m512 acc[MR];
+  KV_UNROLL for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w = _mm512_load_ps(panel + k * 16);
+    KV_UNROLL for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xt[k * GEMM_MR + m]), w, acc[m]);
+  }
+  KV_UNROLL for (int m = 0; m < MR; ++m) {
+    store_cols(y + m * ys, _mm512_castps512_ps256(acc[m]), left);
+    if (left > 8)   // (the upper half through AVX-512F alone: extractf32x8 needs DQ)
+      store_cols(y + m * ys + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1)), left - 8);
+  }
+}
+#else
+constexpr int GEMM_MR = 6;
+
 // GEMM tile: MR rows x 16 columns from a widened float32 panel [K][16], 2 MR accumulators
 template <int MR>
-void gemm_tile(const float* xf, int64_t K, const float* panel, uint16_t* y, int64_t ys, int64_t left) {
+void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int64_t ys, int64_t left) {
   __m256 acc[MR][2];
   KV_UNROLL for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m256 w0 = _mm256_load_ps(panel + k * 16), w1 = _mm256_load_ps(panel + k * 16 + 8);
     KV_UNROLL for (int m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(xf + m * K + k);
+      const __m256 xb = _mm256_broadcast_ss(xt + k * GEMM_MR + m);
       acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
       acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
     }
@@ -222,25 +247,48 @@ void gemm_tile(const float* xf, int64_t K, const float* panel, uint16_t* y, int6
     if (left > 8) store_cols(y + m * ys + 8, acc[m][1], left - 8);
   }
 }
+#endif
 
-constexpr int GEMM_MR = 6;
+// rows [0, M) of x as float32 in tiles of GEMM_MR rows, each k-major: xt[t][k][r] = x[t GEMM_MR + r][k] (the last
+// tile's missing rows are never read); in a buffer of the calling thread
+inline const float* pack_tiles(const uint16_t* x, int64_t xs, int64_t M, int64_t K) {
+  const float* xf = widen_rows(x, xs, M, K);
+  static thread_local std::vector<float> buf;
+  const int64_t tiles = (M + GEMM_MR - 1) / GEMM_MR;
+  if (int64_t(buf.size()) < tiles * K * GEMM_MR) buf.resize(tiles * K * GEMM_MR);
+  float* out = buf.data();
+  #pragma omp parallel for if (M * K >= 65536)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = std::min<int64_t>(GEMM_MR, M - t * GEMM_MR);
+    float* dst = out + t * K * GEMM_MR;
+    const float* src = xf + t * GEMM_MR * K;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < rows; ++r) dst[k * GEMM_MR + r] = src[r * K + k];
+  }
+  return out;
+}
+
 // rows of x widened to float32 at a time: each 16-column block's panel is widened once per chunk
 constexpr int64_t GEMM_CHUNK_ROWS = 96;
+static_assert(GEMM_CHUNK_ROWS % GEMM_MR == 0, "a chunk is whole tiles but its last");
 using TileFn = void (*)(const float*, int64_t, const float*, uint16_t*, int64_t, int64_t);
-constexpr TileFn gemm_tiles[GEMM_MR + 1] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
-                                            gemm_tile<5>, gemm_tile<6>};
+template <int... R>
+constexpr std::array<TileFn, sizeof...(R) + 1> tile_table(std::integer_sequence<int, R...>) {
+  return {nullptr, gemm_tile<R + 1>...};
+}
+constexpr auto gemm_tiles = tile_table(std::make_integer_sequence<int, GEMM_MR>{});
 
 void gemm_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, int64_t ys, int64_t M, int64_t N,
                int64_t K) {
   const int64_t K2 = K / 2, nb = (N + 15) / 16;
   for (int64_t c0 = 0; c0 < M; c0 += GEMM_CHUNK_ROWS) {
     const int64_t mc = std::min(GEMM_CHUNK_ROWS, M - c0);
-    const float* xf = widen_rows(x + c0 * xs, xs, mc, K);
+    const float* xt = pack_tiles(x + c0 * xs, xs, mc, K);
     #pragma omp parallel
     {
       static thread_local std::vector<float> panel_buf;
-      if (int64_t(panel_buf.size()) < 16 * K + 8) panel_buf.resize(16 * K + 8);
-      float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(panel_buf.data()) + 31) & ~uintptr_t(31));
+      if (int64_t(panel_buf.size()) < 16 * K + 16) panel_buf.resize(16 * K + 16);
+      float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(panel_buf.data()) + 63) & ~uintptr_t(63));
       #pragma omp for schedule(dynamic)
       for (int64_t b = 0; b < nb; ++b) {
         const int32_t* w = wp + b * K2 * 16;
@@ -255,7 +303,7 @@ void gemm_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, in
         }
         for (int64_t m0 = 0; m0 < mc; m0 += GEMM_MR) {
           const int mr = int(std::min<int64_t>(GEMM_MR, mc - m0));
-          gemm_tiles[mr](xf + m0 * K, K, panel, y + (c0 + m0) * ys + b * 16, ys, N - b * 16);
+          gemm_tiles[mr](xt + m0 * K, K, panel, y + (c0 + m0) * ys + b * 16, ys, N - b * 16);
         }
       }
     }

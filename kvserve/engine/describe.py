@@ -30,7 +30,7 @@ def log_loaded(engine, config, t0: float) -> None:
                 engine.device, engine.parallel_description(), time.perf_counter() - t0, kv_size,
                 engine.kv_cache_description())
     fused_stack = engine.runs_fused_stack()
-    engine.kernel_summary = kernels.summary(engine.dtype, engine.device, engine.kv_cache_dtype, fused_stack)
+    engine.kernel_summary = kernels.summary(engine.dtype, engine.device, engine.kv_cache_dtype)
     if engine.is_encoder:   # no paged attention: each sequence attends to itself whole
         engine.kernel_summary = ("an encoder: torch matmuls and scaled_dot_product_attention over each step's "
                                  "whole sequences, no KV cache")

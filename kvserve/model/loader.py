@@ -131,10 +131,10 @@ def _serving_dtype(name: str, device: torch.device | str, checkpoint_dtype: torc
 def auto_dtype(device: torch.device | str, checkpoint_dtype: torch.dtype | None = None,
                quantized: bool = False) -> tuple[torch.dtype, str]:
     """dtype="auto": the dtype, and why. CUDA: bf16 (fp16 for an fp16 checkpoint, or without bf16). CPU: bf16
-    wherever the packed bf16 matmuls and the fused layer stack run (AVX-512 BF16, or AVX2 widening bf16 weights
-    to float32 in registers: half the bytes of float32 a step, and faster in batches too, benchmarks/LOG.md);
-    for a quantized model (every linear GGUF or int8 blocks) also wherever the fused stack's bf16 ops are
-    vectorized (AVX-512 without BF16); float32 elsewhere (torch's bf16 ops without these kernels are slower)."""
+    wherever the packed bf16 matmuls and the fused layer stack run (AVX-512 BF16, or AVX2 and AVX-512 without BF16
+    widening bf16 weights to float32 in registers: half the bytes of float32 a step, and as fast in batches,
+    benchmarks/LOG.md); for a quantized model (every linear GGUF or int8 blocks) also wherever the fused stack's
+    bf16 ops are vectorized; float32 elsewhere (torch's bf16 ops without these kernels are slower)."""
     if torch.device(device).type == "cuda":
         if checkpoint_dtype == torch.float16 or not torch.cuda.is_bf16_supported():
             return torch.float16, "fp16 checkpoint" if checkpoint_dtype == torch.float16 else "no bf16 on this GPU"
@@ -142,7 +142,8 @@ def auto_dtype(device: torch.device | str, checkpoint_dtype: torch.dtype | None 
     st = kernels.status()
     if st.fast_bf16:
         return torch.bfloat16, ("AVX-512 BF16 kernels" if st.bf16 else
-                                "AVX2 bf16 kernels: bf16 weights widened to float32 in registers")
+                                f"{'AVX-512' if st.avx512 else 'AVX2'} bf16 kernels: bf16 weights widened to "
+                                "float32 in registers")
     if cpu_has_fast_bf16():
         return torch.bfloat16, "the CPU's native bf16 matmuls (AMX / AVX-512 BF16) through torch"
     lib = kernels.load() if quantized else None

@@ -206,11 +206,23 @@ void gemv_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, in
     }
 }
 
-// GEMM tiles read x widened and packed per tile of GEMM_MR rows, k-major (xt[k][r], see pack_tiles): each k step's
-// broadcasts come from one line, not from one line of every row
 #ifdef KV_HAVE_AVX512
 constexpr int GEMM_MR = 12;   // each panel row loaded feeds 12 FMAs; 12 + 2 of the 32 vector registers
+// the 16-lane tiles read x widened and packed per tile, k-major (see widen_tile): each k step's 12 broadcasts come
+// from one line, not from a line of each row (tiles of 12 rows reading rows run well below oneDNN's float32 GEMM;
+// packed, about as fast); the 8-lane tiles of 6 rows gain nothing from it
+constexpr bool PACK_X = true;
+#else
+constexpr int GEMM_MR = 6;
+constexpr bool PACK_X = false;
+#endif
 
+// row m, column k of a tile of x widened to float32: packed k-major or row-major (widen_tile)
+KV_ALWAYS_INLINE const float& x_at(const float* x, int64_t K, int64_t k, int m) {
+  return PACK_X ? x[k * GEMM_MR + m] : x[m * K + k];
+}
+
+#ifdef KV_HAVE_AVX512
 // GEMM tile: MR rows x 16 columns from a widened float32 panel [K][16], MR accumulators of 16 lanes
 template <int MR>
 void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int64_t ys, int64_t left) {
@@ -218,7 +230,7 @@ void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int6
   KV_UNROLL for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m512 w = _mm512_load_ps(panel + k * 16);
-    KV_UNROLL for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xt[k * GEMM_MR + m]), w, acc[m]);
+    KV_UNROLL for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x_at(xt, K, k, m)), w, acc[m]);
   }
   KV_UNROLL for (int m = 0; m < MR; ++m) {
     store_cols(y + m * ys, _mm512_castps512_ps256(acc[m]), left);
@@ -227,8 +239,6 @@ void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int6
   }
 }
 #else
-constexpr int GEMM_MR = 6;
-
 // GEMM tile: MR rows x 16 columns from a widened float32 panel [K][16], 2 MR accumulators
 template <int MR>
 void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int64_t ys, int64_t left) {
@@ -237,7 +247,7 @@ void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int6
   for (int64_t k = 0; k < K; ++k) {
     const __m256 w0 = _mm256_load_ps(panel + k * 16), w1 = _mm256_load_ps(panel + k * 16 + 8);
     KV_UNROLL for (int m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(xt + k * GEMM_MR + m);
+      const __m256 xb = _mm256_broadcast_ss(&x_at(xt, K, k, m));
       acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
       acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
     }
@@ -249,23 +259,25 @@ void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int6
 }
 #endif
 
-// rows [0, M) of x as float32 in tiles of GEMM_MR rows, each k-major: xt[t][k][r] = x[t GEMM_MR + r][k] (the last
-// tile's missing rows are never read); in a buffer of the calling thread
-inline const float* pack_tiles(const uint16_t* x, int64_t xs, int64_t M, int64_t K) {
-  const float* xf = widen_rows(x, xs, M, K);
-  static thread_local std::vector<float> buf;
-  const int64_t tiles = (M + GEMM_MR - 1) / GEMM_MR;
-  if (int64_t(buf.size()) < tiles * K * GEMM_MR) buf.resize(tiles * K * GEMM_MR);
-  float* out = buf.data();
-  #pragma omp parallel for if (M * K >= 65536)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t rows = std::min<int64_t>(GEMM_MR, M - t * GEMM_MR);
-    float* dst = out + t * K * GEMM_MR;
-    const float* src = xf + t * GEMM_MR * K;
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t r = 0; r < rows; ++r) dst[k * GEMM_MR + r] = src[r * K + k];
+// rows [0, rows) of x (one tile's) widened to float32 as the tiles read them (x_at): k-major, dst[k][r] =
+// x[r][k], or row-major
+inline void widen_tile(const uint16_t* x, int64_t xs, int64_t rows, int64_t K, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* src = x + r * xs;
+    if (!PACK_X) {
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + r * K + k, load8(src + k));
+      for (; k < K; ++k) dst[r * K + k] = bf16_to_f32(src[k]);
+      continue;
+    }
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, load8(src + k));
+      for (int j = 0; j < 8; ++j) dst[(k + j) * GEMM_MR + r] = v[j];
+    }
+    for (; k < K; ++k) dst[k * GEMM_MR + r] = bf16_to_f32(src[k]);
   }
-  return out;
 }
 
 // rows of x widened to float32 at a time: each 16-column block's panel is widened once per chunk
@@ -278,33 +290,56 @@ constexpr std::array<TileFn, sizeof...(R) + 1> tile_table(std::integer_sequence<
 }
 constexpr auto gemm_tiles = tile_table(std::make_integer_sequence<int, GEMM_MR>{});
 
+// the block's pairs of W (K2 of them, 16 columns) as its float32 panel [K][16]
+inline void widen_panel(const int32_t* w, int64_t K2, float* panel) {
+  for (int64_t k = 0; k < K2; ++k) {
+    __m256 e0, o0, e1, o1;
+    widen_pairs(w + k * 16, e0, o0);
+    widen_pairs(w + k * 16 + 8, e1, o1);
+    _mm256_store_ps(panel + 32 * k, e0);
+    _mm256_store_ps(panel + 32 * k + 8, e1);
+    _mm256_store_ps(panel + 32 * k + 16, o0);
+    _mm256_store_ps(panel + 32 * k + 24, o1);
+  }
+}
+
+// Per chunk of rows, the threads widen the chunk's tiles of x, then each claims 16-column blocks one at a time: it
+// widens the block's panel, then runs the chunk's tiles over it. A block's W comes from DRAM once per chunk; the
+// thread claims its next block before it starts the tiles and prefetches that block's W into L2 a slice before each
+// tile, so the next panel's reads do not stall on DRAM. Dynamic claims: a thread the OS preempts leaves its blocks
+// to the others. Every tile computes the same sums whichever thread runs it.
 void gemm_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, int64_t ys, int64_t M, int64_t N,
                int64_t K) {
-  const int64_t K2 = K / 2, nb = (N + 15) / 16;
+  const int64_t K2 = K / 2, nb = (N + 15) / 16, block_lines = K2;   // a block's pairs: K2 lines of 64 bytes
+  static thread_local std::vector<float> x_buf;   // the calling thread's: every thread reads it
+  if (int64_t(x_buf.size()) < GEMM_CHUNK_ROWS * K) x_buf.resize(GEMM_CHUNK_ROWS * K);
+  float* xt = x_buf.data();
   for (int64_t c0 = 0; c0 < M; c0 += GEMM_CHUNK_ROWS) {
-    const int64_t mc = std::min(GEMM_CHUNK_ROWS, M - c0);
-    const float* xt = pack_tiles(x + c0 * xs, xs, mc, K);
+    const int64_t mc = std::min(GEMM_CHUNK_ROWS, M - c0), tiles = (mc + GEMM_MR - 1) / GEMM_MR;
+    const int64_t per_tile = (block_lines + tiles - 1) / tiles;
+    std::atomic<int64_t> counter{0};
     #pragma omp parallel
     {
+      #pragma omp for schedule(static)
+      for (int64_t t = 0; t < tiles; ++t)
+        widen_tile(x + (c0 + t * GEMM_MR) * xs, xs, std::min<int64_t>(GEMM_MR, mc - t * GEMM_MR), K,
+                   xt + t * GEMM_MR * K);
       static thread_local std::vector<float> panel_buf;
       if (int64_t(panel_buf.size()) < 16 * K + 16) panel_buf.resize(16 * K + 16);
       float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(panel_buf.data()) + 63) & ~uintptr_t(63));
-      #pragma omp for schedule(dynamic)
-      for (int64_t b = 0; b < nb; ++b) {
-        const int32_t* w = wp + b * K2 * 16;
-        for (int64_t k = 0; k < K2; ++k) {   // the block's pairs as two rows of 16 floats each
-          __m256 e0, o0, e1, o1;
-          widen_pairs(w + k * 16, e0, o0);
-          widen_pairs(w + k * 16 + 8, e1, o1);
-          _mm256_store_ps(panel + 32 * k, e0);
-          _mm256_store_ps(panel + 32 * k + 8, e1);
-          _mm256_store_ps(panel + 32 * k + 16, o0);
-          _mm256_store_ps(panel + 32 * k + 24, o1);
-        }
-        for (int64_t m0 = 0; m0 < mc; m0 += GEMM_MR) {
+      int64_t b = counter.fetch_add(1, std::memory_order_relaxed);
+      while (b < nb) {
+        const int64_t next = counter.fetch_add(1, std::memory_order_relaxed);
+        const char* pf = next < nb ? reinterpret_cast<const char*>(wp + next * K2 * 16) : nullptr;
+        widen_panel(wp + b * K2 * 16, K2, panel);
+        for (int64_t t = 0; t < tiles; ++t) {
+          for (int64_t i = t * per_tile; pf && i < std::min(block_lines, (t + 1) * per_tile); ++i)
+            _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
+          const int64_t m0 = t * GEMM_MR;
           const int mr = int(std::min<int64_t>(GEMM_MR, mc - m0));
           gemm_tiles[mr](xt + m0 * K, K, panel, y + (c0 + m0) * ys + b * 16, ys, N - b * 16);
         }
+        b = next;
       }
     }
   }

@@ -1,7 +1,8 @@
 """What each kernel path costs on this CPU: the same engine and workload on every kernel variant, side by side.
 
 Variants (kvserve/kernels.py): native (what this CPU supports), no-avx512 (on a CPU with AVX-512: the native
-build without it, what an AVX2 CPU runs), portable (the plain C++ build) and none (no compiler: plain torch). For
+build without it, what an AVX2 CPU runs), no-avx512bf16 (on a CPU with AVX-512 BF16: what an AVX-512 CPU without
+it runs), portable (the plain C++ build) and none (no compiler: plain torch). For
 each dtype given, every variant runs the same random
 workload offline (output tok/s, greedy, ignore_eos) and one request alone (TPOT), in one process, repeats
 interleaved so the machine's drift hits every variant alike.
@@ -48,8 +49,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
-    if args.variants is None:   # no-avx512 is the native build where the CPU has no AVX-512
-        args.variants = [v for v in kernels.VARIANTS if v != "no-avx512" or kernels.status().avx512]
+    if args.variants is None:   # a variant without a feature the CPU lacks is the native build
+        args.variants = [v for v in kernels.VARIANTS if kernels.differs_here(v)]
     work = random_workload(args.num_prompts, (args.input_len, args.input_len), (args.output_len, args.output_len),
                            0, 49152)
     runs: dict[tuple[str, str], list[dict]] = {}

@@ -105,6 +105,15 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
+# the feature each variant below native drops: built where the CPU has it (elsewhere it is the native build)
+_DROPS = {"no-avx512": "avx512f", "no-avx512bf16": "avx512_bf16"}
+
+
+def differs_here(name: str) -> bool:
+    """False for a variant that drops a feature this CPU lacks: it would build what native builds."""
+    return name not in _DROPS or _DROPS[name] in _cpu_id().split()
+
+
 def _build(cxx: str, source: str | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """The cached library for these sources and flags, compiling it first if needed (at most BUILD_TIMEOUT_S)."""
     source = _SOURCE if source is None else source
@@ -358,9 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = {}
     # the test variants compile beside the native one (daemons: Ctrl-C does not wait for them); each one that drops
     # a feature only where the native build has it, which the CPU's flags tell before it is built
-    flags = _cpu_id().split()
-    wanted = ["portable"] + [name for name, flag in (("no-avx512", "avx512f"), ("no-avx512bf16", "avx512_bf16"))
-                             if flag in flags] if args else []
+    wanted = ["portable"] + [name for name in _DROPS if differs_here(name)] if args else []
     for name in wanted:
         threads[name] = threading.Thread(target=load_variant, args=(name,), daemon=True)
         threads[name].start()

@@ -224,9 +224,7 @@ def test_widening_packed_matmul_is_as_close_to_float32_as_a_rounding(n, k):
     within one bf16 rounding of the exact product, on the same packed weights the AVX-512 BF16 build reads; the AVX2
     build and the AVX-512 one without BF16 (its GEMM tiles on 16 lanes) give the same bits."""
     from kvserve.kernels import load_variant
-    flags = kernels._cpu_id().split()
-    names = ["no-avx512" if "avx512f" in flags else "native"] + (["no-avx512bf16"] if "avx512_bf16" in flags else
-                                                                 ["native"] if "avx512f" in flags else [])
+    names = [name if kernels.differs_here(name) else "native" for name in ("no-avx512", "no-avx512bf16")]
     libs = [lib for lib in map(load_variant, dict.fromkeys(names))
             if lib is not None and lib.kvserve_packed_matmul_kind() == 2]
     if not libs:

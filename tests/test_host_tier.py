@@ -141,3 +141,30 @@ def test_what_the_tier_does_not_serve_yet_is_refused(tmp_path, gguf_path):
     save_tiny_model("gemma3", tmp_path)
     with pytest.raises(InvalidRequestError, match="sliding-window"):
         LLM(model=str(tmp_path), tokenizer=gguf_path, preemption_mode="swap")
+
+
+def test_a_copy_on_write_reads_its_source_before_a_load_lands_in_it(monkeypatch):
+    """One schedule can plan a copy on write from block S, then free S (a preemption of the last other holder) and
+    hand it to a tier hit as the block to load into: the copy must read S's old bytes first. The step's order is
+    the tier's saves, the copies, the loads, then the forward."""
+    import numpy as np
+
+    from kvserve.core.scheduler import SchedulerOutput
+    from kvserve.distributed.message import StepMessage
+    from kvserve.worker.kv_tier import kv_pools
+    from kvserve.worker.model_runner import StepInputs
+    llm = LLM(dtype="float32", block_size=4, num_kv_blocks=8, kv_offloading_size="1MiB")
+    runner = llm.llm_engine.runner
+    src, dst, slot = 2, 5, 0
+    pools = kv_pools(runner.models)
+    for i, pool in enumerate(pools):
+        pool[src], pool[dst] = 11 + i, 0
+    for tier_slot in runner.tier_storage.slots:
+        tier_slot[slot] = 99
+    # what such a schedule queued: the load into S (the copy S -> D travels in the step's message)
+    monkeypatch.setattr(runner.kv, "take_tier_copies", lambda: ([], [(slot, src)]))
+    # the step: one token of a sequence in block 7 (its forward writes only there), the copy S -> D
+    msg = StepMessage.build([1], [0], [1], [1], [[7]], [(src, dst)], [])
+    runner._execute(SchedulerOutput(), StepInputs(msg, [], np.zeros(0, np.int64), []))
+    for i, pool in enumerate(pools):
+        assert (pool[dst] == 11 + i).all() and (pool[src] == 99).all()

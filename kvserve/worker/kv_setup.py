@@ -90,14 +90,21 @@ class KVCacheSetup:
                               if on))
         return self.kv_connector
 
-    def move_tier_blocks(self) -> None:
-        """The host tier's saves and loads, then the connector's loads, queued since the last forward (before the
-        next one writes the pools)."""
+    def move_tier_blocks(self, msg=None) -> None:
+        """The host tier's saves, then the step's copies on write (`msg`'s, taken out of it when there are loads),
+        then the tier's and the connector's loads, all queued since the last forward (before the next one writes the
+        pools). Saves read evicted blocks before a copy or a load writes them; a copy reads its source before a load
+        can write it (a source freed in the same schedule, by a preemption, may be a load's fresh block)."""
         saves, tier_loads = self.kv.take_tier_copies()
         loads = self.kv.take_connector_loads()
         try:
             if self.tier_storage is not None:
-                self.tier_storage.copy(saves, tier_loads)
+                self.tier_storage.copy(saves, [])
+            if (tier_loads or loads) and msg is not None and len(msg.block_copies):
+                self._copy_blocks(msg.block_copies.tolist())
+                msg.block_copies = msg.block_copies[:0]   # done: the forward must not copy them again
+            if self.tier_storage is not None:
+                self.tier_storage.copy([], tier_loads)
             if self.kv_connector is not None:
                 self.kv_connector.load(loads)
         except BaseException:   # whatever failed, these blocks' bytes may not be their tokens' KV

@@ -233,7 +233,7 @@ class ModelRunner(KVCacheSetup):
             raise EngineDeadError(message) from e
 
     def _execute(self, sched: SchedulerOutput, inp: StepInputs) -> dict[str, list[int]]:
-        self.move_tier_blocks()
+        self.move_tier_blocks(inp.message)
         hidden, ids, _ = self.run_forward(inp.message)
         if self.draft_model is not None:
             self._write_draft_kv(sched, ids)

@@ -48,8 +48,8 @@ $(KERNELS): $(STAMP) $(wildcard kvserve/csrc/*)
 	$(PY) -m kvserve.kernels
 	touch $(KERNELS)
 
-# make test also builds the variants the tests compare against, beside the native one: the portable one, and on a
-# CPU with AVX-512 the one without (one compiler process each: on two cores a pair takes about as long as one)
+# make test also builds the variants the tests compare against, beside the native one: the portable one, and where
+# the CPU has them, the ones without AVX-512 and without AVX-512 BF16 (one compiler process each, all at once)
 $(TEST_KERNELS): $(STAMP) $(wildcard kvserve/csrc/*)
 	$(PY) -m kvserve.kernels --with-portable
 	touch $(KERNELS) $(TEST_KERNELS)

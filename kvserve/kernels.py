@@ -9,9 +9,9 @@ compiler and the CPU (the code is built for -march=native).
 
 What runs depends on the CPU, and the engine logs it at start (`summary()`): AVX-512 gives the vectorized
 attention; AVX-512 BF16 adds the tiled bf16 KV layout and vdpbf16ps matmuls. AVX2 has an attention kernel of its
-own and packed bf16 matmuls that widen the bf16 weights to float32 in registers, and so do AVX-512 CPUs without
-BF16 (their GEMM tiles on 16 lanes); on all of them, bf16 runs the packed matmuls and the fused layer stack (the
-fast path). Elsewhere the portable C++ build runs the attention, and with no compiler (or a failed build)
+own. Without AVX-512 BF16 (AVX2, and AVX-512 CPUs without it) the packed bf16 matmuls widen the bf16 weights to
+float32 in registers (the GEMM's tiles on 16 lanes where there is AVX-512). On all of them, bf16 runs the packed
+matmuls and the fused layer stack (the fast path). Elsewhere the portable C++ build runs the attention, and with no compiler (or a failed build)
 everything is plain torch. Every path computes the same model: the tests run the
 engine on each (`variant()`).
 """

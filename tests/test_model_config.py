@@ -65,7 +65,7 @@ def test_the_loaded_model_says_why_auto_picked_its_dtype():
     from kvserve.model import load_model
     from kvserve.model.loader import auto_dtype
     auto, _ = load_model(EngineConfig(dtype="auto", device="cpu"))
-    assert auto.dtype_reason == auto_dtype("cpu", None, quantized=True)[1] and auto.dtype_reason
+    assert auto.dtype_reason == auto_dtype("cpu", None)[1] and auto.dtype_reason
     assert load_model(EngineConfig(dtype="float32", device="cpu"))[0].dtype_reason is None
 
 
@@ -77,10 +77,6 @@ def test_resolve_dtype():
     assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast else torch.float32)
     with kernels.variant("portable"):   # no vectorized bf16 kernels: float32, unless torch has native bf16
         assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
-        assert resolve_dtype("auto", "cpu", quantized=True) == resolve_dtype("auto", "cpu")
-    lib = kernels.load()   # a quantized model: bf16 wherever the fused stack's bf16 ops are vectorized
-    assert resolve_dtype("auto", "cpu", quantized=True) == (
-        torch.bfloat16 if fast or (lib is not None and lib.silu_mul_fast) else torch.float32)
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         resolve_dtype("int4", "cpu")
 

@@ -5,7 +5,8 @@
 // Up to GEMV_MAX_ROWS rows a step is bound by reading W: the GEMV streams it once with every row in registers.
 // More rows are compute-bound: register tiles of GEMM_MR rows x GEMM_NB column blocks (see gemm_tile), which
 // match or beat oneDNN at every size measured (benchmarks/matmul.py; the runs are in benchmarks/LOG.md).
-// On AVX2 CPUs the same packed W is widened to float32 in registers (see below).
+// Without AVX-512 BF16 (AVX2, and AVX-512 CPUs without it) the same packed W is widened to float32 in registers
+// (see below).
 #include "common.h"
 
 namespace {
@@ -222,13 +223,23 @@ KV_ALWAYS_INLINE const float& x_at(const float* x, int64_t K, int64_t k, int m) 
   return PACK_X ? x[k * GEMM_MR + m] : x[m * K + k];
 }
 
+// step k of a tile's loop brings lines [k q, k q + q) of the pf_lines at pf into L2: spread over the loop, not in
+// one burst before it
+KV_ALWAYS_INLINE void prefetch_step(const char* pf, int64_t pf_lines, int64_t k, int64_t q) {
+  for (int64_t i = k * q; i < std::min(pf_lines, k * q + q); ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
+}
+
 #ifdef KV_HAVE_AVX512
-// GEMM tile: MR rows x 16 columns from a widened float32 panel [K][16], MR accumulators of 16 lanes
+// GEMM tile: MR rows x 16 columns from a widened float32 panel [K][16], MR accumulators of 16 lanes; pf_lines
+// 64-byte lines from pf brought into L2 along the way (prefetch_step)
 template <int MR>
-void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int64_t ys, int64_t left) {
+void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int64_t ys, int64_t left, const char* pf,
+               int64_t pf_lines) {
   __m512 acc[MR];
   KV_UNROLL for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t q = (pf_lines + K - 1) / K;
   for (int64_t k = 0; k < K; ++k) {
+    prefetch_step(pf, pf_lines, k, q);
     const __m512 w = _mm512_load_ps(panel + k * 16);
     KV_UNROLL for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x_at(xt, K, k, m)), w, acc[m]);
   }
@@ -239,12 +250,16 @@ void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int6
   }
 }
 #else
-// GEMM tile: MR rows x 16 columns from a widened float32 panel [K][16], 2 MR accumulators
+// GEMM tile: MR rows x 16 columns from a widened float32 panel [K][16], 2 MR accumulators; pf_lines 64-byte lines
+// from pf brought into L2 along the way (prefetch_step)
 template <int MR>
-void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int64_t ys, int64_t left) {
+void gemm_tile(const float* xt, int64_t K, const float* panel, uint16_t* y, int64_t ys, int64_t left, const char* pf,
+               int64_t pf_lines) {
   __m256 acc[MR][2];
   KV_UNROLL for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const int64_t q = (pf_lines + K - 1) / K;
   for (int64_t k = 0; k < K; ++k) {
+    prefetch_step(pf, pf_lines, k, q);
     const __m256 w0 = _mm256_load_ps(panel + k * 16), w1 = _mm256_load_ps(panel + k * 16 + 8);
     KV_UNROLL for (int m = 0; m < MR; ++m) {
       const __m256 xb = _mm256_broadcast_ss(&x_at(xt, K, k, m));
@@ -283,7 +298,7 @@ inline void widen_tile(const uint16_t* x, int64_t xs, int64_t rows, int64_t K, f
 // rows of x widened to float32 at a time: each 16-column block's panel is widened once per chunk
 constexpr int64_t GEMM_CHUNK_ROWS = 96;
 static_assert(GEMM_CHUNK_ROWS % GEMM_MR == 0, "a chunk is whole tiles but its last");
-using TileFn = void (*)(const float*, int64_t, const float*, uint16_t*, int64_t, int64_t);
+using TileFn = void (*)(const float*, int64_t, const float*, uint16_t*, int64_t, int64_t, const char*, int64_t);
 template <int... R>
 constexpr std::array<TileFn, sizeof...(R) + 1> tile_table(std::integer_sequence<int, R...>) {
   return {nullptr, gemm_tile<R + 1>...};
@@ -305,7 +320,7 @@ inline void widen_panel(const int32_t* w, int64_t K2, float* panel) {
 
 // Per chunk of rows, the threads widen the chunk's tiles of x, then each claims 16-column blocks one at a time: it
 // widens the block's panel, then runs the chunk's tiles over it. A block's W comes from DRAM once per chunk; the
-// thread claims its next block before it starts the tiles and prefetches that block's W into L2 a slice before each
+// thread claims its next block before it starts the tiles and prefetches that block's W into L2, a slice during each
 // tile, so the next panel's reads do not stall on DRAM. Dynamic claims: a thread the OS preempts leaves its blocks
 // to the others. Every tile computes the same sums whichever thread runs it.
 void gemm_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, int64_t ys, int64_t M, int64_t N,
@@ -332,12 +347,12 @@ void gemm_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, in
         const int64_t next = counter.fetch_add(1, std::memory_order_relaxed);
         const char* pf = next < nb ? reinterpret_cast<const char*>(wp + next * K2 * 16) : nullptr;
         widen_panel(wp + b * K2 * 16, K2, panel);
-        for (int64_t t = 0; t < tiles; ++t) {
-          for (int64_t i = t * per_tile; pf && i < std::min(block_lines, (t + 1) * per_tile); ++i)
-            _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
-          const int64_t m0 = t * GEMM_MR;
+        for (int64_t t = 0; t < tiles; ++t) {   // tile t prefetches its slice of the next block
+          const int64_t m0 = t * GEMM_MR, done = t * per_tile;
           const int mr = int(std::min<int64_t>(GEMM_MR, mc - m0));
-          gemm_tiles[mr](xt + m0 * K, K, panel, y + (c0 + m0) * ys + b * 16, ys, N - b * 16);
+          const int64_t lines = pf ? std::max<int64_t>(0, std::min(per_tile, block_lines - done)) : 0;
+          gemm_tiles[mr](xt + m0 * K, K, panel, y + (c0 + m0) * ys + b * 16, ys, N - b * 16,
+                         lines ? pf + 64 * done : nullptr, lines);
         }
         b = next;
       }
@@ -349,7 +364,7 @@ void gemm_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, in
 }  // namespace
 
 extern "C" {
-// 1 when kvserve_packed_matmul_bf16 is built (AVX-512 BF16, or AVX2 without AVX-512 widening the bf16 weights)
+// 1 when kvserve_packed_matmul_bf16 is built (AVX-512 BF16, or AVX2 / AVX-512 widening the bf16 weights)
 int kvserve_has_packed_matmul() {
 #ifdef KV_HAVE_GEMV
   return 1;
@@ -357,7 +372,8 @@ int kvserve_has_packed_matmul() {
   return 0;
 #endif
 }
-// which kvserve_packed_matmul_bf16 is built: 0 none, 1 AVX-512 BF16 (vdpbf16ps), 2 AVX2 (bf16 widened to float32)
+// which kvserve_packed_matmul_bf16 is built: 0 none, 1 AVX-512 BF16 (vdpbf16ps), 2 bf16 widened to float32 (AVX2,
+// or AVX-512 without BF16)
 int kvserve_packed_matmul_kind() {
 #ifdef KV_HAVE_GEMV
   return KV_HAVE_GEMV;

@@ -112,29 +112,27 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None = None,
-                  quantized: bool = False) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
     """Serving dtype: an explicit name, or for 'auto' what is fastest on this device (auto_dtype)."""
-    return _serving_dtype(name, device, checkpoint_dtype, quantized)[0]
+    return _serving_dtype(name, device, checkpoint_dtype)[0]
 
 
-def _serving_dtype(name: str, device: torch.device | str, checkpoint_dtype: torch.dtype | None,
-                   quantized: bool) -> tuple[torch.dtype, str | None]:
+def _serving_dtype(name: str, device: torch.device | str,
+                   checkpoint_dtype: torch.dtype | None) -> tuple[torch.dtype, str | None]:
     """resolve_dtype's dtype, and for 'auto' why it was picked (None for an explicit name)."""
     if name != "auto":
         if name not in _DTYPE_NAMES:
             raise ModelLoadError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
         return _DTYPE_NAMES[name], None
-    return auto_dtype(device, checkpoint_dtype, quantized)
+    return auto_dtype(device, checkpoint_dtype)
 
 
-def auto_dtype(device: torch.device | str, checkpoint_dtype: torch.dtype | None = None,
-               quantized: bool = False) -> tuple[torch.dtype, str]:
+def auto_dtype(device: torch.device | str, checkpoint_dtype: torch.dtype | None = None) -> tuple[torch.dtype, str]:
     """dtype="auto": the dtype, and why. CUDA: bf16 (fp16 for an fp16 checkpoint, or without bf16). CPU: bf16
     wherever the packed bf16 matmuls and the fused layer stack run (AVX-512 BF16, or AVX2 and AVX-512 without BF16
     widening bf16 weights to float32 in registers: half the bytes of float32 a step, and as fast in batches,
-    benchmarks/LOG.md); for a quantized model (every linear GGUF or int8 blocks) also wherever the fused stack's
-    bf16 ops are vectorized; float32 elsewhere (torch's bf16 ops without these kernels are slower)."""
+    benchmarks/LOG.md), for dense and quantized models alike; float32 elsewhere (torch's bf16 ops without these
+    kernels are slower)."""
     if torch.device(device).type == "cuda":
         if checkpoint_dtype == torch.float16 or not torch.cuda.is_bf16_supported():
             return torch.float16, "fp16 checkpoint" if checkpoint_dtype == torch.float16 else "no bf16 on this GPU"
@@ -146,9 +144,6 @@ def auto_dtype(device: torch.device | str, checkpoint_dtype: torch.dtype | None 
                                 "float32 in registers")
     if cpu_has_fast_bf16():
         return torch.bfloat16, "the CPU's native bf16 matmuls (AMX / AVX-512 BF16) through torch"
-    lib = kernels.load() if quantized else None
-    if lib is not None and lib.silu_mul_fast:
-        return torch.bfloat16, "quantized linears in the fused layer stack's vectorized bf16 ops"
     return torch.float32, "no packed bf16 matmul kernels on this CPU"
 
 
@@ -165,8 +160,7 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     device = resolve_device(getattr(config, "device", "auto"))
     quantization = resolve_quantization(getattr(config, "quantization", "auto"), is_gguf(path), device)
     if is_gguf(path):
-        dtype, why = _serving_dtype(getattr(config, "dtype", "auto"), device,   # a GGUF has no checkpoint dtype
-                                    None, quantization in ("gguf", "int8"))
+        dtype, why = _serving_dtype(getattr(config, "dtype", "auto"), device, None)   # a GGUF: no checkpoint dtype
         # int8 streams the dequantized tensors one at a time into quantize (no dequantized cache); a tensor-parallel
         # rank reads the cache but never writes it (the ranks would write the same file at once)
         cfg, weights = _load_gguf_weights(path, dtype, keep_quantized=quantization == "gguf",
@@ -174,7 +168,7 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
-        dtype, why = _serving_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype, quantization == "int8")
+        dtype, why = _serving_dtype(getattr(config, "dtype", "auto"), device, cfg.torch_dtype)
         if getattr(get_model_class(cfg.architecture), "is_encoder", False) and why is not None and device.type == "cpu":
             dtype, why = torch.float32, "an encoder: its vectors as its checkpoint computes them (no bf16 path here)"
     weights = get_model_class(cfg.architecture).checkpoint_weights(weights, cfg)

@@ -98,6 +98,8 @@ class KVCacheSetup:
         saves, tier_loads = self.kv.take_tier_copies()
         loads = self.kv.take_connector_loads()
         try:
+            if msg is None and (tier_loads or loads):   # (the drafts' allocations take no prefix hits: no loads)
+                raise RuntimeError("loads queued outside a step: its copies on write would run after them")
             if self.tier_storage is not None:
                 self.tier_storage.copy(saves, [])
             if (tier_loads or loads) and msg is not None and len(msg.block_copies):

@@ -121,7 +121,7 @@ def test_serve_with_a_missing_model_fails_with_a_clear_message():
 def test_sigterm_lets_short_requests_finish_and_tells_long_ones_why_not(tmp_path):
     """Also serves a LoRA adapter given on the command line (one server start for both)."""
     adapter = _smollm2_adapter(tmp_path / "sql")
-    server = ServerProcess("--log-format", "json", "--shutdown-timeout", "5", "--enable-lora", "--max-lora-rank",
+    server = ServerProcess("--log-format", "json", "--shutdown-timeout", "3", "--enable-lora", "--max-lora-rank",
                            "8", "--lora-modules", f"sql={adapter}", *ENGINE_FLAGS)
     proc, url, port = server.proc, server.url, server.port
     try:

@@ -171,6 +171,7 @@ COMMANDS = """\
 | `python benchmarks/int8_matmul.py [--rows ...] [--num-threads N]` | `--quantization int8`'s matmul (INT8) against the Q8_0 kernels and the dense linear this CPU would run, on Qwen2.5-Coder-1.5B's MLP shapes, for steps of M rows |
 | `python benchmarks/load_memory.py [MODEL] [--kv-cache-memory 256MiB]` | the resident set sampled every 50 ms while an engine starts: its peak (a load's), and where it ends |
 | `python benchmarks/quant_ab.py DIR_A DIR_B [--rows ...] [--copies N] [--weights ...]` | two builds of the quantized matmul kernels (two copies of `kvserve/csrc`, e.g. a worktree of the commit before) alternating in one process on real GGUF tensors, streamed from memory or in cache: the A/B behind kernel changes |
+| `python benchmarks/widen_gemm_ab.py DIR_A DIR_B [--variant no-avx512bf16]` | two builds of the matmul that widens bf16 weights (two copies of `kvserve/csrc`) alternating in one process on a pass over the bundled model's 30 layers, W from DRAM: the A/B behind its changes |
 | `python benchmarks/bf16_accuracy.py` | bf16 against float32 with each kernel switched in or out (teacher-forced top-1 agreement and logprob error) |
 | `python benchmarks/quantization.py [--models smollm2 qwen1.5b] [--throughput --vllm]` | GGUF kept quantized, int8 and FP8 KV against the dequantized model, llama.cpp and vLLM: TPOT, TTFT, memory, throughput |
 | `python benchmarks/spec_decode.py [--only single,draft,batch]` | speculative decoding (n-gram, suffix, draft model) against none, side by side in one process |

@@ -1,15 +1,16 @@
 """The host's share of a decode step: where a step's time goes outside the model, at batch 64.
 
-  python benchmarks/step_overhead.py [--requests 64] [--steps 64] [--profile] [--json PATH]
+  python benchmarks/step_overhead.py [--baseline OTHER_CHECKOUT] [--requests 64] [--steps 64] [--rounds 3]
+                                     [--profile] [--json PATH]
 
 A random-weight Llama with the bundled model's vocabulary (49,152) but one layer of width 64, so that the forward
 costs next to nothing and what is left of a step is the engine around it: scheduling, building the step's inputs,
 the logits and sampling, merging the sampled tokens, detokenizing and building the outputs. On a GPU these run on
 the host while the device waits (benchmarks/gpu_check.py's decode step at batch 64 is bound by them), so they are
-measured here, on the CPU, as milliseconds a step and as a ratio to a baseline run side by side: `--baseline DIR`
-runs a second checkout's kvserve on the same model in its own process, alternating.
+measured here, on the CPU, as milliseconds a step (medians), beside a baseline run side by side: `--baseline DIR`
+runs a second checkout's kvserve on the same model, each round in processes of their own, alternating.
 
-`--profile` prints cProfile's table of the measured steps (cumulative time).
+`--profile` prints cProfile's table of the measured steps (by cumulative time; SORT=tottime by own time).
 """
 from __future__ import annotations
 

@@ -29,7 +29,6 @@ def log_loaded(engine, config, t0: float) -> None:
                 config.model or "SmolLM2-135M-Instruct (bundled)", dtype,
                 engine.device, engine.parallel_description(), time.perf_counter() - t0, kv_size,
                 engine.kv_cache_description())
-    fused_stack = engine.runs_fused_stack()
     engine.kernel_summary = kernels.summary(engine.dtype, engine.device, engine.kv_cache_dtype)
     if engine.is_encoder:   # no paged attention: each sequence attends to itself whole
         engine.kernel_summary = ("an encoder: torch matmuls and scaled_dot_product_attention over each step's "
@@ -49,7 +48,7 @@ def log_loaded(engine, config, t0: float) -> None:
         engine.weights_summary += f"; {experts}"
     logger.info("kvserve: weights: %s", engine.weights_summary)
     # a path the machine rules out (no compiler, no packed bf16 matmuls) is a warning: users otherwise never know
-    log = logger.warning if kernels.is_degraded(engine.device, fused_stack) else logger.info
+    log = logger.warning if kernels.is_degraded(engine.device) else logger.info
     log("kvserve: kernels: %s", engine.kernel_summary)
     if engine.lora is not None:
         logger.info("kvserve: LoRA: %s", engine.lora_description())

@@ -121,13 +121,6 @@ class LLMEngine:
         scales = "calibrated on the first step" if self.config.calculate_kv_scales else "1.0"
         return f" in fp8_{name} (scales {scales})"
 
-    def runs_fused_stack(self) -> bool:
-        """Whether this engine's model runs its decoder layers in the fused C++ stack (bf16 on the CPU, with every
-        kernel it needs): the model's own decision, whose stack it keeps for its first step."""
-        fused_layers = getattr(getattr(self.model, "model", None), "_fused_layers", None)
-        return (self.device.type == "cpu" and self.dtype == torch.bfloat16 and fused_layers is not None
-                and fused_layers() is not None)
-
     def parallel_description(self) -> str:
         """', tensor parallel 2 (mp, shared-memory all-reduce, 1 thread per rank)', or '' on one process."""
         if self.executor is None:

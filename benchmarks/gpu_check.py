@@ -174,7 +174,10 @@ def bench_hf(path: Path, prompts, output_lens) -> dict:
 
 
 def step_times(llm, prompts, max_tokens: int, steps: int) -> list[float]:
-    """Seconds of each of `steps` engine steps once every request decodes (its prefill done)."""
+    """Seconds of each of `steps` engine steps once every request decodes (its prefill done), from the end of one
+    step() to the end of the next: with async scheduling a step() returns once the step behind it is launched,
+    so waiting for the device after each would hide what the overlap gains (without it, each step() waits for its
+    tokens anyway)."""
     from kvserve import SamplingParams
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
@@ -184,12 +187,12 @@ def step_times(llm, prompts, max_tokens: int, steps: int) -> list[float]:
             engine.scheduler.waiting:
         engine.step()
     times = []
+    sync()
+    t = time.perf_counter()
     for _ in range(steps):
-        sync()
-        t = time.perf_counter()
         engine.step()
-        sync()
         times.append(time.perf_counter() - t)
+        t += times[-1]
     while engine.has_unfinished_requests():
         engine.step()
     return times
@@ -262,7 +265,12 @@ def bench_model(name: str, root: Path, tokenizer: str, bandwidth: float) -> dict
                      and graphs.graphs else "none")
     wb, kvb = weight_bytes(llm), kv_bytes_per_token(llm)
     row["weight_bytes"] = wb
+    row["async_scheduling"] = llm.llm_engine.async_scheduling
     row.update(decode_figures(llm, vocab, wb, kvb, bandwidth, "graphs"))
+    engine = llm.llm_engine
+    assert engine._pending is None
+    engine.async_scheduling = not engine.async_scheduling   # the same engine, each step waiting for its tokens
+    row.update(decode_figures(llm, vocab, wb, kvb, bandwidth, "graphs_other_scheduling"))
     llm.llm_engine.shutdown()
     del llm
     empty_cache()
@@ -287,6 +295,16 @@ def prepare(directory: str) -> int:
     return 0
 
 
+def async_cell(r: dict) -> str:
+    """The decode step and TPOT with async scheduling on / off (graphs both), from the two runs of one engine."""
+    if "decode64_graphs_other_scheduling_ms" not in r:
+        return "not measured"
+    on, off = ("graphs", "graphs_other_scheduling") if r.get("async_scheduling") else ("graphs_other_scheduling",
+                                                                                       "graphs")
+    return (f"{r[f'decode64_{on}_ms']} / {r[f'tpot_{on}_ms']} on, {r[f'decode64_{off}_ms']} / "
+            f"{r[f'tpot_{off}_ms']} off")
+
+
 def markdown(result: dict) -> str:
     env = result["env"]
     lines = [f"GPU check on {env['gpu']} ({env.get('date', '')}): torch {env['torch']}, Triton {env['triton']}, "
@@ -298,16 +316,17 @@ def markdown(result: dict) -> str:
         lines[-1:] = [f"- {f}" for f in t["failures"][:8]] + [""]
     lines += ["| model (random weights, bf16) | W1 kvserve s | W1 HF generate s | kvserve / HF | kvserve output tok/s "
               "| decode step b=64 ms, graphs / eager | its bound ms | graphs / bound | TPOT ms, graphs / eager "
-              "| its bound ms | graphs / bound | graphs |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| its bound ms | graphs / bound | graphs | async scheduling: decode b=64 / TPOT ms, on / off |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("models", []):
         if "error" in r or "hf_s" not in r:
-            lines.append(f"| {r['model']} | failed: {r['error'][:160]} |||||||||||")
+            lines.append(f"| {r['model']} | failed: {r['error'][:160]} ||||||||||||")
             continue
         lines.append(f"| {r['model']} | {r['kvserve_s']} | {r['hf_s']} | {r['speedup_vs_hf']}x | "
                      f"{r['kvserve_out_tok_s']} | {r['decode64_graphs_ms']} / {r['decode64_eager_ms']} | "
                      f"{r['decode64_bound_ms']} | {r['decode64_graphs_vs_bound']}x | {r['tpot_graphs_ms']} / "
-                     f"{r['tpot_eager_ms']} | {r['tpot_bound_ms']} | {r['tpot_graphs_vs_bound']}x | {r['graphs']} |")
+                     f"{r['tpot_eager_ms']} | {r['tpot_bound_ms']} | {r['tpot_graphs_vs_bound']}x | {r['graphs']} | "
+                     f"{async_cell(r)} |")
     return "\n".join(lines) + "\n"
 
 

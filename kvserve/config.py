@@ -55,6 +55,9 @@ class EngineConfig:
     # CUDA: decode steps replay CUDA graphs captured at start for padded batch sizes (kvserve/worker/cuda_graphs.py);
     # True runs every step eagerly
     enforce_eager: bool = False
+    # schedule and launch each step before the last one's tokens are back (kvserve/worker/step_pipeline.py), so that
+    # the host's work overlaps the device's; None: on for CUDA, off on the CPU (the host computes the step itself)
+    async_scheduling: bool | None = None
     # auto: a .gguf file's quantized weights stay quantized on the CPU (gguf); int8: W8A8, the linears quantized
     # at load (CPU); none: dequantized to dtype
     quantization: str = "auto"
@@ -169,6 +172,12 @@ class EngineConfig:
         self._validate_offloading(bad)
         self._validate_lora(bad)
         self._validate_parallel(bad)
+        if self.async_scheduling and self.speculative_config is not None:
+            bad("async_scheduling does not run with speculative decoding (the drafts are proposed from the tokens "
+                "just sampled)", "async_scheduling")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            bad("async_scheduling does not run with tensor_parallel_size > 1 yet (each rank's step takes its "
+                "input tokens from the driver)", "async_scheduling")
         if (not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens is not None
                 and self.max_model_len > self.max_num_batched_tokens):
             bad("without chunked prefill, max_num_batched_tokens must be >= max_model_len", "max_num_batched_tokens")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvserve.core.scheduler import SchedulerStats, SpecDecodingStats
+from kvserve.core.scheduler_stats import SchedulerStats, SpecDecodingStats
 from kvserve.outputs import PoolingRequestOutput, RequestOutput, completions
 
 logger = logging.getLogger("kvserve.stats")

@@ -352,11 +352,18 @@ class FailingForward:
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def execute_model(self, sched):
+    def _maybe_fail(self, sched) -> None:
         if not self.failed and any(r.prompt_token_ids == self.marker for r, _ in sched.scheduled):
             self.failed = True
             raise RuntimeError("injected: the forward pass failed")
+
+    def execute_model(self, sched):
+        self._maybe_fail(sched)
         return self.runner.execute_model(sched)
+
+    def launch(self, sched, prev):   # async scheduling's step
+        self._maybe_fail(sched)
+        return self.runner.launch(sched, prev)
 
 
 def gguf_without_vocabulary(src: Path, dst: Path) -> Path:

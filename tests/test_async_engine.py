@@ -183,7 +183,7 @@ def test_shutdown_tells_unfinished_requests_why(real_engine):
 
 
 def test_stats_log_line(caplog):
-    from kvserve.core.scheduler import SchedulerStats
+    from kvserve.core.scheduler_stats import SchedulerStats
     from kvserve.metrics import EngineMetrics, StatLogger
     from kvserve.outputs import CompletionOutput, RequestOutput
     metrics = EngineMetrics("m")

@@ -10,7 +10,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.core.scheduler import SchedulerStats
+from kvserve.core.scheduler_stats import SchedulerStats
 from kvserve.distributed.metrics import merge_replica_metrics
 from kvserve.distributed.router import PrefixRouter
 from kvserve.metrics import EngineMetrics

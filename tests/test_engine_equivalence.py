@@ -104,6 +104,17 @@ def test_preemption_with_a_tiny_kv_pool(prompts, reference):
     assert llm.llm_engine.kv.num_free_blocks == 12
 
 
+def test_async_scheduling_with_chunked_prefill_and_preemption(prompts, reference):
+    """Each step launched before the last one's tokens are back (placeholders read on the device), through chunked
+    prefill and preemption: the same tokens and logprobs as transformers."""
+    llm = make_llm(async_scheduling=True, num_kv_blocks=12, block_size=8, max_model_len=96,
+                   max_num_batched_tokens=13)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    check_against_reference(outs, reference)
+    assert llm.llm_engine.kv.num_free_blocks == 12 and llm.llm_engine._pending is None
+
+
 @pytest.mark.parametrize("variant, words", [("portable", "portable: no AVX2"), ("none", "no C++ kernels")])
 def test_fallback_kernel_paths_equal_transformers(variant, words, prompts, reference, caplog):
     """The portable C++ build (what a CPU without AVX-512 runs) and plain torch (no compiler, or a failed build)

@@ -74,7 +74,7 @@ def test_the_manager_saves_what_the_pool_evicts_and_loads_it_back():
 
 
 def test_the_tier_counters_reach_the_metrics():
-    from kvserve.core.scheduler import SchedulerStats
+    from kvserve.core.scheduler_stats import SchedulerStats
     from kvserve.metrics import EngineMetrics
     metrics = EngineMetrics("m")
     metrics.update_scheduler(SchedulerStats(0, 0, 0.0, 0, 0, 0, kv_tier_saved_blocks=7, kv_tier_loaded_blocks=3))

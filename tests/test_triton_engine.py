@@ -137,6 +137,42 @@ def test_decode_steps_through_the_graph_buffers_equal_eager_steps(tiny_models, t
     assert runner.decode_graphs.num_runs > 0
 
 
+def test_async_scheduling_through_the_graph_buffers(tiny_models, tokenizer_path, qwen2_reference):
+    """Async scheduling (on by default on CUDA): each step launched behind the one in flight, its placeholders
+    filled on the device into the graph buffers before the replay, through chunked prefill, preemption and prefix
+    hits: transformers' tokens. On a GPU the launches run under torch's sync debug mode set to error: none may wait
+    for the device."""
+    path, _ = tiny_models["qwen2"]
+    prompts, reference = qwen2_reference
+    llm = engine(path, tokenizer_path, async_scheduling=True, max_num_seqs=4, num_kv_blocks=8,
+                 max_num_batched_tokens=24)
+    runner = llm.llm_engine.runner
+    if runner.decode_graphs is None:
+        runner.use_decode_graphs(4, llm.llm_engine.max_model_len, 16, capture=False)
+    launch, filled = runner.launch, []
+
+    def checked(sched, prev):
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = launch(sched, prev)
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        return pending
+    graphs, run = runner.decode_graphs, runner.decode_graphs.run
+
+    def counted(*args):
+        filled.append(args[-1] is not None)   # the fill-in of the placeholders
+        return run(*args)
+    runner.launch, graphs.run = checked, counted
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert tokens(llm.generate(prompts[3:], GREEDY, use_tqdm=False)) == reference[3:]
+    assert llm.llm_engine.scheduler.prefix_cache_hits > 0
+    assert runner.decode_graphs.num_runs > 0 and sum(filled) > 10
+
+
 def test_a_whole_decode_step_compiles_with_fullgraph(tiny_models, tokenizer_path):
     """The model's forward over the graph buffers (what a CUDA graph captures) traced whole by torch.compile with
     fullgraph=True: a host sync (.item(), .tolist(), a data-dependent shape) anywhere in the step would break the

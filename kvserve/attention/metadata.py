@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvserve.transfer import to_device
+
 
 @dataclass
 class AttnGroup:
@@ -121,8 +123,8 @@ def build_attention_metadata(query_lens, seq_lens, block_tables: list[list[int]]
     seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
     pos = np.arange(num_tokens) - query_start[:-1][seq_of_token] + (seq_lens - query_lens)[seq_of_token]
     slot_mapping = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
-    to32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)
-    return AttentionMetadata(num_tokens=num_tokens, slot_mapping=torch.from_numpy(slot_mapping).to(device),
+    to32 = lambda a: to_device(a.astype(np.int32), torch.int32, device)
+    return AttentionMetadata(num_tokens=num_tokens, slot_mapping=to_device(slot_mapping, torch.long, device),
                              query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
                              block_size=block_size, query_start_loc=to32(query_start), seq_lens_tensor=to32(seq_lens),
                              block_table_tensor=to32(tables), device=device)

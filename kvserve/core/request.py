@@ -67,6 +67,8 @@ class Request:
         self.lora_wait_start: float | None = None   # when it first waited for a LoRA slot (scheduler)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # async scheduling: tokens sampled by the step in flight, not yet appended (their KV is computed next)
+        self.num_placeholders = 0
         self.spec_token_ids: list[int] = []   # drafts to verify in the next step (speculative decoding)
         # [>= len(spec_token_ids), V]: the distributions q the drafts were drawn from; None: deterministic drafts
         self.spec_draft_probs: torch.Tensor | None = None
@@ -123,6 +125,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def needs_its_last_token(self) -> bool:
+        """Whether the next step's sampling or scheduling depends on the token the step in flight samples (async
+        scheduling waits for it): penalties, min_tokens still to reach, a grammar, beams, and n > 1 samples still to
+        fork from this one (the scheduler's fork groups, checked there)."""
+        p = self.params
+        return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                or self.num_output_tokens < p.min_tokens or self.structured_output is not None
+                or self.beam is not None)
 
     def sampling_row(self, drafts: list[int], generator: torch.Generator | None) -> SamplingRow:
         """The row that samples after `drafts` (taken as output: penalties, min_tokens), drawing from

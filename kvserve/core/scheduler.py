@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler_stats import SchedulerStats, SpecDecodingStats
 from kvserve.errors import ContextLengthExceededError, KVServeError
 
 
@@ -51,47 +52,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class SpecDecodingStats:
-    """Cumulative counts of verified drafts (vLLM's spec_decode metrics)."""
-
-    num_drafts: int = 0             # requests-steps that verified drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_per_pos: list[int] = field(default_factory=list)   # [i]: drafts accepted at position i
-
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        if len(self.num_accepted_per_pos) < num_draft_tokens:
-            self.num_accepted_per_pos += [0] * (num_draft_tokens - len(self.num_accepted_per_pos))
-        for i in range(num_accepted):
-            self.num_accepted_per_pos[i] += 1
-
-    def copy(self) -> SpecDecodingStats:
-        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                                 list(self.num_accepted_per_pos))
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
-    running_lora_ids: set[int] = field(default_factory=set)   # adapters of the running requests
-    waiting_lora_ids: set[int] = field(default_factory=set)
-    kv_tier_saved_blocks: int = 0    # the host tier (kvserve/core/host_tier.py): blocks kept there
-    kv_tier_loaded_blocks: int = 0   # and loaded back instead of recomputed
-    kv_transfer_saved_blocks: int = 0    # the KV connector (kvserve/kv_transfer): blocks saved to its store
-    kv_transfer_loaded_blocks: int = 0   # and loaded from it instead of computed
-    kv_transfer_seconds: float = 0.0     # time spent in the connector's saves and loads
 
 
 class Scheduler:
@@ -188,7 +148,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.held:   # a beam waiting for its group's choice
+            if req.held or self._capped_in_flight(req):   # a beam waiting for its group's choice
                 i += 1
                 continue
             num_new = self._num_new_tokens(req, budget)
@@ -227,14 +187,20 @@ class Scheduler:
                     out.scheduled[j] = (r, n - num_drafts)
                     freed += num_drafts
             changed |= num_drafts > 0
-            changed |= self.kv.free_tail(r, r.num_tokens) > 0
+            changed |= self.kv.free_tail(r, r.num_tokens + r.num_placeholders) > 0
         return freed if changed else None
+
+    def _capped_in_flight(self, req: Request) -> bool:
+        """Async scheduling: the token in flight is the request's last (max_tokens, or the context is full)."""
+        return bool(req.num_placeholders) and (
+            req.num_output_tokens + req.num_placeholders >= req.max_tokens
+            or req.num_tokens + req.num_placeholders >= self.max_model_len)
 
     @staticmethod
     def _num_new_tokens(req: Request, budget: int) -> int:
         """Tokens `req` computes this step: the rest of its tokens and its drafts, as far as the budget goes
         (drafts the budget cuts off are dropped)."""
-        num_left = req.num_tokens - req.num_computed_tokens
+        num_left = req.num_tokens + req.num_placeholders - req.num_computed_tokens
         num_new = min(num_left + len(req.spec_token_ids), budget)
         del req.spec_token_ids[max(num_new - num_left, 0):]
         return num_new
@@ -248,8 +214,8 @@ class Scheduler:
             req = self.waiting[0]
             error = self._why_it_can_never_run(req)
             ready, block = True, False
-            if req.held:   # a preempted beam waiting for its group's choice
-                held.append(self.waiting.popleft())
+            if req.held or req.num_placeholders:   # a preempted beam waiting for its group's choice, or a request
+                held.append(self.waiting.popleft())   # preempted with a token in flight (async scheduling)
                 continue
             try:   # asked once: the compilation or load may end (or fail) at any moment
                 if error is None and req.structured_output is not None:
@@ -401,19 +367,36 @@ class Scheduler:
         self.waiting.append(req)
 
     # ----- merge the model's output -----
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]
+    def commit(self, out: SchedulerOutput, sampling: list[Request]) -> None:
+        """Async scheduling: take the step `out` as computed once it is launched, before its tokens are known, so
+        that the next step can be scheduled behind it; each request of `sampling` holds a placeholder for its token
+        until update_from_output(out, ..., committed=True) appends it."""
+        for req, num_new in out.scheduled:
+            req.num_computed_tokens += num_new
+        for req in sampling:
+            req.num_placeholders += 1
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]], committed: bool = False
                            ) -> list[tuple[Request, list[int]]]:
         """Advance computed tokens, append sampled tokens, apply token-level stops; returns (req, new tokens).
 
         `sampled` holds, per request that reached the end of its tokens, the tokens it emits: one, or with drafts
-        the accepted drafts and one more (1 .. k + 1). Tokens after a stop are dropped."""
+        the accepted drafts and one more (1 .. k + 1). Tokens after a stop are dropped. `committed`: the step was
+        committed at launch (async scheduling; no drafts): its computed tokens are counted already, and a request
+        finished or aborted since (its token in flight no longer wanted) is passed over."""
         now = time.monotonic()
         updates = []
         for req, num_new in out.scheduled:
+            if committed:
+                if req.request_id in sampled:
+                    req.num_placeholders -= 1
+                if req.is_finished:
+                    continue
             num_drafts = len(req.spec_token_ids)
             req.drop_drafts()
             tokens = sampled.get(req.request_id)
-            req.num_computed_tokens += num_new
+            if not committed:
+                req.num_computed_tokens += num_new
             if tokens is None:   # a prefill chunk that did not reach the end of the prompt
                 self.kv.cache_computed_blocks(req)
                 continue
@@ -436,8 +419,9 @@ class Scheduler:
             new_tokens = self._append_tokens(req, tokens)
             if len(new_tokens) < len(tokens):   # a stop: the logprobs of the tokens after it go too
                 req.truncate_output(req.num_output_tokens)
-            # after a stop, fewer tokens than computed may remain; what is left is all computed
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            # after a stop, fewer tokens than computed may remain; what is left is all computed (committed: the
+            # step behind this one computes the token just appended, its placeholder)
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens + req.num_placeholders)
             self.kv.cache_computed_blocks(req)
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -476,7 +460,10 @@ class Scheduler:
             self.running.append(sibling)
 
     def _finish(self, req: Request) -> None:
-        self.running.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        else:   # async scheduling: preempted while its last token was in flight
+            self.waiting.remove(req)
         self.requests.pop(req.request_id, None)
         self.kv.free(req)
         if self.on_finished is not None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvserve import kernels
-from kvserve.core.scheduler import SchedulerStats
+from kvserve.core.scheduler_stats import SchedulerStats
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import EngineDeadError, InvalidRequestError, KVServeError, RequestFailedError
 from kvserve.metrics import EngineMetrics, StatLogger

@@ -1,7 +1,6 @@
 """LLMEngine: the synchronous engine. add_request() validates and queues; step() runs one iteration."""
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import itertools
 import logging
@@ -17,14 +16,14 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor, ParentState
 from kvserve.engine.accounting import Accountant, RequestAccounting
-from kvserve.engine.beam_group import BeamGroup, advance_beam_groups, beam_request_params
+from kvserve.engine.beam_group import BeamGroup, beam_request_params
 from kvserve.engine.describe import log_loaded
 from kvserve.entrypoints.beam_search import BeamSearchParams
+from kvserve.engine.step_loop import StepLoop
 from kvserve.engine.pooling import check_pooling_fits, pooling_state, refuse_generation
 from kvserve.engine.prompts import PromptType, process_prompt
 from kvserve.distributed import start_tensor_parallel
-from kvserve.errors import (ContextLengthExceededError, EngineDeadError, InvalidRequestError, KVServeError, LoRAError,
-                            RequestFailedError)
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError, LoRAError
 from kvserve.lora import LoRARequest
 from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
@@ -37,11 +36,12 @@ from kvserve.spec_decode.draft_loader import load_draft_model
 from kvserve.spec_decode.proposer import build_proposer
 from kvserve.structured_output import StructuredOutputManager
 from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.step_pipeline import PendingStep, async_scheduling_choice
 
 logger = logging.getLogger("kvserve")
 
 
-class LLMEngine:
+class LLMEngine(StepLoop):
     """Owns the model, the KV cache, the scheduler and the frontend output processing."""
 
     def __init__(self, config: EngineConfig):
@@ -107,8 +107,11 @@ class LLMEngine:
                                                          config.grammar_compile_timeout_s)
         self._ids = itertools.count()
         self.accountant = Accountant() if config.enable_request_accounting else None
+        self.async_scheduling, why = async_scheduling_choice(config, self.device, self.executor is not None)
+        self._pending: PendingStep | None = None   # async scheduling: the step launched and not yet merged
         self._failed: dict[str, KVServeError] = {}   # parent request id -> why it failed, until taken
         log_loaded(self, config, t0)
+        logger.info("kvserve: async scheduling %s (%s)", "on" if self.async_scheduling else "off", why)
         # the loading thread's OpenMP workers: the server steps on another thread (a Ray replica's too), whose
         # parallel regions they would slow; offline, the next step starts them again
         kernels.release_openmp_workers()
@@ -342,96 +345,6 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.processor.parents)
-
-    # ----- one iteration -----
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, detokenize; returns the outputs that changed.
-
-        Requests that fail (their step's forward pass or output processing raised; one that can never fit the KV
-        cache) are aborted and reported by take_failed_requests(); the others go on."""
-        if self.accountant is not None:
-            self.accountant.begin()
-        sched = self.scheduler.schedule()
-        for req, error in sched.rejected:
-            self._fail(req, error)
-        if sched.is_empty:
-            self._wait_for_held_requests()
-            return []
-        # taken first: output processing drops a finished request's parent, even in a step that then fails
-        parent_ids = list(dict.fromkeys(p.request_id for req, _ in sched.scheduled
-                                        if (p := self.processor.child_to_parent.get(req.request_id)) is not None))
-        try:
-            sampled = self.runner.execute_model(sched)
-            if self.accountant is not None:
-                self.accountant.step(self.scheduler, self.kv, sched.scheduled)
-            updates = self.scheduler.update_from_output(sched, sampled)
-            advance_beam_groups(self, updates)
-            outputs, stopped, failed = self.processor.process(updates)
-        except EngineDeadError:
-            raise   # a tensor-parallel rank died: no step can run again
-        except Exception as e:
-            self._fail_step(sched, parent_ids, e)
-            return []
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        for parent_id, e in failed.items():
-            logger.error("kvserve: building the output of request %s failed; failing it", parent_id, exc_info=e)
-            self._fail_parent(parent_id, RequestFailedError(f"the output of this request could not be built: "
-                                                            f"{type(e).__name__}: {e}"))
-        if self.proposer is not None:
-            try:
-                self._propose_drafts()
-            except Exception:   # drafts are optional: the step's outputs stand, the next step runs without them
-                logger.exception("kvserve: proposing drafts failed; the next step runs without them")
-                for req in self.scheduler.running:
-                    req.drop_drafts()
-        return outputs
-
-    def _wait_for_held_requests(self) -> None:
-        """Nothing ran: if requests wait for their grammars or adapters, give the compiling and loading threads the
-        cores for a while rather than spinning through empty steps."""
-        pending = self.scheduler.compiling_grammars() + (self.lora.loading() if self.lora else [])
-        if pending:
-            concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
-
-    def _propose_drafts(self) -> None:
-        """Drafts for the next step of every decoding request, unless the batch is too big to gain from them.
-
-        A request gets at most as many drafts as it may still emit tokens, less the one it always emits."""
-        running = self.scheduler.running
-        if not self.spec_config.is_enabled_for(len(running)):
-            return
-        k = self.spec_config.num_speculative_tokens
-        adaptive = self.spec_config.adaptive_draft_length
-        reqs, max_drafts = [], []
-        for req in running:
-            if req.num_computed_tokens != req.num_tokens - 1 or req.beam is not None:
-                continue   # still in its prompt, or a beam (its next token is its group's choice)
-            if adaptive:   # the scheduler shortens it after a rejection and lengthens it after a whole acceptance
-                req.draft_len = k if req.draft_len is None else min(req.draft_len, k)
-            reqs.append(req)
-            max_drafts.append(min(req.draft_len if adaptive else k, req.max_tokens - req.num_output_tokens - 1,
-                                  self.max_model_len - req.num_tokens - 1))
-        for req, drafts in zip(reqs, self.proposer.propose_batch(reqs, max_drafts)):
-            req.spec_token_ids = list(drafts)
-
-    def _fail_step(self, sched, parent_ids: list[str], e: Exception) -> None:
-        """Fail every request of a step that raised: only they are suspect; waiting ones stay queued."""
-        logger.exception("kvserve: a step failed; failing its %d request(s)", len(parent_ids))
-        error = RequestFailedError(f"the engine step running this request failed: {type(e).__name__}: {e}")
-        for parent_id in parent_ids:
-            self._fail_parent(parent_id, error)
-        # a sample whose parent was already dropped still holds its blocks in the scheduler
-        self.scheduler.finish_requests([req.request_id for req, _ in sched.scheduled], RequestStatus.FINISHED_ABORTED)
-
-    def _fail(self, req: Request, error: KVServeError) -> None:
-        """Abort the user request `req` belongs to (every sample of it) and remember why."""
-        parent = self.processor.child_to_parent.get(req.request_id)
-        if parent is not None:   # else an earlier sample of the same request already failed it
-            self._fail_parent(parent.request_id, error)
-
-    def _fail_parent(self, parent_id: str, error: KVServeError) -> None:
-        self._failed[parent_id] = error
-        self._abort(parent_id, build_output=False)   # its detokenizer may be what failed
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -52,6 +52,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch each step before the last one's tokens are back, overlapping the "
+                        "host's work with the device's (default: on for CUDA, off on the CPU)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                    help="auto (the default): triton on CUDA, the C++ kernels on the CPU; torch: the plain-torch "
                         "reference; cpu; triton")
@@ -126,7 +129,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the Ray cluster to join: auto, or HOST:PORT (default: start a local Ray instance)")
 
 
-_ENGINE_FLAGS = ("tokenizer", "dtype", "device", "attention_backend", "enforce_eager", "quantization", "max_model_len", "max_num_seqs",
+_ENGINE_FLAGS = ("tokenizer", "dtype", "device", "attention_backend", "enforce_eager", "async_scheduling", "quantization", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "kv_cache_memory", "kv_cache_dtype", "calculate_kv_scales",
                  "gpu_memory_utilization", "seed", "chat_template", "enable_prefix_caching", "enable_chunked_prefill",
                  "kv_offloading_size", "preemption_mode", "swap_space", "kv_transfer_config", "runner",

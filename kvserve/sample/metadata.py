@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from kvserve.errors import InvalidRequestError
+from kvserve.transfer import to_device
 from kvserve.sampling_params import SamplingParams
 
 
@@ -102,7 +103,7 @@ class SamplingMetadata:
 
 
 def _tensor(data, dtype: torch.dtype, device) -> torch.Tensor:
-    return torch.tensor(data, dtype=dtype, device=device)
+    return to_device(data, dtype, device)
 
 
 def _temperature(rows: list[SamplingRow], device) -> torch.Tensor:
@@ -175,7 +176,7 @@ def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
     out = np.full((len(lists), max((len(x) for x in lists), default=0)), pad, dtype=np.int64)
     for i, ids in enumerate(lists):
         out[i, :len(ids)] = ids
-    return torch.from_numpy(out).to(device)
+    return to_device(out, torch.long, device)
 
 
 def _max_num_logprobs(rows: list[SamplingRow], vocab_size: int) -> int | None:

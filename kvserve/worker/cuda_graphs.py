@@ -127,8 +127,9 @@ class DecodeGraphs:
         logger.info("kvserve: CUDA graphs captured for decode batches of %s in %.1fs (--enforce-eager: none)",
                     ", ".join(map(str, self.sizes)), self.capture_seconds)
 
-    def run(self, input_ids, positions, seq_lens, tables: list[list[int]]) -> torch.Tensor:
-        """Hidden states [n, hidden] of n decodes (input_ids/positions/seq_lens: host sequences of length n)."""
+    def run(self, input_ids, positions, seq_lens, tables: list[list[int]], fill=None) -> torch.Tensor:
+        """Hidden states [n, hidden] of n decodes (input_ids/positions/seq_lens: host sequences of length n).
+        `fill(ids)`: writes the tokens still on the device into the ids buffer (async scheduling)."""
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
         if self.copied is not None:
@@ -158,6 +159,8 @@ class DecodeGraphs:
             dst[:size].copy_(src[:size], non_blocking=nb)
         if self.copied is not None:
             self.copied.record()
+        if fill is not None:
+            fill(self.input_ids[:n])
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]

@@ -13,7 +13,6 @@ from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.kv_groups import KVGroups
 from kvserve.errors import InvalidRequestError
 from kvserve.kv_transfer.connector import KVConnector, engine_fingerprint
-from kvserve.kv_transfer.store import KVTransferError
 from kvserve.model.moe import moe_layers
 from kvserve.worker.cuda_graphs import build_decode_graphs, why_no_graphs
 from kvserve.worker.kv_tier import HostTierStorage, kv_pools

@@ -26,11 +26,14 @@ from kvserve.sample.sampler import draw_uniform
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_sampling import next_drafts, sampled_drafts
 from kvserve.spec_decode.draft_vocab import DraftVocab, draft_logits, own_ids, request_vocab
+from kvserve.sample.logprobs import LogprobsTensors
 from kvserve.structured_output import build_grammar_bitmask
+from kvserve.transfer import to_device, to_host
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.kv_setup import KVCacheSetup
 from kvserve.worker.kv_tier import kv_pools
 from kvserve.worker.pooling import pool_step
+from kvserve.worker.step_pipeline import PendingStep
 
 
 @dataclass
@@ -43,6 +46,9 @@ class StepInputs:
                                       # drafts the k + 1 rows of its last token and its drafts
     prompt_lp: list[tuple[Request, int, int, int]]   # (req, first position, its row, count) for prompt logprobs
     pool: list[tuple[Request, int, int, int]] = field(default_factory=list)   # pooling: pool_step's spans
+    # async scheduling: the rows whose token the step in flight samples (0 in input_ids until then), and where
+    # each is in that step's sampled tokens
+    fixup: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None
 
 
 logger = logging.getLogger("kvserve")
@@ -124,14 +130,25 @@ class ModelRunner(KVCacheSetup):
         return rows
 
     # ----- steps -----
-    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+    def prepare_inputs(self, sched: SchedulerOutput, prev: PendingStep | None = None) -> StepInputs:
+        """The step's inputs; `prev`: the step in flight (async scheduling), whose sampled tokens are this step's
+        inputs where a request holds a placeholder."""
         query_lens, seq_lens, tables, ids, pos = [], [], [], [], []
         sample_reqs, sample_rows, prompt_lp, pool = [], [], [], []
+        fix_rows, fix_src = [], []
         row = 0
         for req, n in sched.scheduled:
             start = req.num_computed_tokens
             num_drafts = len(req.spec_token_ids)   # the scheduler left only those within the step's budget
-            ids.extend(req.all_token_ids[start:start + n])
+            known = req.all_token_ids[start:start + n]
+            ids.extend(known)
+            if len(known) < n - num_drafts:   # its last input is the token the step in flight samples for it
+                if prev is None or req.request_id not in prev.index or len(known) != n - num_drafts - 1:
+                    raise RuntimeError(f"request {req.request_id}: {n - num_drafts - len(known)} input token(s) "
+                                       "not known and not in flight")
+                fix_rows.append(row + n - 1)
+                fix_src.append(prev.index[req.request_id])
+                ids.append(0)
             if num_drafts:
                 ids.extend(req.spec_token_ids)
             pos.append(np.arange(start, start + n))
@@ -140,7 +157,7 @@ class ModelRunner(KVCacheSetup):
             tables.append(self.kv.get_group_block_ids(req.request_id))
             if req.pooling is not None:
                 pool.append((req, row, n, start))
-            elif start + n == req.num_tokens + num_drafts:
+            elif start + n == req.num_tokens + req.num_placeholders + num_drafts:
                 sample_reqs.append(req)
                 sample_rows.extend(range(row + n - 1 - num_drafts, row + n))
             if req.params.prompt_logprobs is not None:
@@ -155,7 +172,8 @@ class ModelRunner(KVCacheSetup):
         lora_rows, lora_slots = self._lora_step(sched) if self.lora is not None else ((), [])
         message = StepMessage.build(ids, np.concatenate(pos), query_lens, seq_lens, tables, sched.block_copies,
                                     calls, lora_rows, lora_slots)
-        return StepInputs(message, sample_reqs, np.asarray(sample_rows, np.int64), prompt_lp, pool)
+        fixup = (np.asarray(fix_rows, np.int64), np.asarray(fix_src, np.int64), prev.sampled) if fix_rows else None
+        return StepInputs(message, sample_reqs, np.asarray(sample_rows, np.int64), prompt_lp, pool, fixup)
 
     def _lora_step(self, sched: SchedulerOutput) -> tuple[np.ndarray, list]:
         """Put the step's adapters into slots: (each row's slot, -1 for the base model; the slots' adapters, which
@@ -168,21 +186,31 @@ class ModelRunner(KVCacheSetup):
         return np.repeat(slots, [n for _, n in sched.scheduled]), self.lora.slot_table(slot_of)
 
     def _long(self, values) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=torch.long).to(self.device)
+        return to_device(values, torch.long, self.device)
 
-    def run_forward(self, msg: StepMessage) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's forward from its message, as every tensor-parallel rank runs it: (hidden, ids, positions)."""
+    def _fill_in(self, ids: torch.Tensor, fixup) -> None:
+        """Async scheduling: the tokens the step before samples, into `ids` on the device (no wait for them)."""
+        rows, src, sampled = fixup
+        ids.index_copy_(0, self._long(rows), sampled.index_select(0, self._long(src)))
+
+    def run_forward(self, msg: StepMessage, fixup=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's forward from its message, as every tensor-parallel rank runs it: (hidden, ids, positions).
+        `fixup`: StepInputs.fixup (async scheduling, one process)."""
         if len(msg.block_copies):
             self._copy_blocks(msg.block_copies.tolist())
         tables = msg.tables()
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(msg.query_lens, [len(t) for t in tables]):
             n = len(msg.input_ids)
-            hidden = graphs.run(msg.input_ids, msg.positions, msg.seq_lens, tables)
+            fill = None if fixup is None else (lambda ids: self._fill_in(ids, fixup))
+            hidden = graphs.run(msg.input_ids, msg.positions, msg.seq_lens, tables, fill)
             return hidden, graphs.input_ids[:n], graphs.positions[:n]
         meta = build_group_metadata(msg.query_lens.tolist(), msg.seq_lens.tolist(), msg.group_tables(),
                                     self.kv.block_size, self.device)
         ids, positions = self._long(msg.input_ids), self._long(msg.positions)
+        if fixup is not None:
+            ids = ids.clone()   # on the CPU it is the message's own array
+            self._fill_in(ids, fixup)
         if self.lora is None or not len(msg.lora_rows):
             return self.model(ids, positions, meta), ids, positions
         self.lora.mirror(msg.lora_slots)   # a worker's slots follow the driver's (on the driver: already so)
@@ -233,8 +261,38 @@ class ModelRunner(KVCacheSetup):
             raise EngineDeadError(message) from e
 
     def _execute(self, sched: SchedulerOutput, inp: StepInputs) -> dict[str, list[int]]:
+        out, states, pooled = self._forward_and_sample(sched, inp)
+        if out is None:
+            return pooled
+        return {**self._emit(out.sampled_token_ids.tolist(), out.logprobs, inp.sample_reqs, states), **pooled}
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: PendingStep | None) -> PendingStep:
+        """Async scheduling: run the step up to its sampled tokens on the device and start their copy to the host,
+        without waiting for either (on a GPU, the host goes on while the device works); finish_step() waits.
+        `prev`: the step still in flight, whose sampled tokens this step's placeholders read on the device."""
+        inp = self.prepare_inputs(sched, prev)
+        out, _, pooled = self._forward_and_sample(sched, inp)
+        if out is None:
+            return PendingStep(sched, [], {}, None, to_host([]), pooled)
+        lp = out.logprobs
+        copy = to_host([out.sampled_token_ids] + ([lp.token_ids, lp.logprobs, lp.ranks] if lp is not None else []))
+        return PendingStep(sched, inp.sample_reqs, {r.request_id: i for i, r in enumerate(inp.sample_reqs)},
+                           out.sampled_token_ids, copy, pooled)
+
+    def finish_step(self, pending: PendingStep) -> dict[str, list[int]]:
+        """Wait for a launched step's tokens: request id -> the tokens it emits, as execute_model returns."""
+        host = pending.copy.wait()
+        if not pending.reqs:
+            return pending.pooled
+        lp = LogprobsTensors(*host[1:]) if len(host) > 1 else None
+        return {**self._emit(host[0].tolist(), lp, pending.reqs, {}), **pending.pooled}
+
+    def _forward_and_sample(self, sched: SchedulerOutput, inp: StepInputs):
+        """The step on the device: (the sampler's output or None, the seeded generators' states before drafts were
+        sampled, the pooled vectors)."""
         self.move_tier_blocks(inp.message)
-        hidden, ids, _ = self.run_forward(inp.message)
+        hidden, ids, _ = self.run_forward(inp.message, inp.fixup)
         if self.draft_model is not None:
             self._write_draft_kv(sched, ids)
         self.save_to_connector(sched)
@@ -244,11 +302,13 @@ class ModelRunner(KVCacheSetup):
             self._prompt_logprobs(logits, inp)
         pooled = pool_step(hidden, inp.pool) if inp.pool else {}
         if not inp.sample_reqs:
-            return pooled
-        return {**self._sample(next(logits), inp.sample_reqs), **pooled}
+            return None, {}, pooled
+        out, states = self._sample(next(logits), inp.sample_reqs)
+        return out, states, pooled
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, list[int]]:
-        """Sample every row, then keep per request its drafts up to the first one the target disagrees with.
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
+        """Sample every row (on the device); _emit then keeps per request its drafts up to the first one the target
+        disagrees with. Returns (the sampler's output, the seeded generators' states before drafts were sampled).
 
         A request with k drafts has k + 1 rows, row j sampled as if drafts 1..j were already its output (penalties,
         min_tokens), with the j-th draw of its generator: the token the request would sample there without
@@ -269,8 +329,10 @@ class ModelRunner(KVCacheSetup):
         meta = SamplingMetadata.build(rows, self.vocab_size, self.device, self.generator)
         meta.grammar_bitmask = build_grammar_bitmask(reqs, self.vocab_size)
         meta.sampled_drafts = sampled_drafts(reqs, self.device)
-        out = self.sampler(logits, meta)
-        sampled = out.sampled_token_ids.tolist()
+        return self.sampler(logits, meta), states
+
+    def _emit(self, sampled: list[int], logprobs, reqs: list[Request], states: dict) -> dict[str, list[int]]:
+        """Per request the tokens it emits (the accepted drafts and one more), from the sampled rows."""
         emitted, emitted_rows, row = {}, [], 0
         for req in reqs:
             drafts = req.spec_token_ids
@@ -280,8 +342,8 @@ class ModelRunner(KVCacheSetup):
             if req.request_id in states:
                 _rewind(req.generator, states[req.request_id], num)
             row += len(drafts) + 1
-        if out.logprobs is not None:
-            self._record_logprobs(reqs, emitted_rows, out.logprobs)
+        if logprobs is not None:
+            self._record_logprobs(reqs, emitted_rows, logprobs)
         return emitted
 
     # ----- speculative decoding: the draft model's proposals -----
@@ -386,8 +448,8 @@ class ModelRunner(KVCacheSetup):
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks into the fresh ones before they are written."""
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        src = self._long([c[0] for c in copies])
+        dst = self._long([c[1] for c in copies])
         # each distinct pool once (KV groups: layers share pools, and a pool copied twice would read a block already
         # overwritten), as bytes (torch has no index_copy_ for float8 pools)
         for raw in kv_pools(self.models):
@@ -409,7 +471,7 @@ class ModelRunner(KVCacheSetup):
             k = req.params.prompt_logprobs
             if first == 0:
                 req.prompt_logprobs = [None]   # the first prompt token has no logprob
-            targets = torch.as_tensor(req.prompt_token_ids[first + 1:first + 1 + count], device=step_logits.device)
+            targets = self._long(req.prompt_token_ids[first + 1:first + 1 + count])
             lp = compute_prompt_logprobs(step_logits, targets, k)
             ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
             req.prompt_logprobs.extend(_logprob_dict(ids[j], vals[j], ranks[j], k) for j in range(count))

@@ -1,7 +1,7 @@
 """The host's share of a decode step: where a step's time goes outside the model, at batch 64.
 
   python benchmarks/step_overhead.py [--baseline OTHER_CHECKOUT] [--requests 64] [--steps 64] [--rounds 3]
-                                     [--profile] [--json PATH]
+                                     [--async-scheduling] [--profile] [--json PATH]
 
 A random-weight Llama with the bundled model's vocabulary (49,152) but one layer of width 64, so that the forward
 costs next to nothing and what is left of a step is the engine around it: scheduling, building the step's inputs,
@@ -10,6 +10,8 @@ the host while the device waits (benchmarks/gpu_check.py's decode step at batch 
 measured here, on the CPU, as milliseconds a step (medians), beside a baseline run side by side: `--baseline DIR`
 runs a second checkout's kvserve on the same model, each round in processes of their own, alternating.
 
+`--async-scheduling` runs this tree's engine with it (each step launched behind the one in flight; the CPU still
+computes it in the host's thread, so this measures the host's work a step under async scheduling, not an overlap).
 `--profile` prints cProfile's table of the measured steps (by cumulative time; SORT=tottime by own time).
 """
 from __future__ import annotations
@@ -62,12 +64,12 @@ def wrap(engine, timings: dict) -> None:
         setattr(obj, name, timed)
 
 
-def measure(model: Path, requests: int, steps: int, profile: bool) -> dict:
+def measure(model: Path, requests: int, steps: int, profile: bool, **engine_kwargs) -> dict:
     import numpy as np
     from kvserve import LLM, SamplingParams
     from kvserve.model.loader import default_model_path
     llm = LLM(model=str(model), tokenizer=default_model_path(), dtype="float32", max_num_seqs=requests,
-              max_model_len=1024)
+              max_model_len=1024, **engine_kwargs)
     engine = llm.llm_engine
     rng = np.random.default_rng(1)
     for i in range(requests):
@@ -103,8 +105,8 @@ def measure(model: Path, requests: int, steps: int, profile: bool) -> dict:
 def child(args) -> dict:
     """Run measure() in a process of its own with `python_path` first on sys.path; returns its figures."""
     code = ("import json, sys; sys.path.insert(0, {!r}); sys.path.insert(1, {!r}); import step_overhead as s; "
-            "print('RESULT' + json.dumps(s.measure(s.Path({!r}), {}, {}, False)))").format(
-        args[0], str(ROOT / "benchmarks"), args[1], args[2], args[3])
+            "print('RESULT' + json.dumps(s.measure(s.Path({!r}), {}, {}, False, **{!r})))").format(
+        args[0], str(ROOT / "benchmarks"), args[1], args[2], args[3], args[4] if len(args) > 4 else {})
     env = {**os.environ, "PYTHONPATH": args[0]}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[6:])
@@ -118,15 +120,19 @@ def main() -> None:
     p.add_argument("--baseline", help="another checkout's root: its kvserve measured alternately, side by side")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "step_overhead.json"))
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="this tree's engine with async scheduling (on the CPU each step still runs in the host's "
+                        "thread: what it measures is the host's work a step, which a GPU overlaps with its own)")
     args = p.parse_args()
+    this = {"async_scheduling": True} if args.async_scheduling else {}
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp))
         if args.profile:
-            print(json.dumps(measure(model, args.requests, args.steps, True), indent=1))
+            print(json.dumps(measure(model, args.requests, args.steps, True, **this), indent=1))
             return
         runs: dict[str, list[dict]] = {"this tree": [], "baseline": []}
         for _ in range(args.rounds):
-            runs["this tree"].append(child([str(ROOT), str(model), args.requests, args.steps]))
+            runs["this tree"].append(child([str(ROOT), str(model), args.requests, args.steps, this]))
             if args.baseline:
                 runs["baseline"].append(child([args.baseline, str(model), args.requests, args.steps]))
     rows = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items() if rs}

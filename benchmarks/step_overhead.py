@@ -68,13 +68,15 @@ def measure(model: Path, requests: int, steps: int, profile: bool, **engine_kwar
     import numpy as np
     from kvserve import LLM, SamplingParams
     from kvserve.model.loader import default_model_path
+    from kvserve.sampling_params import RequestOutputKind
     llm = LLM(model=str(model), tokenizer=default_model_path(), dtype="float32", max_num_seqs=requests,
               max_model_len=1024, **engine_kwargs)
     engine = llm.llm_engine
     rng = np.random.default_rng(1)
     for i in range(requests):
         engine.add_request(f"r{i}", {"prompt_token_ids": rng.integers(3, 49152, 256).tolist()},
-                           SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True))
+                           SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True,
+                                          output_kind=RequestOutputKind.DELTA))
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in engine.scheduler.running):
         engine.step()

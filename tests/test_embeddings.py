@@ -99,14 +99,16 @@ def _reference_hidden(model, ids: list[int]) -> torch.Tensor:
 PROMPTS = [list(range(10, 10 + n)) for n in (37, 9, 52, 20)]
 
 
-def test_decoder_pooling_equals_transformers_hidden_states_through_chunks_preemption_and_the_cache(tiny_llama,
-                                                                                                     gguf_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decoder_pooling_equals_transformers_hidden_states_through_chunks_preemption_and_the_cache(
+        tiny_llama, gguf_path, async_scheduling):
     """LAST and MEAN over transformers' last hidden states (after the final norm); prompts longer than a step's
     budget (chunked), a pool too small for all of them (preempted), run twice (the second LAST run hits the prefix
-    cache), beside generation requests in the same steps."""
+    cache), beside generation requests in the same steps; with async scheduling too (a pooling request's last
+    chunk in flight is not scheduled again)."""
     path, reference = tiny_llama
     llm = LLM(model=path, tokenizer=gguf_path, dtype="float32", block_size=4, max_num_batched_tokens=16,
-              num_kv_blocks=16, max_num_seqs=4)
+              num_kv_blocks=16, max_num_seqs=4, async_scheduling=async_scheduling)
     engine = llm.llm_engine
     for kind in ("LAST", "MEAN", "LAST"):
         params = PoolingParams(pooling_type=kind, normalize=kind == "MEAN")

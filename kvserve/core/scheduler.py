@@ -152,6 +152,9 @@ class Scheduler:
                 i += 1
                 continue
             num_new = self._num_new_tokens(req, budget)
+            if num_new == 0:   # async scheduling: a pooling request whose last chunk is in flight
+                i += 1
+                continue
             while self.kv.allocate_slots(req, num_new) is None:
                 if req.spec_token_ids:   # drafts are worth no preemption: drop them first, then everyone's
                     req.drop_drafts()

@@ -448,8 +448,8 @@ class ModelRunner(KVCacheSetup):
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks into the fresh ones before they are written."""
-        src = self._long([c[0] for c in copies])
-        dst = self._long([c[1] for c in copies])
+        src = to_device([c[0] for c in copies], torch.long, self.device)
+        dst = to_device([c[1] for c in copies], torch.long, self.device)
         # each distinct pool once (KV groups: layers share pools, and a pool copied twice would read a block already
         # overwritten), as bytes (torch has no index_copy_ for float8 pools)
         for raw in kv_pools(self.models):

@@ -33,10 +33,10 @@ def async_scheduling_choice(config, device: torch.device, tensor_parallel: bool)
     """(whether steps are launched behind the one in flight, why), from config.async_scheduling (None: auto)."""
     if config.async_scheduling is not None:
         return config.async_scheduling, "async_scheduling=" + str(config.async_scheduling)
-    if device.type != "cuda":
-        return False, "the CPU computes each step in the host's own thread: nothing to overlap"
     if config.speculative_config is not None:
         return False, "speculative decoding proposes drafts from the tokens just sampled"
     if tensor_parallel:
         return False, "tensor parallelism: each rank's step takes its input tokens from the driver"
+    if device.type != "cuda":
+        return False, "the CPU computes each step in the host's own thread: nothing to overlap"
     return True, "CUDA: the host's work overlaps the device's"

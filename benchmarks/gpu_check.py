@@ -179,10 +179,12 @@ def step_times(llm, prompts, max_tokens: int, steps: int) -> list[float]:
     so waiting for the device after each would hide what the overlap gains (without it, each step() waits for its
     tokens anyway)."""
     from kvserve import SamplingParams
+    from kvserve.sampling_params import RequestOutputKind
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
         engine.add_request(f"decode-{time.monotonic_ns()}-{i}", {"prompt_token_ids": p},
-                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                          output_kind=RequestOutputKind.DELTA))   # as the server streams
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
             engine.scheduler.waiting:
         engine.step()

@@ -188,9 +188,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kvserve_gelu_tanh_mul_bf16": [p, i64, p, i64, i64],
         "kvserve_qk_norm_bf16": [p, i64, p, p, i64, i64, i64, i64, f],
         "kvserve_gemv_pack": [p, i64, i64, p],
+        "kvserve_gemv_pack_f16": [p, i64, i64, p],
         "kvserve_argmax_f32": [p, i64, i64, i64, p],
         "kvserve_apply_bitmask_f32": [p, i64, p, i64, p, i64, i64],
         "kvserve_packed_matmul_bf16": [p, i64, p, p, i64, i64, i64, i64],
+        "kvserve_packed_matmul_f16": [p, i64, p, p, i64, i64, i64, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -227,6 +229,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvserve_bf16_tiles.restype = ctypes.c_int
     lib.kvserve_has_packed_matmul.restype = ctypes.c_int
     lib.kvserve_packed_matmul_kind.restype = ctypes.c_int
+    lib.kvserve_has_packed_matmul_f16.restype = ctypes.c_int
     lib.kvserve_silu_mul_fast.restype = ctypes.c_int
     lib.silu_mul_fast = bool(lib.kvserve_silu_mul_fast())
     return lib
@@ -426,10 +429,12 @@ def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
 
 
 def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """Repack a bf16 weight [N, K] (K even) into `out` (packed_numel(N, K) bf16) for kvserve_packed_matmul_bf16."""
+    """Repack a bf16 (or fp16) weight [N, K] (K even) into `out` (packed_numel(N, K) values) for
+    kvserve_packed_matmul_bf16 (or _f16): a permutation of the 16-bit values."""
     n, k = weight.shape
     w = weight.contiguous()
-    lib.kvserve_gemv_pack(w.data_ptr(), n, k, out.data_ptr())
+    pack = lib.kvserve_gemv_pack_f16 if w.dtype == torch.float16 else lib.kvserve_gemv_pack
+    pack(w.data_ptr(), n, k, out.data_ptr())
 
 
 def packed_numel(n: int, k: int) -> int:

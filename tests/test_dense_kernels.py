@@ -243,3 +243,42 @@ def test_widening_packed_matmul_is_as_close_to_float32_as_a_rounding(n, k):
         rounding = (exact.to(torch.bfloat16).float() - exact).abs()
         assert ((ys[0].float() - exact).abs() <= 2 * rounding + 1e-3 * exact.abs().max()).all(), m
         assert all(torch.equal(ys[0], y) for y in ys[1:]), m
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k", [(100, 48), (960, 576), (33, 64), (40, 50)])
+def test_fp16_packed_matmul_widens_exactly(n, k):
+    """The fp16 packed matmul (F16C: fp16 weights widened to float32 exactly, for fp16 checkpoints) runs the bf16
+    widening matmul's FMAs: on weights that bf16 and fp16 both hold exactly it gives the bf16 kernel's bits, on
+    any fp16 weights it is within one bf16 rounding of the exact product, and the AVX2 build and the AVX-512 one
+    without BF16 give the same bits."""
+    from kvserve.kernels import load_variant
+    names = [name if kernels.differs_here(name) else "native" for name in ("no-avx512", "no-avx512bf16")]
+    libs = [lib for lib in map(load_variant, dict.fromkeys(names))
+            if lib is not None and lib.kvserve_has_packed_matmul_f16()]
+    if not libs:
+        pytest.skip("no build with the fp16 widening matmul here")
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    w_bf16 = torch.where(w.abs() < 2 ** -14, 0.0, w).to(torch.bfloat16)   # no fp16 subnormals
+    w_exact = w_bf16.to(torch.float16)   # bf16 values of normal fp16 magnitude: held exactly by both
+    assert torch.equal(w_exact.float(), w_bf16.float())
+    w_any = (torch.randn(n, k, generator=g) * 0.1).to(torch.float16)
+
+    def run(lib, fn, w, x):
+        wp = torch.empty(kernels.packed_numel(n, k), dtype=w.dtype)
+        kernels.pack_weight(lib, w, wp)
+        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        getattr(lib, fn)(x.data_ptr(), x.stride(0), wp.data_ptr(), y.data_ptr(), n, x.shape[0], n, k)
+        return y
+
+    for m in (1, 2, 3, 4, 5, 13, 97, 200):
+        x = torch.randn(m, k + 6, generator=g).to(torch.bfloat16)[:, :k]
+        for lib in libs:
+            assert torch.equal(run(lib, "kvserve_packed_matmul_f16", w_exact, x),
+                               run(lib, "kvserve_packed_matmul_bf16", w_bf16, x)), m
+        ys = [run(lib, "kvserve_packed_matmul_f16", w_any, x) for lib in libs]
+        exact = x.float() @ w_any.float().t()
+        rounding = (exact.to(torch.bfloat16).float() - exact).abs()
+        assert ((ys[0].float() - exact).abs() <= 2 * rounding + 1e-3 * exact.abs().max()).all(), m
+        assert all(torch.equal(ys[0], y) for y in ys[1:]), m

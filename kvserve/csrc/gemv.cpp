@@ -6,7 +6,7 @@
 // More rows are compute-bound: register tiles of GEMM_MR rows x GEMM_NB column blocks (see gemm_tile), which
 // match or beat oneDNN at every size measured (benchmarks/matmul.py; the runs are in benchmarks/LOG.md).
 // Without AVX-512 BF16 (AVX2, and AVX-512 CPUs without it) the same packed W is widened to float32 in registers
-// (see below).
+// (see below); there an fp16 W in the same layout is widened too (F16C), for fp16 checkpoints kept exact.
 #include "common.h"
 
 namespace {
@@ -119,9 +119,21 @@ const GemmFn* const gemm_fns[2][GEMM_NB + 1] = {
 // (one vector a panel row), with every column's sum the same chain of FMAs as on 8 lanes: both builds give the same
 // bits.
 
-// the k and k + 1 floats of 8 columns from their 8 packed pairs
+#ifdef __F16C__
+#define KV_HAVE_F16_GEMV 1
+#endif
+
+// the k and k + 1 floats of 8 columns from their 8 packed pairs: bf16 (F16 false), or fp16 converted by F16C
+template <bool F16>
 KV_ALWAYS_INLINE void widen_pairs(const int32_t* p, __m256& even, __m256& odd) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+#ifdef KV_HAVE_F16_GEMV
+  if constexpr (F16) {   // kvserve_gemv_pack_f16's order: the 8 columns' k values, then their k + 1 values
+    even = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+    odd = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+    return;
+  }
+#endif
   even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));
 }
@@ -153,7 +165,7 @@ KV_ALWAYS_INLINE void store_cols(uint16_t* y, __m256 v, int64_t left) {
 
 // GEMV: columns of H halves (8 each) of one 16-column block from half h0, M rows of xf (K floats each); P
 // independent sums per row and half, each of the pair's two products on its own, keep 4+ FMA chains in flight
-template <int M, int H, int P>
+template <int M, int H, int P, bool F16>
 inline void gemv_block(const float* xf, int64_t K, const int32_t* w, int64_t K2, int h0, __m256* out) {
   __m256 acc[M][H][P][2];
   KV_UNROLL for (int m = 0; m < M; ++m)
@@ -164,7 +176,7 @@ inline void gemv_block(const float* xf, int64_t K, const int32_t* w, int64_t K2,
     KV_UNROLL for (int u = 0; u < P; ++u)
       KV_UNROLL for (int h = 0; h < H; ++h) {
         __m256 we, wo;
-        widen_pairs(w + (k + u) * 16 + (h0 + h) * 8, we, wo);
+        widen_pairs<F16>(w + (k + u) * 16 + (h0 + h) * 8, we, wo);
         KV_UNROLL for (int m = 0; m < M; ++m) {
           const float* xr = xf + m * K + 2 * (k + u);
           acc[m][h][u][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr), we, acc[m][h][u][0]);
@@ -174,7 +186,7 @@ inline void gemv_block(const float* xf, int64_t K, const int32_t* w, int64_t K2,
   for (; k < K2; ++k)
     KV_UNROLL for (int h = 0; h < H; ++h) {
       __m256 we, wo;
-      widen_pairs(w + k * 16 + (h0 + h) * 8, we, wo);
+      widen_pairs<F16>(w + k * 16 + (h0 + h) * 8, we, wo);
       KV_UNROLL for (int m = 0; m < M; ++m) {
         const float* xr = xf + m * K + 2 * k;
         acc[m][h][0][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr), we, acc[m][h][0][0]);
@@ -190,7 +202,7 @@ inline void gemv_block(const float* xf, int64_t K, const int32_t* w, int64_t K2,
     }
 }
 
-template <int M, int H, int P>
+template <int M, int H, int P, bool F16>
 void gemv_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, int64_t ys, int64_t N, int64_t K) {
   const int64_t K2 = K / 2, nb = (N + 15) / 16;
   const float* xf = widen_rows(x, xs, M, K);
@@ -198,7 +210,7 @@ void gemv_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, in
   for (int64_t b = 0; b < nb; ++b)
     for (int h0 = 0; h0 < 2; h0 += H) {   // H = 1: the block's second half read again from L1/L2
       __m256 out[M * H];
-      gemv_block<M, H, P>(xf, K, wp + b * K2 * 16, K2, h0, out);
+      gemv_block<M, H, P, F16>(xf, K, wp + b * K2 * 16, K2, h0, out);
       KV_UNROLL for (int m = 0; m < M; ++m)
         KV_UNROLL for (int h = 0; h < H; ++h) {
           const int64_t c = b * 16 + (h0 + h) * 8;
@@ -306,11 +318,12 @@ constexpr std::array<TileFn, sizeof...(R) + 1> tile_table(std::integer_sequence<
 constexpr auto gemm_tiles = tile_table(std::make_integer_sequence<int, GEMM_MR>{});
 
 // the block's pairs of W (K2 of them, 16 columns) as its float32 panel [K][16]
+template <bool F16>
 inline void widen_panel(const int32_t* w, int64_t K2, float* panel) {
   for (int64_t k = 0; k < K2; ++k) {
     __m256 e0, o0, e1, o1;
-    widen_pairs(w + k * 16, e0, o0);
-    widen_pairs(w + k * 16 + 8, e1, o1);
+    widen_pairs<F16>(w + k * 16, e0, o0);
+    widen_pairs<F16>(w + k * 16 + 8, e1, o1);
     _mm256_store_ps(panel + 32 * k, e0);
     _mm256_store_ps(panel + 32 * k + 8, e1);
     _mm256_store_ps(panel + 32 * k + 16, o0);
@@ -323,6 +336,7 @@ inline void widen_panel(const int32_t* w, int64_t K2, float* panel) {
 // thread claims its next block before it starts the tiles and prefetches that block's W into L2, a slice during each
 // tile, so the next panel's reads do not stall on DRAM. Dynamic claims: a thread the OS preempts leaves its blocks
 // to the others. Every tile computes the same sums whichever thread runs it.
+template <bool F16>
 void gemm_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, int64_t ys, int64_t M, int64_t N,
                int64_t K) {
   const int64_t K2 = K / 2, nb = (N + 15) / 16, block_lines = K2;   // a block's pairs: K2 lines of 64 bytes
@@ -346,7 +360,7 @@ void gemm_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, in
       while (b < nb) {
         const int64_t next = counter.fetch_add(1, std::memory_order_relaxed);
         const char* pf = next < nb ? reinterpret_cast<const char*>(wp + next * K2 * 16) : nullptr;
-        widen_panel(wp + b * K2 * 16, K2, panel);
+        widen_panel<F16>(wp + b * K2 * 16, K2, panel);
         for (int64_t t = 0; t < tiles; ++t) {   // tile t prefetches its slice of the next block
           const int64_t m0 = t * GEMM_MR, done = t * per_tile;
           const int mr = int(std::min<int64_t>(GEMM_MR, mc - m0));
@@ -361,9 +375,43 @@ void gemm_rows(const uint16_t* x, int64_t xs, const int32_t* wp, uint16_t* y, in
 }
 #endif
 
+#if KV_HAVE_GEMV == 2
+template <bool F16>
+void widened_matmul(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M, int64_t N,
+                    int64_t K) {
+  const int32_t* w = reinterpret_cast<const int32_t*>(wp);
+  switch (M) {   // registers: M rows x H halves x P partial sums x 2 (the pair's products) accumulators
+    case 1: gemv_rows<1, 2, 2, F16>(x, xs, w, y, ys, N, K); return;
+    case 2: gemv_rows<2, 2, 1, F16>(x, xs, w, y, ys, N, K); return;
+    case 3: gemv_rows<3, 1, 1, F16>(x, xs, w, y, ys, N, K); return;
+    case 4: gemv_rows<4, 1, 1, F16>(x, xs, w, y, ys, N, K); return;
+    default: gemm_rows<F16>(x, xs, w, y, ys, M, N, K); return;
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
+// 1 when kvserve_packed_matmul_f16 is built: the widening matmuls (AVX2, AVX-512 without BF16) with F16C
+int kvserve_has_packed_matmul_f16() {
+#if KV_HAVE_GEMV == 2 && defined(KV_HAVE_F16_GEMV)
+  return 1;
+#else
+  return 0;
+#endif
+}
+// y[M, N] = x[M, K] @ W^T for W fp16 packed by kvserve_gemv_pack_f16 (x and y bf16): each fp16 weight
+// widened to float32 exactly, the same FMAs as kvserve_packed_matmul_bf16's on those floats. Only where
+// kvserve_has_packed_matmul_f16.
+void kvserve_packed_matmul_f16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
+                               int64_t N, int64_t K) {
+#if KV_HAVE_GEMV == 2 && defined(KV_HAVE_F16_GEMV)
+  widened_matmul<true>(x, xs, wp, y, ys, M, N, K);
+#else
+  (void)x, (void)xs, (void)wp, (void)y, (void)ys, (void)M, (void)N, (void)K;
+#endif
+}
 // 1 when kvserve_packed_matmul_bf16 is built (AVX-512 BF16, or AVX2 / AVX-512 widening the bf16 weights)
 int kvserve_has_packed_matmul() {
 #ifdef KV_HAVE_GEMV
@@ -394,18 +442,25 @@ void kvserve_gemv_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
         dst[1] = n < N ? w[n * K + 2 * k + 1] : 0;
       }
 }
+// Wp for kvserve_packed_matmul_f16 from W [N, K] fp16: the same 32 bytes per 8 columns and pair of inputs as
+// kvserve_gemv_pack's, ordered (W[n][k] for the 8 columns, then W[n][k + 1]) so that F16C widens each half whole
+void kvserve_gemv_pack_f16(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
+  const int64_t K2 = K / 2, nb = (N + 15) / 16;
+  #pragma omp parallel for
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t k = 0; k < K2; ++k)
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t n = b * 16 + j;
+        uint16_t* dst = wp + (b * K2 + k) * 32 + (j / 8) * 16 + j % 8;
+        dst[0] = n < N ? w[n * K + 2 * k] : 0;
+        dst[8] = n < N ? w[n * K + 2 * k + 1] : 0;
+      }
+}
 // y[M, N] = x[M, K] @ W^T; rows of x and y may be strided (xs, ys elements); K even; any M
 void kvserve_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
                            int64_t N, int64_t K) {
 #if KV_HAVE_GEMV == 2
-  const int32_t* w = reinterpret_cast<const int32_t*>(wp);
-  switch (M) {   // registers: M rows x H halves x P partial sums x 2 (the pair's products) accumulators
-    case 1: gemv_rows<1, 2, 2>(x, xs, w, y, ys, N, K); return;
-    case 2: gemv_rows<2, 2, 1>(x, xs, w, y, ys, N, K); return;
-    case 3: gemv_rows<3, 1, 1>(x, xs, w, y, ys, N, K); return;
-    case 4: gemv_rows<4, 1, 1>(x, xs, w, y, ys, N, K); return;
-    default: gemm_rows(x, xs, w, y, ys, M, N, K); return;
-  }
+  widened_matmul<false>(x, xs, wp, y, ys, M, N, K);
 #elif defined(KV_HAVE_GEMV)
   const int32_t* w = reinterpret_cast<const int32_t*>(wp);
   const int64_t K2 = K / 2, nb = (N + 15) / 16;

@@ -18,6 +18,8 @@ void kvserve_rope_bf16(uint16_t* x, int64_t xs, const uint16_t* cos, const uint1
                   int64_t D);
 void kvserve_silu_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I);
 void kvserve_gelu_tanh_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t T, int64_t I);
+void kvserve_packed_matmul_f16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
+                               int64_t N, int64_t K);
 void kvserve_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
                            int64_t N, int64_t K);
 void kvserve_paged_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
@@ -50,8 +52,8 @@ enum Activation : int64_t { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 // One linear as its method describes it (kvserve/model/layers.py LinearMethod.kernel_weight).
 struct LinearDesc {
-  const void* weight;     // packed bf16 weight (kvserve_packed_matmul_bf16), or a quantized weight's descriptor
-  int64_t quantized;      // 1: weight is a kvserve_quant_matmul descriptor
+  const void* weight;     // packed bf16 or fp16 weight (kvserve_packed_matmul_*), or a quantized weight's descriptor
+  int64_t quantized;      // 0: packed bf16; 1: weight is a kvserve_quant_matmul descriptor; 2: packed fp16
   const uint16_t* bias;   // bf16 [out], or null
   const int64_t* lora;    // the adapter table for kvserve_lora_add, or null
   int64_t row_parallel;   // tensor parallelism: the ranks' partial outputs are summed (then the bias added)
@@ -131,13 +133,16 @@ static inline void add_bias_bf16(uint16_t* y, int64_t ys, const uint16_t* b, int
     for (int64_t n = 0; n < N; ++n) y[t * ys + n] = f32_to_bf16(bf16_to_f32(y[t * ys + n]) + bf16_to_f32(b[n]));
 }
 
-// y[M, N] = x[M, K] @ W^T by the linear's method: the packed bf16 matmul, or the quantized one; 0, or -1 where a
-// quantized weight's descriptor names a format or shape kvserve_quant_matmul does not take
+// y[M, N] = x[M, K] @ W^T by the linear's method: the packed bf16 or fp16 matmul, or the quantized one; 0, or -1
+// where a quantized weight's descriptor names a format or shape kvserve_quant_matmul does not take
 static inline int base_matmul(const LinearDesc& L, const uint16_t* x, int64_t xs, uint16_t* y, int64_t ys, int64_t M,
                               int64_t N, int64_t K) {
-  if (L.quantized)
+  if (L.quantized == 1)
     return kvserve_quant_matmul(reinterpret_cast<const int64_t*>(L.weight), x, xs, 1, y, ys, M, K) ? -1 : 0;
-  kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(L.weight), y, ys, M, N, K);
+  if (L.quantized == 2)
+    kvserve_packed_matmul_f16(x, xs, reinterpret_cast<const uint16_t*>(L.weight), y, ys, M, N, K);
+  else
+    kvserve_packed_matmul_bf16(x, xs, reinterpret_cast<const uint16_t*>(L.weight), y, ys, M, N, K);
   return 0;
 }
 

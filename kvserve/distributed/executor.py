@@ -342,6 +342,7 @@ def _load_worker(args: WorkerArgs) -> tuple:
     """The rank's shard in a ModelRunner (the model holds the group), its KV pools' dtype, max_model_len."""
     from kvserve.attention import fp8
     from kvserve.model import load_model, resolve_device
+    from kvserve.model.loader import model_dtype
     from kvserve.worker.model_runner import ModelRunner
     device = resolve_device(args.config.device)
     if device.type == "cuda":   # mp: one GPU per rank on this machine; Ray shows an actor only the GPU it gave it
@@ -358,7 +359,7 @@ def _load_worker(args: WorkerArgs) -> tuple:
     if c.enable_lora:   # its adapter slots mirror the driver's (StepMessage.lora_slots)
         from kvserve.lora.manager import LoRAManager
         runner.lora = LoRAManager(model, c.max_loras, c.max_lora_rank, c.max_cpu_loras, p, cfg)
-    kv_dtype = fp8.kv_cache_torch_dtype(args.config.kv_cache_dtype, next(model.parameters()).dtype)
+    kv_dtype = fp8.kv_cache_torch_dtype(args.config.kv_cache_dtype, model_dtype(model))
     return runner, kv_dtype, args.config.max_model_len or cfg.max_position_embeddings
 
 

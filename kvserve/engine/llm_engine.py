@@ -27,7 +27,7 @@ from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVSe
 from kvserve.lora import LoRARequest
 from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
-from kvserve.model.loader import load_model_config
+from kvserve.model.loader import load_model_config, model_dtype
 from kvserve.model.registry import get_model_class
 from kvserve.outputs import RequestOutput
 from kvserve.pooling_params import PoolingParams
@@ -73,7 +73,7 @@ class LLMEngine(StepLoop):
             self.executor.wait_ready("loaded")
         if config.chat_template:
             self.tokenizer.chat_template = _read_template(config.chat_template)
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = model_dtype(self.model)
         self.vocab_size = self.model_config.vocab_size
         self.is_encoder = getattr(self.model, "is_encoder", False)   # embeds only (kvserve/model/bert.py)
         self.max_model_len = self._max_model_len()

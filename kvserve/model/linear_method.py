@@ -4,7 +4,8 @@ Every Linear, the output head and the token embedding hold a LinearMethod (`.met
 - DENSE: the module's own `weight` parameter, multiplied by F.linear (looked up by F.embedding);
 - PackedBf16Method: a bf16 CPU weight packed once for kvserve/csrc/gemv.cpp's kernels (16 output columns x 2
   inputs per 64-byte line; a GEMV for a few rows, register-tiled GEMM beyond), where they build: AVX-512 BF16,
-  or AVX2 without AVX-512 (the pairs widened to float32 in registers);
+  or AVX2 and AVX-512 without BF16 (the pairs widened to float32 in registers); PackedF16Method the same for an
+  fp16 checkpoint's weight on the widening builds (F16C: widened exactly, the activations bf16);
 - OneDNNMethod: a weight in oneDNN's blocked layout (float32 everywhere; bf16 where the C++ kernels are missing);
 - QuantizedMethod: blocks kept quantized, a GGUF's formats or int8 W8A8 (kvserve/model/quantization.py).
 A packed or quantized method leaves the module's `weight` shape-only where it can give the plain weight back
@@ -83,21 +84,22 @@ class PackedBf16Method(LinearMethod):
     """A bf16 weight in the C++ kernels' layout (a view of one huge-page buffer shared by the model's packs)."""
 
     kind = "packed bf16"
+    kernel_kind = 0   # the fused stack's LinearDesc.quantized for it (kvserve/csrc/layers.cpp)
 
     def __init__(self, out_features: int, kernel: torch.Tensor, lib):
         self.out_features, self.kernel, self.kernel_ptr, self.lib = out_features, kernel, kernel.data_ptr(), lib
+        self.matmul = lib.kvserve_packed_matmul_bf16
 
     def apply(self, layer, x, bias=None):
         if x.dim() != 2 or x.stride(1) != 1:
             return self.apply(layer, x.reshape(-1, x.shape[-1]).contiguous(), bias).view(*x.shape[:-1], -1)
         n = self.out_features   # the call inlined: decode steps make 121 of these per token
         y = x.new_empty(x.shape[0], n)
-        self.lib.kvserve_packed_matmul_bf16(x.data_ptr(), x.stride(0), self.kernel_ptr, y.data_ptr(), n, x.shape[0],
-                                            n, x.shape[1])
+        self.matmul(x.data_ptr(), x.stride(0), self.kernel_ptr, y.data_ptr(), n, x.shape[0], n, x.shape[1])
         return y if bias is None else y + bias
 
     def kernel_weight(self):
-        return self.kernel_ptr, 0
+        return self.kernel_ptr, self.kernel_kind
 
     def _pairs(self, k: int) -> torch.Tensor:
         """The pack as [column block, input pair, column in the block, pair element] (gemv.cpp's layout)."""
@@ -115,6 +117,30 @@ class PackedBf16Method(LinearMethod):
         """The pack is a permutation: exact."""
         k = in_features
         return self._pairs(k).permute(0, 2, 1, 3).reshape(-1, k)[:self.out_features].clone()
+
+
+class PackedF16Method(PackedBf16Method):
+    """An fp16 weight (an fp16 checkpoint's, kept exact) in the same layout, for bf16 activations: each weight
+    widened to float32 by F16C (kvserve_packed_matmul_f16, the widening builds only)."""
+
+    kind = "packed fp16"
+    kernel_kind = 2
+
+    def __init__(self, out_features: int, kernel: torch.Tensor, lib):
+        super().__init__(out_features, kernel, lib)
+        self.matmul = lib.kvserve_packed_matmul_f16
+
+    def _pairs(self, k: int) -> torch.Tensor:
+        """As PackedBf16Method's (a copy): each 16 columns' pair of inputs is stored as two halves of 8 columns,
+        each the columns' first inputs then their second (kvserve_gemv_pack_f16)."""
+        return self.kernel.view(-1, k // 2, 2, 2, 8).transpose(3, 4).reshape(-1, k // 2, 16, 2)
+
+    def rows(self, layer, ids):
+        """Rows of W from the pack, in the activations' dtype (as the table's lookups give)."""
+        k = layer.weight.shape[1]
+        col = ids % 16
+        rows = self.kernel.view(-1, k // 2, 2, 2, 8)[ids // 16, :, col // 8, :, col % 8]   # [ids, pairs, 2]
+        return rows.reshape(ids.shape[0], k).to(torch.bfloat16)
 
 
 class OneDNNMethod(LinearMethod):
@@ -176,11 +202,19 @@ def _kernel_lib():
     return lib if lib is not None and lib.kvserve_has_packed_matmul() else None
 
 
+def packs_fp16() -> bool:
+    """Whether fp16 weights pack for the C++ kernels here (the widening builds with F16C)."""
+    lib = _kernel_lib()
+    return lib is not None and bool(lib.kvserve_has_packed_matmul_f16())
+
+
 def can_prepack(weight: torch.Tensor) -> bool:
     """True where a packed weight is available: CPU and bf16, with the C++ matmul kernels or a torch built with
-    mkldnn; CPU and float32 with mkldnn."""
+    mkldnn; CPU and float32 with mkldnn; CPU and fp16 with the widening kernels (packs_fp16)."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
         return onednn_available(torch.float32)
+    if weight.device.type == "cpu" and weight.dtype == torch.float16:
+        return packs_fp16() and weight.shape[1] % 2 == 0
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return False
     if _kernel_lib() is not None and weight.shape[1] % 2 == 0:
@@ -213,10 +247,12 @@ def prepack_weights(weights: list[torch.Tensor], onednn: bool = False,
     the two). on_packed(i, method) is called as soon as weights[i] is packed (prepack_linears drops the plain
     weight there, and its entry in `weights`)."""
     lib = _kernel_lib()
-    onednn = onednn or lib is None or any(w.shape[1] % 2 or w.dtype != torch.bfloat16 for w in weights)
+    fp16 = torch.float16 if packs_fp16() else None   # fp16 weights (an fp16 checkpoint's) where they pack
+    onednn = onednn or lib is None or any(w.shape[1] % 2 or w.dtype not in (torch.bfloat16, fp16) for w in weights)
     if not onednn:
         sizes = [kernels.packed_numel(*w.shape) for w in weights]
-        parts = kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16).split(sizes)
+        parts = [part.view(w.dtype) for part, w in
+                 zip(kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16).split(sizes), weights)]
     packs: list[LinearMethod] = []
     for i in range(len(weights)):
         w = weights[i]
@@ -224,7 +260,8 @@ def prepack_weights(weights: list[torch.Tensor], onednn: bool = False,
             packs.append(OneDNNMethod(w.shape[0], _onednn_pack(w)))
         else:
             kernels.pack_weight(lib, w, parts[i])
-            packs.append(PackedBf16Method(w.shape[0], parts[i], lib))
+            packs.append((PackedF16Method if w.dtype == torch.float16 else PackedBf16Method)(w.shape[0], parts[i],
+                                                                                               lib))
         del w
         if on_packed is not None:
             on_packed(i, packs[-1])

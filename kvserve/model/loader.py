@@ -178,6 +178,10 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
         weights = shard_weights(weights, plan)
     with _default_dtype(dtype), device:
         model = build_model(cfg if plan is None else plan.local_config(cfg))
+    model.activation_dtype = dtype
+    if why is not None and _keeps_fp16_linears(cfg, dtype, device, quantization, is_gguf(path)):
+        fp16_linear_storage(model)
+        why += "; the fp16 checkpoint's linears kept in fp16, widened to float32 by F16C"
     try:
         model.load_weights(int8_weights(weights) if quantization == "int8" else weights)
     finally:
@@ -187,6 +191,32 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
         quantize_linears_int8(model)
     model.dtype_reason = why   # what dtype="auto" picked, and why (the engine's log says it)
     return model.eval(), cfg
+
+
+def _keeps_fp16_linears(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, quantization: str,
+                        gguf: bool) -> bool:
+    """dtype="auto" on a CPU whose bf16 matmuls widen their weights (AVX2, AVX-512 without BF16): an fp16
+    checkpoint's linears keep their fp16 weights (exact, as many bytes as bf16) instead of rounding them to bf16.
+    The AVX-512 BF16 kernels multiply bf16 pairs: there they are rounded to bf16, as before."""
+    from kvserve.model.linear_method import packs_fp16
+    return (not gguf and cfg.torch_dtype == torch.float16 and dtype == torch.bfloat16 and device.type == "cpu"
+            and quantization != "int8" and packs_fp16())
+
+
+def fp16_linear_storage(model: nn.Module) -> None:
+    """Give every Linear (and a tied model's embedding, which is its head) fp16 storage before the weights are
+    loaded into it; the engine packs them for the fp16 matmul (PackedF16Method), the activations stay bf16."""
+    from kvserve.model.layers import Linear
+    tied = getattr(model, "lm_head", False) is None
+    for m in model.modules():
+        if isinstance(m, Linear) or (tied and m is model.model.embed_tokens):
+            m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=torch.float16, device=m.weight.device),
+                                    requires_grad=False)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a loaded model computes in (its activations, KV cache): load_model's, else its weights'."""
+    return getattr(model, "activation_dtype", None) or next(model.parameters()).dtype
 
 
 def load_model_config(config: Any) -> ModelConfig:

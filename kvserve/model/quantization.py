@@ -367,7 +367,8 @@ def describe(model: torch.nn.Module) -> str:
             qbytes += q.nbytes
         dense += d
     if not formats:
-        return f"not quantized; {dense / 2**30:.2f} GiB weights"
+        fp16 = sum(getattr(getattr(m, "method", None), "kind", "") == "packed fp16" for m in model.modules())
+        return f"not quantized; {dense / 2**30:.2f} GiB weights" + (f" ({fp16} matrices in fp16)" if fp16 else "")
     kinds = ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
     what = "int8 W8A8" if sources == {"int8"} else "GGUF kept quantized"
     return f"{what} ({kinds}): {qbytes / 2**30:.2f} GiB quantized + {dense / 2**30:.2f} GiB dense"

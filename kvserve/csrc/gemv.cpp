@@ -390,6 +390,21 @@ void widened_matmul(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t*
 }
 #endif
 
+// W [N, K] into the packed layout: 32 bytes per 8 columns and pair of inputs (k, k + 1), as (k, k + 1) pairs per
+// column, or `split`: the 8 columns' k values, then their k + 1 values
+void pack_pairs(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp, bool split) {
+  const int64_t K2 = K / 2, nb = (N + 15) / 16, second = split ? 8 : 1;
+  #pragma omp parallel for
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t k = 0; k < K2; ++k)
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t n = b * 16 + j;
+        uint16_t* dst = wp + (b * K2 + k) * 32 + (split ? (j / 8) * 16 + j % 8 : 2 * j);
+        dst[0] = n < N ? w[n * K + 2 * k] : 0;
+        dst[second] = n < N ? w[n * K + 2 * k + 1] : 0;
+      }
+}
+
 }  // namespace
 
 extern "C" {
@@ -430,32 +445,10 @@ int kvserve_packed_matmul_kind() {
 #endif
 }
 // Wp (see above) from W [N, K] bf16 row-major; Wp holds ceil(N / 16) * 16 * K bf16, padding rows are zero
-void kvserve_gemv_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
-  const int64_t K2 = K / 2, nb = (N + 15) / 16;
-  #pragma omp parallel for
-  for (int64_t b = 0; b < nb; ++b)
-    for (int64_t k = 0; k < K2; ++k)
-      for (int64_t j = 0; j < 16; ++j) {
-        const int64_t n = b * 16 + j;
-        uint16_t* dst = wp + ((b * K2 + k) * 16 + j) * 2;
-        dst[0] = n < N ? w[n * K + 2 * k] : 0;
-        dst[1] = n < N ? w[n * K + 2 * k + 1] : 0;
-      }
-}
+void kvserve_gemv_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) { pack_pairs(w, N, K, wp, false); }
 // Wp for kvserve_packed_matmul_f16 from W [N, K] fp16: the same 32 bytes per 8 columns and pair of inputs as
 // kvserve_gemv_pack's, ordered (W[n][k] for the 8 columns, then W[n][k + 1]) so that F16C widens each half whole
-void kvserve_gemv_pack_f16(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
-  const int64_t K2 = K / 2, nb = (N + 15) / 16;
-  #pragma omp parallel for
-  for (int64_t b = 0; b < nb; ++b)
-    for (int64_t k = 0; k < K2; ++k)
-      for (int64_t j = 0; j < 16; ++j) {
-        const int64_t n = b * 16 + j;
-        uint16_t* dst = wp + (b * K2 + k) * 32 + (j / 8) * 16 + j % 8;
-        dst[0] = n < N ? w[n * K + 2 * k] : 0;
-        dst[8] = n < N ? w[n * K + 2 * k + 1] : 0;
-      }
-}
+void kvserve_gemv_pack_f16(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) { pack_pairs(w, N, K, wp, true); }
 // y[M, N] = x[M, K] @ W^T; rows of x and y may be strided (xs, ys elements); K even; any M
 void kvserve_packed_matmul_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, uint16_t* y, int64_t ys, int64_t M,
                            int64_t N, int64_t K) {

@@ -64,7 +64,6 @@ def test_mixed_batch_equals_synchronous(engines):
     assert calls[0] > 20   # decodes launched behind the step in flight
     engine = overlapped.llm_engine
     assert engine._pending is None and engine.kv.num_free_blocks == sync.llm_engine.kv.num_free_blocks
-    assert all(r.num_placeholders == 0 for r in engine.scheduler.requests.values())
 
 
 def test_prefix_hits_and_a_second_round(engines):

@@ -23,12 +23,9 @@ pytestmark = pytest.mark.skipif(
     reason="no build here widens fp16 weights (the C++ kernels with AVX2 and F16C)")
 
 
-@pytest.fixture(scope="module")
-def fp16_checkpoint(tmp_path_factory):
-    """A tiny tied llama saved in fp16, and transformers' float32 model on the same (fp16-rounded) weights."""
-    root = tmp_path_factory.mktemp("fp16")
-    hf = save_tiny_model("llama", root / "f32", vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, tie_word_embeddings=True)
+def _save_fp16(root, family: str, tied: bool):
+    hf = save_tiny_model(family, root / "f32", vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, tie_word_embeddings=tied)
     with torch.no_grad():
         for p in hf.parameters():
             if p.dim() == 2:
@@ -37,14 +34,23 @@ def fp16_checkpoint(tmp_path_factory):
     return str(root / "f16"), hf.float()
 
 
-def _load(path: str, dtype: str = "auto"):
-    model, _ = load_model(EngineConfig(model=path, dtype=dtype, device="cpu"))
+@pytest.fixture(scope="module")
+def fp16_checkpoint(tmp_path_factory):
+    """A tiny tied llama saved in fp16, and transformers' float32 model on the same (fp16-rounded) weights."""
+    return _save_fp16(tmp_path_factory.mktemp("fp16"), "llama", tied=True)
+
+
+def _load(path: str, dtype: str = "auto", **kwargs):
+    model, _ = load_model(EngineConfig(model=path, dtype=dtype, device="cpu"), **kwargs)
     model.prepack()
     return model
 
 
-def test_the_linears_keep_their_fp16_weights_and_the_stack_runs_them(fp16_checkpoint):
-    path, hf = fp16_checkpoint
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_linears_keep_their_fp16_weights_and_the_stack_runs_them(tmp_path, family):
+    """A tied llama (its table is its head) and an untied qwen2 with biases (its own bf16 table)."""
+    tied = family == "llama"
+    path, hf = _save_fp16(tmp_path, family, tied)
     runs = {}
     for name in NAMES:
         with kernels.variant(name) as lib:
@@ -55,9 +61,9 @@ def test_the_linears_keep_their_fp16_weights_and_the_stack_runs_them(fp16_checkp
             linears = [m for m in model.modules() if isinstance(m, Linear)]
             assert linears and all(isinstance(m.method, PackedF16Method) for m in linears)
             embed = model.model.embed_tokens
-            assert isinstance(embed.method, PackedF16Method)   # tied: the head's pack, whose rows it looks up
             ids = torch.tensor([0, 5, 17, 255, 5])
-            assert torch.equal(embed.method.rows(embed, ids), hf.model.embed_tokens.weight[ids].to(torch.bfloat16))
+            assert isinstance(embed.method, PackedF16Method) == tied   # tied: the head's pack, whose rows it reads
+            assert torch.equal(embed(ids), hf.model.embed_tokens.weight[ids].to(torch.bfloat16))
             want = hf.model.layers[0].mlp.down_proj.weight.half()
             assert torch.equal(model.model.layers[0].mlp.down_proj.method.unpack(want.shape[1]), want)   # exact
             fused, fused_pools = _run_steps(model, 16, backend)
@@ -68,6 +74,9 @@ def test_the_linears_keep_their_fp16_weights_and_the_stack_runs_them(fp16_checkp
             rounded = _load(path, "bfloat16")   # the same checkpoint rounded to bf16: other logits
             assert not all(isinstance(m.method, PackedF16Method) for m in rounded.modules() if isinstance(m, Linear))
             assert not torch.equal(_run_steps(rounded, 16, backend)[0][-1], fused[-1])
+            draft = _load(path, fp16_linears=False)   # a draft model: its heads are rebuilt from plain weights
+            assert "rounded to bf16" in draft.dtype_reason
+            assert not any(isinstance(m.method, PackedF16Method) for m in draft.modules() if isinstance(m, Linear))
         runs[name] = fused
     assert all(torch.equal(a, b) for a, b in zip(runs[NAMES[0]], runs[NAMES[-1]]))   # the two builds: same bits
 

@@ -391,7 +391,7 @@ class Scheduler:
         updates = []
         for req, num_new in out.scheduled:
             if committed:
-                if req.request_id in sampled:
+                if req.request_id in sampled and req.pooling is None:   # a pooling request holds none
                     req.num_placeholders -= 1
                 if req.is_finished:
                     continue

@@ -336,7 +336,8 @@ class LLMEngine(StepLoop):
         return self.processor.abort(request_id, build_output)
 
     def has_unfinished_requests(self) -> bool:
-        return self.processor.has_unfinished()
+        """Requests in flight, or (async scheduling) a launched step not yet merged."""
+        return self.processor.has_unfinished() or self._pending is not None
 
     def take_failed_requests(self) -> dict[str, KVServeError]:
         """Requests the engine gave up on since the last call (request id -> error); each is already aborted."""

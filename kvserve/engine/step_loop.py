@@ -68,13 +68,16 @@ class StepLoop:
     def _step_async(self) -> list[RequestOutput]:
         """Schedule and launch the next step behind the one in flight, then wait for that one's tokens and merge
         them. The step in flight is finished first where the next one needs its tokens on the host
-        (Request.needs_its_last_token, n > 1 samples still to fork)."""
-        pending, self._pending = self._pending, None
+        (Request.needs_its_last_token, n > 1 samples still to fork). self._pending holds a step until its merge
+        starts, and the next one before that: whatever raises, no launched step is forgotten."""
+        pending = self._pending
         outputs = []
         if pending is not None and self._needs_tokens(pending):
+            self._pending = None
             outputs, pending = self._finish(pending), None
         sched = self._schedule()
         if sched is None:
+            self._pending = None
             if pending is None:
                 self._wait_for_held_requests()
                 return outputs
@@ -91,9 +94,9 @@ class StepLoop:
         except Exception as e:
             self._fail_step(sched, parent_ids, e)
             launched = None
+        self._pending = launched
         if pending is not None:
             outputs += self._finish(pending)
-        self._pending = launched
         return outputs
 
     def _needs_tokens(self, pending: PendingStep) -> bool:

@@ -152,10 +152,13 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.lower().endswith(".gguf")
 
 
-def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -> tuple[nn.Module, ModelConfig]:
+def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None,
+               fp16_linears: bool = True) -> tuple[nn.Module, ModelConfig]:
     """Build and load the model named by an EngineConfig-like object (fields model, dtype, device). shard: for
     tensor parallelism, the rank's ShardPlan given the model's config (kvserve/distributed/plan.py); the model is
-    then built and loaded as that rank's shard. Returns the whole model's config either way."""
+    then built and loaded as that rank's shard. Returns the whole model's config either way. fp16_linears: an fp16
+    checkpoint's linears may stay fp16 (_keeps_fp16_linears); a draft model's are rounded to bf16 (its cut and
+    requantized heads are built from plain weights at serving time)."""
     path = resolve_model_path(getattr(config, "model", None))
     device = resolve_device(getattr(config, "device", "auto"))
     quantization = resolve_quantization(getattr(config, "quantization", "auto"), is_gguf(path), device)
@@ -179,8 +182,8 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None) -
     with _default_dtype(dtype), device:
         model = build_model(cfg if plan is None else plan.local_config(cfg))
     model.activation_dtype = dtype
-    if why is not None and _keeps_fp16_linears(cfg, dtype, device, quantization, is_gguf(path)):
-        fp16_linear_storage(model)
+    if (fp16_linears and why is not None and _keeps_fp16_linears(cfg, dtype, device, quantization, is_gguf(path))
+            and fp16_linear_storage(model)):
         why += "; the fp16 checkpoint's linears kept in fp16, widened to float32 by F16C"
     elif why is not None and cfg.torch_dtype == torch.float16 and dtype == torch.bfloat16 and device.type == "cpu":
         why += "; the fp16 checkpoint's weights rounded to bf16 (these kernels multiply bf16)"
@@ -205,15 +208,20 @@ def _keeps_fp16_linears(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
             and quantization != "int8" and packs_fp16())
 
 
-def fp16_linear_storage(model: nn.Module) -> None:
+def fp16_linear_storage(model: nn.Module) -> bool:
     """Give every Linear (and a tied model's embedding, which is its head) fp16 storage before the weights are
-    loaded into it; the engine packs them for the fp16 matmul (PackedF16Method), the activations stay bf16."""
+    loaded into it; the engine packs them for the fp16 matmul (PackedF16Method), the activations stay bf16.
+    False, changing nothing, where a linear has an odd number of inputs: those models pack for oneDNN, which has
+    no fp16 weights for bf16 activations."""
     from kvserve.model.layers import Linear
     tied = getattr(model, "lm_head", False) is None
-    for m in model.modules():
-        if isinstance(m, Linear) or (tied and m is model.model.embed_tokens):
-            m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=torch.float16, device=m.weight.device),
-                                    requires_grad=False)
+    modules = [m for m in model.modules() if isinstance(m, Linear) or (tied and m is model.model.embed_tokens)]
+    if any(m.weight.shape[1] % 2 for m in modules):
+        return False
+    for m in modules:
+        m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=torch.float16, device=m.weight.device),
+                                requires_grad=False)
+    return True
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:

@@ -26,7 +26,7 @@ def load_draft_model(engine):
         # "gguf" is the target file's: an HF draft beside a GGUF target loads dequantized
         quantization = "auto" if engine.config.quantization == "gguf" else engine.config.quantization
         draft, draft_config = load_model(dataclasses.replace(engine.config, model=spec.model, speculative_config=None,
-                                                             quantization=quantization))
+                                                             quantization=quantization), fp16_linears=False)
     except KVServeError as e:
         raise InvalidRequestError(f"speculative_config: the draft model {spec.model!r} could not be loaded: {e}",
                                   "speculative_config") from e

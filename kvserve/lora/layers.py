@@ -16,6 +16,7 @@ import torch
 
 from kvserve import kernels
 from kvserve.model.linear_roles import roles_of
+from kvserve.transfer import to_device
 
 
 class LoRAMapping:
@@ -32,7 +33,7 @@ class LoRAMapping:
             self.clear()
             return
         self._row_slot_np, self._groups = row_slot, None
-        self.row_slot = torch.from_numpy(row_slot.astype(np.int32)).to(device)
+        self.row_slot = to_device(row_slot.astype(np.int32), torch.int32, device)
 
     def clear(self) -> None:
         self.row_slot, self._row_slot_np, self._groups = None, None, None
@@ -43,7 +44,7 @@ class LoRAMapping:
         if self._groups is None:
             rows = self._row_slot_np
             device = self.row_slot.device
-            self._groups = [] if rows is None else [(int(s), torch.from_numpy(np.flatnonzero(rows == s)).to(device))
+            self._groups = [] if rows is None else [(int(s), to_device(np.flatnonzero(rows == s), torch.long, device))
                                                    for s in np.unique(rows) if s >= 0]
         return self._groups
 

@@ -333,11 +333,12 @@ class LLMEngine(StepLoop):
 
     def _abort(self, request_id: str, build_output: bool = True) -> RequestOutput | None:
         self.scheduler.finish_requests(self.processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
-        return self.processor.abort(request_id, build_output)
+        out = self.processor.abort(request_id, build_output)
+        self._drop_finished_pending()
+        return out
 
     def has_unfinished_requests(self) -> bool:
-        """Requests in flight, or (async scheduling) a launched step not yet merged."""
-        return self.processor.has_unfinished() or self._pending is not None
+        return self.processor.has_unfinished()
 
     def take_failed_requests(self) -> dict[str, KVServeError]:
         """Requests the engine gave up on since the last call (request id -> error); each is already aborted."""

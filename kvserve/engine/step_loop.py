@@ -97,7 +97,16 @@ class StepLoop:
         self._pending = launched
         if pending is not None:
             outputs += self._finish(pending)
+        self._drop_finished_pending()
         return outputs
+
+    def _drop_finished_pending(self) -> None:
+        """Forget the launched step when every request in it has finished or was aborted since (its merge would
+        pass them all over): nothing of it is waited for, and no finished request's state is held. On a GPU its
+        tensors are freed in stream order, after the step."""
+        pending = self._pending
+        if pending is not None and all(r.is_finished for r, _ in pending.sched.scheduled):
+            self._pending = None
 
     def _needs_tokens(self, pending: PendingStep) -> bool:
         forks = self.scheduler.fork_groups

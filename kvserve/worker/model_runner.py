@@ -459,7 +459,7 @@ class ModelRunner(KVCacheSetup):
         ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
         for req, rows in zip(reqs, emitted_rows):
             k = req.params.logprobs
-            if k is None:
+            if k is None or req.is_finished:   # (async scheduling: finished or aborted since its step launched)
                 continue
             for i in rows:
                 req.logprobs.append(_logprob_dict(ids[i], vals[i], ranks[i], k))

@@ -148,7 +148,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.held or self._capped_in_flight(req):   # a beam waiting for its group's choice
+            # a beam waiting for its group's choice, or (async scheduling) a request whose last token is in flight
+            if req.held or self._capped_in_flight(req):
                 i += 1
                 continue
             num_new = self._num_new_tokens(req, budget)

@@ -186,7 +186,7 @@ def load_model(config: Any, shard: Callable[[ModelConfig], Any] | None = None,
             and fp16_linear_storage(model)):
         why += "; the fp16 checkpoint's linears kept in fp16, widened to float32 by F16C"
     elif why is not None and cfg.torch_dtype == torch.float16 and dtype == torch.bfloat16 and device.type == "cpu":
-        why += "; the fp16 checkpoint's weights rounded to bf16 (these kernels multiply bf16)"
+        why += "; the fp16 checkpoint's weights rounded to bf16"
     try:
         model.load_weights(int8_weights(weights) if quantization == "int8" else weights)
     finally:

@@ -270,8 +270,9 @@ def bench_model(name: str, root: Path, tokenizer: str, bandwidth: float) -> dict
     row["async_scheduling"] = llm.llm_engine.async_scheduling
     row.update(decode_figures(llm, vocab, wb, kvb, bandwidth, "graphs"))
     engine = llm.llm_engine
-    assert engine._pending is None
-    engine.async_scheduling = not engine.async_scheduling   # the same engine, each step waiting for its tokens
+    while engine._pending is not None:   # a launched step not merged yet: merge it before switching
+        engine.step()
+    engine.async_scheduling = not engine.async_scheduling   # the same engine, the other way of stepping
     row.update(decode_figures(llm, vocab, wb, kvb, bandwidth, "graphs_other_scheduling"))
     llm.llm_engine.shutdown()
     del llm

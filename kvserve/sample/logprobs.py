@@ -14,6 +14,29 @@ class LogprobsTensors:
     logprobs: torch.Tensor   # [N, K+1] float32
     ranks: torch.Tensor      # [N] long, rank of the column-0 token (1 = most likely)
 
+    def on_host(self) -> "LogprobRows":
+        """The rows on the host (one read of each tensor), to build per-token dicts from."""
+        return LogprobRows(self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist())
+
+
+@dataclass
+class LogprobRows:
+    """LogprobsTensors' rows as host lists."""
+
+    ids: list[list[int]]
+    vals: list[list[float]]
+    ranks: list[int]
+
+    def dict(self, i: int, k: int) -> dict:
+        """Row i as the dict a request carries per token: token id -> Logprob, the chosen token first
+        (Request.truncate_output relies on it), then the top k (the chosen one may repeat among them)."""
+        from kvserve.outputs import Logprob
+        ids, vals = self.ids[i], self.vals[i]
+        d = {ids[0]: Logprob(vals[0], self.ranks[i])}
+        for j in range(1, k + 1):
+            d.setdefault(ids[j], Logprob(vals[j], j))
+        return d
+
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
     """Pick the chosen tokens' logprobs, ranks and the top k out of full [N, V] logprobs."""

@@ -19,7 +19,6 @@ from kvserve.distributed.message import StepMessage
 from kvserve.errors import EngineDeadError
 from kvserve.memory import return_freed_memory
 from kvserve.model.layers import Linear, VocabEmbedding
-from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs
 from kvserve.sample.metadata import SampledDrafts
 from kvserve.sample.sampler import draw_uniform
@@ -456,14 +455,14 @@ class ModelRunner(KVCacheSetup):
             raw.index_copy_(0, dst, raw.index_select(0, src))
 
     def _record_logprobs(self, reqs: list[Request], emitted_rows: list[range], lp) -> None:
-        ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        rows_lp = lp.on_host()
         for req, rows in zip(reqs, emitted_rows):
             k = req.params.logprobs
             if k is None or req.is_finished:   # (async scheduling: finished or aborted since its step launched)
                 continue
             for i in rows:
-                req.logprobs.append(_logprob_dict(ids[i], vals[i], ranks[i], k))
-                req.cumulative_logprob += vals[i][0]
+                req.logprobs.append(rows_lp.dict(i, k))
+                req.cumulative_logprob += rows_lp.vals[i][0]
 
     def _prompt_logprobs(self, logits: Iterator[torch.Tensor], inp: StepInputs) -> None:
         # zip takes a request first, so `logits` yields exactly one call per request and no more
@@ -472,9 +471,8 @@ class ModelRunner(KVCacheSetup):
             if first == 0:
                 req.prompt_logprobs = [None]   # the first prompt token has no logprob
             targets = self._long(req.prompt_token_ids[first + 1:first + 1 + count])
-            lp = compute_prompt_logprobs(step_logits, targets, k)
-            ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-            req.prompt_logprobs.extend(_logprob_dict(ids[j], vals[j], ranks[j], k) for j in range(count))
+            rows_lp = compute_prompt_logprobs(step_logits, targets, k).on_host()
+            req.prompt_logprobs.extend(rows_lp.dict(j, k) for j in range(count))
             req.num_prompt_logprobs_done = first + count
 
 
@@ -492,11 +490,3 @@ def _rewind(generator: torch.Generator, state: torch.Tensor, num_rows: int) -> N
     for _ in range(num_rows):
         draw_uniform(generator)
 
-
-def _logprob_dict(ids: list[int], vals: list[float], rank: int, k: int) -> dict[int, Logprob]:
-    """Column 0 is the chosen token, the first entry (Request.truncate_output relies on it), columns 1..k the
-    top-k (the chosen one may repeat among them)."""
-    d = {ids[0]: Logprob(vals[0], rank)}
-    for j in range(1, k + 1):
-        d.setdefault(ids[j], Logprob(vals[j], j))
-    return d

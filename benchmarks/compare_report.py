@@ -179,7 +179,7 @@ COMMANDS = """\
 | `python benchmarks/sampling.py` | the cost of random sampling: temperature 1 against greedy, one request and 64 concurrent |
 | `python benchmarks/step_overhead.py [--baseline DIR]` | the host's share of a decode step at batch 64 (scheduling, inputs, sampling, outputs) on a one-layer model with the bundled vocabulary, against another checkout's, alternating |
 | `python benchmarks/bf16_matmul_avx2.py [no-avx512bf16]` | the packed matmul that widens bf16 weights (what AVX2 CPUs, and AVX-512 ones without BF16, run) against oneDNN's float32 one, by rows (run under `ONEDNN_MAX_CPU_ISA=AVX2` or `AVX512_CORE_VNNI`) |
-| `make gpu-check` (on an NVIDIA GPU machine) | the CUDA tests, then W1 against transformers' `generate`, the decode step at batch 64 and single-stream TPOT with and without CUDA graphs against the bandwidth bound (docs/gpu.md) |
+| `make gpu-check` (on an NVIDIA GPU machine) | the CUDA tests, then W1 against transformers' `generate`, the decode step at batch 64 and single-stream TPOT with and without CUDA graphs, and with async scheduling on and off, against the bandwidth bound (docs/gpu.md) |
 | `make gpu-compile` | every Triton kernel variant compiled for sm_80 and sm_90 without a GPU: registers, spills, shared memory |
 | `python benchmarks/fp8_kv.py`, `lora.py`, `distributed.py`, `structured_outputs.py`, `kernel_paths.py`, `float32_packing.py` | FP8 KV, multi-LoRA, tensor parallelism and replicas, grammars, each kernel path, float32 packing: each against its baseline in one run (the script's docstring says how) |
 | `python benchmarks/prefix_caching.py --json benchmarks/results/prefix_caching.json` | prefix caching on against off |

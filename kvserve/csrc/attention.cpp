@@ -103,6 +103,14 @@ KV_ALWAYS_INLINE void scores4(const float* const* q, const T* const* kr, int64_t
   for (int r = 0; r < NR; ++r) _mm_store_ps(s[r] + j, transpose_sum4(a[r][0], a[r][1], a[r][2], a[r][3]));
 }
 
+// the lines of rows[j0, j1) (each `bytes` long) on their way to L2: the next chunk's K and V rows, a few at a time
+// while this chunk computes (a burst of them at a chunk's start would overflow the miss queues)
+template <typename T>
+KV_ALWAYS_INLINE void prefetch_rows(const T* const* rows, int64_t j0, int64_t j1, int64_t bytes) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + b, _MM_HINT_T1);
+}
+
 // dims 16 i0 .. 16 (i0 + NI) of NR rows' accumulators (in load16_halves' order): acc = acc * corr + the sum over
 // keys j0 <= j < j1 of p[r][j] v[j] (rows vr[j])
 template <int NR, int NI, typename T>
@@ -168,6 +176,8 @@ inline void softmax_chunk(float* s, int64_t lo, int64_t nv, float& m, float& l, 
 // out-of-order execution overlaps rows and each load serves both: 1. scores, 2. online-softmax update, 3. P @ V.
 // A row's sums are its own in every pass and it reads no key past its causal limit (a pair's P @ V runs together
 // over the keys both see, then the longer row alone, its factor 1), so its result does not depend on its partner.
+// The next chunk's K and V rows are prefetched into L2 while this chunk's scores are computed: blocks lie anywhere
+// in the pool, and the hardware's prefetchers do not follow a sequence from one block to the next.
 template <typename T>
 void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table,
                       int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H,
@@ -178,6 +188,8 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
   alignas(32) static const T zero_row[MAX_D] = {};   // the keys past a chunk's end, up to a multiple of 4
   const T* kr[KC];
   const T* vr[KC];
+  const T* nk[KC];   // the next chunk's K and V rows (prefetched during this chunk's scores)
+  const T* nvr[KC];
   float m[MAX_ROWS], l[MAX_ROWS], corr[MAX_ROWS];
   int64_t limit[MAX_ROWS], first[MAX_ROWS], nv[MAX_ROWS], lo[MAX_ROWS];
   for (int64_t r = 0; r < R; ++r) {
@@ -190,34 +202,58 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
     first[r] = window_first(limit[r], window);
   }
   const int64_t end = limit[R - 1] + 1;
-  const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row;
-  for (int64_t p = chunk_start(first[0], bs); p < end; p += KC) {
-    const int64_t n = std::min<int64_t>(KC, end - p), n4 = (n + 3) & ~int64_t(3);
-    for (int64_t j = 0; j < n;) {   // the chunk's K and V rows, block by block
+  const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row, row_bytes = D * int64_t(sizeof(T));
+  const auto rows_of = [&](int64_t p, int64_t n, const T** k, const T** v) {   // chunk p's rows, block by block
+    for (int64_t j = 0; j < n;) {
       const int64_t off = (p + j) % bs, run = std::min(n - j, bs - off);
       const int64_t at = int64_t(table[(p + j) / bs]) * blk_stride + off * kv_row + g * D;
       for (int64_t i = 0; i < run; ++i, ++j) {
-        kr[j] = kc + at + i * kv_row;
-        vr[j] = vc + at + i * kv_row;
+        k[j] = kc + at + i * kv_row;
+        v[j] = vc + at + i * kv_row;
       }
     }
+  };
+  int64_t p = chunk_start(first[0], bs);
+  if (p < end) rows_of(p, std::min<int64_t>(KC, end - p), nk, nvr);
+  for (; p < end; p += KC) {
+    const int64_t n = std::min<int64_t>(KC, end - p), n4 = (n + 3) & ~int64_t(3);
+    std::copy(nk, nk + n, kr);
+    std::copy(nvr, nvr + n, vr);
+    const int64_t nn = std::max<int64_t>(0, std::min<int64_t>(KC, end - p - KC));   // the next chunk's keys
+    if (nn > 0) rows_of(p + KC, nn, nk, nvr);
     for (int64_t j = n; j < n4; ++j) kr[j] = vr[j] = zero_row;
     for (int64_t r = 0; r < R; ++r) {   // the row sees keys [lo, nv) of the chunk
       nv[r] = std::max<int64_t>(0, std::min<int64_t>(n, limit[r] - p + 1));
       lo[r] = std::max<int64_t>(0, first[r] - p);
       if (lo[r] >= nv[r]) nv[r] = lo[r] = 0;
     }
+    int64_t fetched = 0;   // the next chunk's rows prefetched so far: four keys a step of the first scores
+    const auto fetch_next = [&](int64_t upto) {
+      upto = std::min(upto, nn);
+      if (fetched < upto) {
+        prefetch_rows(nk, fetched, upto, row_bytes);
+        prefetch_rows(nvr, fetched, upto, row_bytes);
+        fetched = upto;
+      }
+    };
     int64_t r = 0;
     for (; r + 1 < R; r += 2) {   // 1. scores
       const float* qq[2] = {qf[r], qf[r + 1]};
       float* ss[2] = {s[r], s[r + 1]};
-      for (int64_t j = 0; j < std::max(nv[r], nv[r + 1]); j += 4) scores4<2>(qq, kr, j, n16, ss);
+      for (int64_t j = 0; j < std::max(nv[r], nv[r + 1]); j += 4) {
+        fetch_next(j + 4);
+        scores4<2>(qq, kr, j, n16, ss);
+      }
     }
     if (r < R) {
       const float* qq[1] = {qf[r]};
       float* ss[1] = {s[r]};
-      for (int64_t j = 0; j < nv[r]; j += 4) scores4<1>(qq, kr, j, n16, ss);
+      for (int64_t j = 0; j < nv[r]; j += 4) {
+        fetch_next(j + 4);
+        scores4<1>(qq, kr, j, n16, ss);
+      }
     }
+    fetch_next(nn);   // the rest, where the rows saw fewer keys of this chunk than the next one has
     for (r = 0; r < R; ++r) {   // 2. online softmax
       corr[r] = 1.f;
       if (nv[r] <= 0) continue;
@@ -365,12 +401,19 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
   const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row, nvf = ng * D, vstride = nvf + 16;
   const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t p = chunk_start(first[0], bs); p < end; p += CH) {
-    const int64_t n = std::min<int64_t>(CH, end - p);
+    const int64_t n = std::min<int64_t>(CH, end - p), nn = std::max<int64_t>(0, std::min<int64_t>(CH, end - p - CH));
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = p + j;
       krow[j] = kc + int64_t(table[pos / bs]) * blk_stride + (pos % bs) * kv_row + g0 * D;
       const T* vrow = vc + (krow[j] - kc);
       for (int64_t i = 0; i < nvf; i += 16) _mm512_store_ps(vf + j * vstride + i, load16(vrow + i));
+      if (j < nn) {   // the next chunk's row j on its way to L2 (blocks lie anywhere: no hardware prefetcher knows)
+        const int64_t at = int64_t(table[(pos + CH) / bs]) * blk_stride + ((pos + CH) % bs) * kv_row + g0 * D;
+        for (int64_t b = 0; b < nvf * int64_t(sizeof(T)); b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(kc + at) + b, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(vc + at) + b, _MM_HINT_T1);
+        }
+      }
     }
     // 1. scores of the keys [lo, nv) of the chunk the row sees; -inf elsewhere
     for (int64_t r = 0; r < R; ++r) {
@@ -659,14 +702,13 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
   (void)avx2;
 #endif
   const float k_scale = kv_scales ? kv_scales[0] : 1.f, v_scale = kv_scales ? kv_scales[1] : 1.f;
-  // A work item is (sequence, query tile, kv heads). With many sequences an item takes all kv heads, so it
-  // reads whole contiguous KV rows; with few (single-stream decode) it takes one kv head, for parallelism.
-  // The tiled kernel decides per sequence: all kv heads when every row of the sequence fits one item
-  // (decodes, short chunks), else one kv head per item with the longest token tiles (prefill; shorter ones
-  // where the step has few items, below).
-  const int64_t total_q = query_start[B];
+  // A work item is (sequence, query tile, kv heads), decided per sequence. The tiled kernel takes all kv heads
+  // when the step has many sequences and every row of the sequence fits one item (decodes, short chunks), else
+  // one kv head per item with the longest token tiles (prefill; shorter ones where the step has few items,
+  // below). The AVX-512 kernel on the standard layout takes all kv heads for queries of more than 4 tokens, one
+  // for decodes; the AVX2 kernel always one. Where they take one, the next chunk's rows of that head are
+  // prefetched, and that ran faster than whole rows (benchmarks/attention_kernel.py).
   const bool many = B >= 4 * omp_get_max_threads();
-  const int64_t ng_all = simd && (many || total_q > 4 * B) ? Hkv : 1;
   std::vector<int64_t> first(B + 1, 0), ngs(B), tiles(B);   // first item, kv heads per item, tokens per item
   const auto count_items = [&] {
     for (int64_t b = 0; b < B; ++b) {
@@ -676,7 +718,7 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
   };
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = query_start[b + 1] - query_start[b];
-    ngs[b] = tiled ? (many && q_len * H <= MAX_ROWS ? Hkv : 1) : ng_all;
+    ngs[b] = tiled ? (many && q_len * H <= MAX_ROWS ? Hkv : 1) : simd && q_len > 4 ? Hkv : 1;
     tiles[b] = std::max<int64_t>(1, MAX_ROWS / (ngs[b] * G));
   }
   count_items();

@@ -13,6 +13,7 @@ its own longest query and context, so one long prompt chunk never pads a batch o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -41,7 +42,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor     # [T] KV slot (block_id * block_size + offset) of every new token
     query_lens: np.ndarray         # [B] new tokens per sequence
     seq_lens: np.ndarray           # [B] context length after this step (cached + new)
-    block_tables: list[list[int]]  # [B] physical block ids per sequence
+    host_tables: np.ndarray        # [B, max blocks] int64 physical block ids per sequence, padded with 0
+    table_lens: np.ndarray         # [B] int64 blocks in each sequence's table
     block_size: int
     query_start_loc: torch.Tensor  # [B + 1] int32: first flattened row of each sequence, then T
     seq_lens_tensor: torch.Tensor  # [B] int32
@@ -51,6 +53,11 @@ class AttentionMetadata:
     kv_groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
     _groups: list[AttnGroup] | None = field(default=None, repr=False)
     _kernel_args: tuple | None = field(default=None, repr=False)
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Each sequence's block ids, as lists (host_tables unpadded)."""
+        return [row[:n] for row, n in zip(self.host_tables.tolist(), self.table_lens.tolist())]
 
     @property
     def kernel_args(self) -> tuple[int, int, int, int, int, int]:
@@ -73,11 +80,16 @@ class AttentionMetadata:
 
 def padded_block_tables(block_tables: list[list[int]], min_blocks: int) -> np.ndarray:
     """[B, max(len, min_blocks)] int64 array of the block tables, padded with 0."""
-    lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=len(block_tables))
-    out = np.zeros((len(block_tables), max(int(lens.max(initial=0)), min_blocks, 1)), dtype=np.int64)
-    if len(block_tables):
-        flat = np.fromiter((b for t in block_tables for b in t), dtype=np.int64, count=int(lens.sum()))
-        out[np.arange(out.shape[1])[None, :] < lens[:, None]] = flat
+    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    flat = np.fromiter(chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum()))
+    return pad_tables(flat, lens, min_blocks)
+
+
+def pad_tables(flat: np.ndarray, lens: np.ndarray, min_blocks: int) -> np.ndarray:
+    """padded_block_tables of tables given as their ids one table after another (`flat`) and their lengths."""
+    out = np.zeros((len(lens), max(int(lens.max(initial=0)), min_blocks, 1)), dtype=np.int64)
+    if len(lens):
+        out[np.arange(out.shape[1])[None, :] < lens[:, None]] = flat   # row-major: each row's ids in order
     return out
 
 
@@ -113,28 +125,36 @@ def _build_groups(meta: AttentionMetadata) -> list[AttnGroup]:
 def build_attention_metadata(query_lens, seq_lens, block_tables: list[list[int]], block_size: int,
                              device: torch.device | str = "cpu") -> AttentionMetadata:
     """Build the metadata for sequences with `query_lens` new tokens each, ending at `seq_lens`."""
+    tables = padded_block_tables(block_tables, 1)
+    return metadata_from_tables(query_lens, seq_lens, tables, np.fromiter(map(len, block_tables), np.int64,
+                                                                          count=len(block_tables)), block_size, device)
+
+
+def metadata_from_tables(query_lens, seq_lens, tables: np.ndarray, table_lens: np.ndarray, block_size: int,
+                         device: torch.device | str = "cpu") -> AttentionMetadata:
+    """build_attention_metadata from the block tables padded already (pad_tables) and their lengths."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start[1:])
     num_tokens = int(query_start[-1])
-    tables = padded_block_tables(block_tables, 1)
     # every new token: its sequence, its absolute position, then its slot through the block table
     seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
     pos = np.arange(num_tokens) - query_start[:-1][seq_of_token] + (seq_lens - query_lens)[seq_of_token]
     slot_mapping = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
     to32 = lambda a: to_device(a.astype(np.int32), torch.int32, device)
     return AttentionMetadata(num_tokens=num_tokens, slot_mapping=to_device(slot_mapping, torch.long, device),
-                             query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
+                             query_lens=query_lens, seq_lens=seq_lens, host_tables=tables, table_lens=table_lens,
                              block_size=block_size, query_start_loc=to32(query_start), seq_lens_tensor=to32(seq_lens),
                              block_table_tensor=to32(tables), device=device)
 
 
-def build_group_metadata(query_lens, seq_lens, group_tables: list[list[list[int]]], block_size: int,
+def build_group_metadata(query_lens, seq_lens, group_tables: list[tuple[np.ndarray, np.ndarray]], block_size: int,
                          device: torch.device | str = "cpu") -> AttentionMetadata:
-    """The metadata of a step over several KV groups: group 0's, holding the others' (kv_groups)."""
-    first, *rest = (build_attention_metadata(query_lens, seq_lens, tables, block_size, device)
-                    for tables in group_tables)
+    """The metadata of a step over several KV groups, each group's tables padded (pad_tables) with their lengths:
+    group 0's, holding the others' (kv_groups)."""
+    first, *rest = (metadata_from_tables(query_lens, seq_lens, tables, lens, block_size, device)
+                    for tables, lens in group_tables)
     first.kv_groups = rest
     return first
 

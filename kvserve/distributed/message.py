@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field, fields
+from itertools import chain
 
 import numpy as np
+
+from kvserve.attention.metadata import pad_tables
 
 
 @dataclass
@@ -39,10 +42,18 @@ class StepMessage:
         """Each sequence's block table of the first KV group."""
         return _split(self.block_tables, self.table_lens)[:len(self.query_lens)]
 
-    def group_tables(self) -> list[list[list[int]]]:
-        """Every KV group's tables: [group][sequence]."""
-        tables, b = _split(self.block_tables, self.table_lens), len(self.query_lens)
-        return [tables[g:g + b] for g in range(0, len(tables), b)] if b else [[]]
+    def padded_tables(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every KV group's tables, padded (pad_tables) [B, the longest], with their lengths [B]."""
+        b = len(self.query_lens)
+        if not b:
+            return [(pad_tables(self.block_tables[:0], self.table_lens[:0], 1), self.table_lens[:0])]
+        ends = np.cumsum(self.table_lens)
+        out = []
+        for g in range(0, len(self.table_lens), b):
+            lens = self.table_lens[g:g + b]
+            start = int(ends[g - 1]) if g else 0
+            out.append((pad_tables(self.block_tables[start:int(ends[g + b - 1])], lens, 1), lens))
+        return out
 
     def logits_calls(self) -> list[np.ndarray]:
         """The rows of every compute_logits call of the step, in order."""
@@ -55,10 +66,11 @@ class StepMessage:
         """tables: each sequence's block table, or (several KV groups) each sequence's tables, one per group."""
         if tables and tables[0] and isinstance(tables[0][0], list):
             tables = [seq[g] for g in range(len(tables[0])) for seq in tables]   # group-major
-        flat = [b for t in tables for b in t]
+        lens = np.fromiter(map(len, tables), np.int64, count=len(tables))
+        flat = np.fromiter(chain.from_iterable(tables), np.int64, count=int(lens.sum()))
         rows = np.concatenate([np.asarray(r, np.int64) for r in logits_calls]) if logits_calls else []
-        return StepMessage(_i64(input_ids), _i64(positions), _i64(query_lens), _i64(seq_lens), _i64(flat),
-                           _i64([len(t) for t in tables]), _i64(block_copies).reshape(-1, 2), _i64(rows),
+        return StepMessage(_i64(input_ids), _i64(positions), _i64(query_lens), _i64(seq_lens), flat,
+                           lens, _i64(block_copies).reshape(-1, 2), _i64(rows),
                            _i64([len(r) for r in logits_calls]), _i64(lora_rows), list(lora_slots))
 
     def encode(self) -> bytes:

@@ -84,13 +84,14 @@ class DecodeGraphs:
             if self.calibration_pending:
                 return False
         return (0 < len(query_lens) <= self.max_size and bool((np.asarray(query_lens) == 1).all())
-                and max(num_blocks) <= self.block_table.shape[1])
+                and int(np.max(num_blocks)) <= self.block_table.shape[1])
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """The attention metadata over the first `size` rows of the buffers (the host-side fields are unused)."""
         ones = np.ones(size, dtype=np.int64)
         return AttentionMetadata(num_tokens=size, slot_mapping=self.slot_mapping[:size], query_lens=ones,
-                                 seq_lens=ones, block_tables=[], block_size=self.block_size,
+                                 seq_lens=ones, host_tables=np.zeros((size, 1), np.int64), table_lens=ones,
+                                 block_size=self.block_size,
                                  query_start_loc=self.query_start_loc[:size + 1], seq_lens_tensor=self.seq_lens[:size],
                                  block_table_tensor=self.block_table[:size], device=self.device)
 
@@ -127,9 +128,10 @@ class DecodeGraphs:
         logger.info("kvserve: CUDA graphs captured for decode batches of %s in %.1fs (--enforce-eager: none)",
                     ", ".join(map(str, self.sizes)), self.capture_seconds)
 
-    def run(self, input_ids, positions, seq_lens, tables: list[list[int]], fill=None) -> torch.Tensor:
-        """Hidden states [n, hidden] of n decodes (input_ids/positions/seq_lens: host sequences of length n).
-        `fill(ids)`: writes the tokens still on the device into the ids buffer (async scheduling)."""
+    def run(self, input_ids, positions, seq_lens, tables: list[list[int]] | np.ndarray, fill=None) -> torch.Tensor:
+        """Hidden states [n, hidden] of n decodes (input_ids/positions/seq_lens: host sequences of length n;
+        tables: their block tables, or those padded already (pad_tables)). `fill(ids)`: writes the tokens still on
+        the device into the ids buffer (async scheduling)."""
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
         if self.copied is not None:
@@ -137,7 +139,8 @@ class DecodeGraphs:
         self.ids_cpu[:n] = torch.as_tensor(input_ids, dtype=torch.long)
         self.pos_cpu[:n] = torch.as_tensor(positions, dtype=torch.long)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
-        table = padded_block_tables(tables, 1)   # [n, the longest table], padded with block 0
+        # [n, the longest table], padded with block 0
+        table = tables if isinstance(tables, np.ndarray) else padded_block_tables(tables, 1)
         width = table.shape[1]
         pos = seq_lens - 1
         slots = table[np.arange(n), pos // self.block_size] * self.block_size + pos % self.block_size

@@ -197,15 +197,14 @@ class ModelRunner(KVCacheSetup):
         `fixup`: StepInputs.fixup (async scheduling, one process)."""
         if len(msg.block_copies):
             self._copy_blocks(msg.block_copies.tolist())
-        tables = msg.tables()
+        groups = msg.padded_tables()
         graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(msg.query_lens, [len(t) for t in tables]):
+        if graphs is not None and graphs.can_run(msg.query_lens, groups[0][1]):
             n = len(msg.input_ids)
             fill = None if fixup is None else (lambda ids: self._fill_in(ids, fixup))
-            hidden = graphs.run(msg.input_ids, msg.positions, msg.seq_lens, tables, fill)
+            hidden = graphs.run(msg.input_ids, msg.positions, msg.seq_lens, groups[0][0], fill)
             return hidden, graphs.input_ids[:n], graphs.positions[:n]
-        meta = build_group_metadata(msg.query_lens.tolist(), msg.seq_lens.tolist(), msg.group_tables(),
-                                    self.kv.block_size, self.device)
+        meta = build_group_metadata(msg.query_lens, msg.seq_lens, groups, self.kv.block_size, self.device)
         ids, positions = self._long(msg.input_ids), self._long(msg.positions)
         if fixup is not None:
             ids = ids.clone()   # on the CPU it is the message's own array

@@ -49,19 +49,22 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, ParentState] = {}
+        self.child_states: dict[str, ChildState] = {}   # request id of a child -> its state
 
     def add(self, parent: ParentState, children: list[Request]) -> None:
         for req in children:
-            child = ChildState(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params))
-            parent.children.append(child)
-            self.child_to_parent[req.request_id] = parent
+            self._add_child(parent, req)
         self.parents[parent.request_id] = parent
 
     def add_child(self, parent: ParentState, req: Request) -> None:
         """A child that joins a running parent (a beam search's fork)."""
-        parent.children.append(ChildState(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                                      req.params)))
+        self._add_child(parent, req)
+
+    def _add_child(self, parent: ParentState, req: Request) -> None:
+        child = ChildState(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params))
+        parent.children.append(child)
         self.child_to_parent[req.request_id] = parent
+        self.child_states[req.request_id] = child
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -82,7 +85,7 @@ class OutputProcessor:
                 touched[parent.request_id] = parent
                 continue
             try:
-                child = next(c for c in parent.children if c.req is req)
+                child = self.child_states[req.request_id]
                 stop_str = child.detok.update(new_tokens, req.status == RequestStatus.FINISHED_STOPPED)
             except Exception as e:   # a token this tokenizer cannot decode fails its own request only
                 failed[parent.request_id] = e
@@ -179,6 +182,7 @@ class OutputProcessor:
         self.parents.pop(parent.request_id, None)
         for c in parent.children:
             self.child_to_parent.pop(c.req.request_id, None)
+            self.child_states.pop(c.req.request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self.parents)

@@ -80,23 +80,27 @@ class SamplingMetadata:
         """Gather the rows' settings into batched tensors on `device`."""
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-        greedy = [r.params.is_greedy for r in rows]
-        random_rows = [r for r, g in zip(rows, greedy) if not g]
+        params = [r.params for r in rows]
+        greedy = [p.is_greedy for p in params]
+        all_greedy, any_greedy = all(greedy), any(greedy)
+        # a setting no row uses costs one look at each row's params, not a pass building its values
+        random = not all_greedy   # top-k, top-p, min-p and generators are the random rows' only
         return cls(
             num_rows=len(rows),
             vocab_size=vocab_size,
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            is_greedy=_tensor(greedy, torch.bool, device) if any(greedy) and not all(greedy) else None,
-            temperature=_temperature(rows, device) if random_rows else None,
-            top_k=_top_k(rows, vocab_size, device),
-            top_p=_float_or_none(rows, lambda p: p.top_p, 1.0, device),
-            min_p=_float_or_none(rows, lambda p: p.min_p, 0.0, device),
+            all_greedy=all_greedy,
+            all_random=not any_greedy,
+            is_greedy=_tensor(greedy, torch.bool, device) if any_greedy and random else None,
+            temperature=_temperature(rows, device) if random else None,
+            top_k=_top_k(rows, vocab_size, device) if random else None,
+            top_p=_float_or_none(rows, lambda p: p.top_p, 1.0, device) if random else None,
+            min_p=_float_or_none(rows, lambda p: p.min_p, 0.0, device) if random else None,
             generators={i: r.generator for i, r in enumerate(rows)
-                        if r.generator is not None and not r.params.is_greedy},
+                        if r.generator is not None and not r.params.is_greedy} if random else {},
             generator=generator,
-            logit_bias=_logit_bias(rows, vocab_size, device),
-            min_tokens_mask=_min_tokens_mask(rows, vocab_size, device),
+            logit_bias=_logit_bias(rows, vocab_size, device) if any(p.logit_bias for p in params) else None,
+            min_tokens_mask=(_min_tokens_mask(rows, vocab_size, device) if any(p.min_tokens for p in params)
+                             else None),
             penalties=_penalties(rows, vocab_size, device),
             max_num_logprobs=_max_num_logprobs(rows, vocab_size),
         )

@@ -132,7 +132,7 @@ class ModelRunner(KVCacheSetup):
     def prepare_inputs(self, sched: SchedulerOutput, prev: PendingStep | None = None) -> StepInputs:
         """The step's inputs; `prev`: the step in flight (async scheduling), whose sampled tokens are this step's
         inputs where a request holds a placeholder."""
-        query_lens, seq_lens, tables, ids, pos = [], [], [], [], []
+        query_lens, seq_lens, tables, ids = [], [], [], []
         sample_reqs, sample_rows, prompt_lp, pool = [], [], [], []
         fix_rows, fix_src = [], []
         row = 0
@@ -150,7 +150,6 @@ class ModelRunner(KVCacheSetup):
                 ids.append(0)
             if num_drafts:
                 ids.extend(req.spec_token_ids)
-            pos.append(np.arange(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(self.kv.get_group_block_ids(req.request_id))
@@ -169,8 +168,12 @@ class ModelRunner(KVCacheSetup):
         # the step's compute_logits calls, in the order the driver makes them: prompt logprobs, then sampling
         calls = [np.arange(r, r + count) for _, _, r, count in prompt_lp] + ([sample_rows] if sample_reqs else [])
         lora_rows, lora_slots = self._lora_step(sched) if self.lora is not None else ((), [])
-        message = StepMessage.build(ids, np.concatenate(pos), query_lens, seq_lens, tables, sched.block_copies,
-                                    calls, lora_rows, lora_slots)
+        # each token's position: its sequence's first new position (seq_len - query_len) plus its offset in the step
+        qlens = np.asarray(query_lens, np.int64)
+        firsts = np.asarray(seq_lens, np.int64) - qlens
+        pos = np.arange(row, dtype=np.int64) + np.repeat(firsts - (np.cumsum(qlens) - qlens), qlens)
+        message = StepMessage.build(ids, pos, qlens, seq_lens, tables, sched.block_copies, calls, lora_rows,
+                                    lora_slots)
         fixup = (np.asarray(fix_rows, np.int64), np.asarray(fix_src, np.int64), prev.sampled) if fix_rows else None
         return StepInputs(message, sample_reqs, np.asarray(sample_rows, np.int64), prompt_lp, pool, fixup)
 

@@ -35,13 +35,15 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
 
+_FINISHED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
+                       RequestStatus.FINISHED_ABORTED))
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
                    RequestStatus.FINISHED_ABORTED: "abort"}
 
@@ -124,7 +126,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED   # (status.is_finished, without its call: asked several times a step)
 
     def needs_its_last_token(self) -> bool:
         """Whether the next step's sampling or scheduling depends on the token the step in flight samples (async

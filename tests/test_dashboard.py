@@ -22,9 +22,10 @@ def _state(server) -> dict:
     return r.json()
 
 
-def _long_requests(client, n: int = 3) -> list[threading.Thread]:
+def _long_requests(client, n: int = 3, max_tokens: int = 96) -> list[threading.Thread]:
     threads = [threading.Thread(target=client.completions.create, kwargs=dict(
-        model=MODEL, prompt=f"Count slowly {i}:", max_tokens=96, temperature=0, extra_body={"ignore_eos": True}))
+        model=MODEL, prompt=f"Count slowly {i}:", max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True}))
         for i in range(n)]
     for t in threads:
         t.start()
@@ -62,13 +63,15 @@ def test_the_state_shows_the_running_requests_and_agrees_with_metrics(server, cl
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make setup installs it)")
 def test_the_page_in_headless_chromium_shows_the_metrics(server, client):
     from playwright.sync_api import sync_playwright
-    threads = _long_requests(client, 2)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page()
         page.goto(f"{server.url}/dashboard?key={API_KEY}")
-        page.wait_for_function("() => Number(document.getElementById('running').textContent) >= 1", timeout=60000)
-        assert page.locator("tr.request").count() >= 1
+        # the page polls already when the requests start: on a loaded machine they could end before it loaded
+        page.wait_for_function("() => document.getElementById('running').textContent !== '-'", timeout=60000)
+        threads = _long_requests(client, 2, max_tokens=256)   # seconds each: the page polls once a second
+        page.wait_for_function("() => Number(document.getElementById('running').textContent) >= 1 && "
+                               "document.querySelectorAll('tr.request').length >= 1", timeout=60000)
         for t in threads:
             t.join()
         wait_idle(server)

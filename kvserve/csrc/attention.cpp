@@ -104,7 +104,7 @@ KV_ALWAYS_INLINE void scores4(const float* const* q, const T* const* kr, int64_t
 }
 
 // the lines of rows[j0, j1) (each `bytes` long) on their way to L2: the next chunk's K and V rows, a few at a time
-// while this chunk computes (a burst of them at a chunk's start would overflow the miss queues)
+// while this chunk computes (a burst at a chunk's start overflows the miss queues: benchmarks/LOG.md, tiled kernel)
 template <typename T>
 KV_ALWAYS_INLINE void prefetch_rows(const T* const* rows, int64_t j0, int64_t j1, int64_t bytes) {
   for (int64_t j = j0; j < j1; ++j)
@@ -176,8 +176,8 @@ inline void softmax_chunk(float* s, int64_t lo, int64_t nv, float& m, float& l, 
 // out-of-order execution overlaps rows and each load serves both: 1. scores, 2. online-softmax update, 3. P @ V.
 // A row's sums are its own in every pass and it reads no key past its causal limit (a pair's P @ V runs together
 // over the keys both see, then the longer row alone, its factor 1), so its result does not depend on its partner.
-// The next chunk's K and V rows are prefetched into L2 while this chunk's scores are computed: blocks lie anywhere
-// in the pool, and the hardware's prefetchers do not follow a sequence from one block to the next.
+// The next chunk's K and V rows are prefetched into L2 while this chunk's scores are computed: a sequence's blocks
+// lie anywhere in the pool, so no hardware prefetcher can tell where its next rows are.
 template <typename T>
 void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table,
                       int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H,

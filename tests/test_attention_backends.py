@@ -223,13 +223,14 @@ def test_portable_kernel_without_simd_equals_torch(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("variant,dtype,tiled", WINDOW_PATHS)
-def test_long_contexts_and_large_batches_in_every_cpu_kernel(variant, dtype, tiled):
+@pytest.mark.parametrize("seed", [5, 6])
+def test_long_contexts_and_large_batches_in_every_cpu_kernel(variant, dtype, tiled, seed):
     """40 sequences (decodes take their own work-item shapes in a step this big) over contexts of many chunks and
     blocks: each kernel reads the next chunk's rows ahead of the one it computes."""
     lib = kernels.load_variant(variant)
     if lib is None or tiled and not lib.kvserve_bf16_tiles():
         pytest.skip(f"the {variant} build has no such kernel on this CPU")
-    batch = random_batch(5, 40, 16, 9, 3, 64, dtype, max_ctx=700)
+    batch = random_batch(seed, 40, 16, 9, 3, 64, dtype, max_ctx=700)
     exact, _, _ = run(TorchPagedAttention(), batch, 9, upcast=True)
     got, _, _ = run(CpuPagedAttention(lib), batch, 9, tiled=tiled)
     tol = 2e-5 if dtype == torch.float32 else 2e-2

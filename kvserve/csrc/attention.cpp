@@ -706,8 +706,8 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
   // when the step has many sequences and every row of the sequence fits one item (decodes, short chunks), else
   // one kv head per item with the longest token tiles (prefill; shorter ones where the step has few items,
   // below). The AVX-512 kernel on the standard layout takes all kv heads for queries of more than 4 tokens, one
-  // for decodes; the AVX2 kernel always one. Where they take one, the next chunk's rows of that head are
-  // prefetched, and that ran faster than whole rows (benchmarks/attention_kernel.py).
+  // for decodes; the AVX2 kernel always one. Both prefetch the next chunk's rows of the heads they take; for
+  // decodes, one head per item ran faster than whole rows (benchmarks/attention_kernel.py).
   const bool many = B >= 4 * omp_get_max_threads();
   std::vector<int64_t> first(B + 1, 0), ngs(B), tiles(B);   // first item, kv heads per item, tokens per item
   const auto count_items = [&] {

@@ -76,7 +76,7 @@ class DecodeGraphs:
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.num_runs = 0   # steps run through the buffers (replayed where captured)
 
-    def can_run(self, query_lens, num_blocks: list[int]) -> bool:
+    def can_run(self, query_lens, num_blocks) -> bool:
         """Whether a step of these sequences is all decodes within the largest size and the tables' width, once no
         layer waits to calibrate its FP8 scales."""
         if self.calibration_pending:

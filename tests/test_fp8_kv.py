@@ -208,3 +208,32 @@ def test_bad_kv_cache_dtypes_are_refused():
     proc = subprocess.run([sys.executable, "-m", "kvserve", "generate", "--kv-cache-dtype", "fp16", "hi"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "invalid choice: 'fp16'" in proc.stderr
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["native", "no-avx512", "portable"])
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_every_finite_code_reads_as_torch_in_every_kernel_variant(variant, dtype):
+    """Pools holding every finite code of the format (denormals, both signs, the largest) in K and in V, read by
+    each kernel variant this CPU builds (the AVX2 kernel widens FP8 with F16C; the portable one looks codes up):
+    float32 attention over them equals torch's over its own conversion of the pools, within float32 rounding."""
+    lib = kernels.load_variant(variant)
+    if lib is None:
+        pytest.skip(f"the {variant} build does not run on this CPU")
+    gen = torch.Generator().manual_seed(3)
+    h, hkv, d, bs, ctx = 2, 1, 64, 16, 64
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    finite = torch.arange(256, dtype=torch.uint8)[torch.isfinite(codes.float())]
+    n = ctx * hkv * d
+    pools = [finite[torch.randperm(len(finite), generator=gen)].repeat(n // len(finite) + 1)[:n] for _ in range(2)]
+    kc, vc = (p.view(dtype).view(ctx // bs, bs, hkv, d).clone() for p in pools)
+    largest = codes.float()[torch.isfinite(codes.float())].abs().max()
+    scales = torch.tensor([1.0 / largest, 1.0 / largest])
+    # a chunk of 8 tokens and, on the same blocks, the decode after it: they write the last 9 slots
+    meta = build_attention_metadata([8, 1], [ctx - 1, ctx], [list(range(ctx // bs))] * 2, block_size=bs)
+    q = torch.randn(9, h * d, generator=gen)
+    k, v = (torch.randn(9, hkv * d, generator=gen) * largest for _ in range(2))
+    got = CpuPagedAttention(lib).forward(q, k, v, kc.clone(), vc.clone(), meta, h, d ** -0.5, scales)
+    want = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta, h, d ** -0.5, scales)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -71,14 +71,45 @@ KV_ALWAYS_INLINE void load16_halves(const float* p, __m256& a, __m256& b) {
   a = _mm256_loadu_ps(p);
   b = _mm256_loadu_ps(p + 8);
 }
-template <typename T> inline void q16(const T* src, float scale, float* dst) {   // 16 values in that order
+#ifdef __F16C__
+// FP8 (F16C): each byte made the fp16 of the same value, widened exactly. E5M2 is fp16's upper byte; E4M3's
+// exponent and mantissa sit below fp16's by 7 bits, with a bias 8 smaller: times 2^8 (denormals too), its one NaN
+// code set apart. 16 values as they come (no split).
+KV_ALWAYS_INLINE void fp16_halves(__m256i h, __m256& a, __m256& b) {
+  a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+KV_ALWAYS_INLINE void load16_halves(const fp8_e5m2* p, __m256& a, __m256& b) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  fp16_halves(_mm256_slli_epi16(w, 8), a, b);
+}
+KV_ALWAYS_INLINE void load16_halves(const fp8_e4m3* p, __m256& a, __m256& b) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i w = _mm256_cvtepu8_epi16(raw);
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  fp16_halves(_mm256_or_si256(_mm256_slli_epi16(mag, 7), sign), a, b);
+  const __m256 two8 = _mm256_set1_ps(256.f), nan = _mm256_set1_ps(NAN);
+  const __m256i is_nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));   // S.1111.111
+  const __m256 na = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(is_nan)));
+  const __m256 nb = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(is_nan, 1)));
+  a = _mm256_blendv_ps(_mm256_mul_ps(a, two8), nan, na);
+  b = _mm256_blendv_ps(_mm256_mul_ps(b, two8), nan, nb);
+}
+template <typename KV> constexpr bool kAvx2Kv = std::is_same_v<KV, fp8_e4m3> || std::is_same_v<KV, fp8_e5m2>;
+#else
+template <typename KV> constexpr bool kAvx2Kv = false;
+#endif
+// the order of dims the K/V type loads in: bf16 split into even and odd values, the others as they come
+template <typename KV> constexpr bool kSplit16 = std::is_same_v<KV, uint16_t>;
+template <typename KV, typename T> inline void q16(const T* src, float scale, float* dst) {   // 16 values so
   for (int k = 0; k < 8; ++k) {
-    dst[k] = load(src, std::is_same_v<T, float> ? k : 2 * k) * scale;
-    dst[8 + k] = load(src, std::is_same_v<T, float> ? 8 + k : 2 * k + 1) * scale;
+    dst[k] = load(src, kSplit16<KV> ? 2 * k : k) * scale;
+    dst[8 + k] = load(src, kSplit16<KV> ? 2 * k + 1 : 8 + k) * scale;
   }
 }
-template <typename T> inline int unpermute16(int k) {   // where value k of 16 sits in that order
-  return std::is_same_v<T, float> ? k : (k % 2) * 8 + k / 2;
+template <typename KV> inline int unpermute16(int k) {   // where value k of 16 sits in that order
+  return kSplit16<KV> ? (k % 2) * 8 + k / 2 : k;
 }
 
 // the scores of NR (1 or 2) query rows q[r] against keys j .. j + 3 of the chunk (rows kr[j], D = 16 n16) into
@@ -178,32 +209,34 @@ inline void softmax_chunk(float* s, int64_t lo, int64_t nv, float& m, float& l, 
 // over the keys both see, then the longer row alone, its factor 1), so its result does not depend on its partner.
 // The next chunk's K and V rows are prefetched into L2 while this chunk's scores are computed: a sequence's blocks
 // lie anywhere in the pool, so no hardware prefetcher can tell where its next rows are.
-template <typename T>
-void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table,
+// KV: the query's type, or an FP8 format (F16C), whose K scale is folded into the queries, V's into the output.
+template <typename T, typename KV>
+void attend_item_avx2(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* table,
                       int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H,
-                      int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window, float softcap) {
+                      int64_t Hkv, int64_t D, int64_t bs, float scale, float k_scale, float v_scale, int64_t window,
+                      float softcap) {
   const int64_t G = H / Hkv, R = nt * G, n16 = D / 16;
   alignas(32) float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D];
   alignas(32) float s[MAX_ROWS][KC];
-  alignas(32) static const T zero_row[MAX_D] = {};   // the keys past a chunk's end, up to a multiple of 4
-  const T* kr[KC];
-  const T* vr[KC];
-  const T* nk[KC];   // the next chunk's K and V rows (prefetched during this chunk's scores)
-  const T* nvr[KC];
+  alignas(32) static const KV zero_row[MAX_D] = {};   // the keys past a chunk's end, up to a multiple of 4
+  const KV* kr[KC];
+  const KV* vr[KC];
+  const KV* nk[KC];   // the next chunk's K and V rows (prefetched during this chunk's scores)
+  const KV* nvr[KC];
   float m[MAX_ROWS], l[MAX_ROWS], corr[MAX_ROWS];
   int64_t limit[MAX_ROWS], first[MAX_ROWS], nv[MAX_ROWS], lo[MAX_ROWS];
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / G, h = g * G + r % G;
     const T* src = q + (q_row0 + t) * qs + h * D;
-    for (int64_t d = 0; d < D; d += 16) q16(src + d, scale, qf[r] + d);
+    for (int64_t d = 0; d < D; d += 16) q16<KV>(src + d, scale * k_scale, qf[r] + d);
     for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[r] + d, _mm256_setzero_ps());
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;   // causal: the last key position this token sees
     first[r] = window_first(limit[r], window);
   }
   const int64_t end = limit[R - 1] + 1;
-  const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row, row_bytes = D * int64_t(sizeof(T));
-  const auto rows_of = [&](int64_t p, int64_t n, const T** k, const T** v) {   // chunk p's rows, block by block
+  const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row, row_bytes = D * int64_t(sizeof(KV));
+  const auto rows_of = [&](int64_t p, int64_t n, const KV** k, const KV** v) {   // chunk p's rows, block by block
     for (int64_t j = 0; j < n;) {
       const int64_t off = (p + j) % bs, run = std::min(n - j, bs - off);
       const int64_t at = int64_t(table[(p + j) / bs]) * blk_stride + off * kv_row + g * D;
@@ -279,9 +312,9 @@ void attend_item_avx2(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / G, h = g * G + r % G;
     T* dst = out + ((q_row0 + t) * H + h) * D;
-    const float inv = 1.f / l[r];
+    const float inv = v_scale / l[r];
     for (int64_t d = 0; d < D; d += 16)
-      for (int k = 0; k < 16; ++k) store(dst, d + k, acc[r][d + unpermute16<T>(k)] * inv);
+      for (int k = 0; k < 16; ++k) store(dst, d + k, acc[r][d + unpermute16<KV>(k)] * inv);
   }
 }
 #endif
@@ -697,7 +730,7 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
 #endif
   bool avx2 = false;   // the AVX2 kernel: where the AVX-512 one does not apply
 #ifdef KV_HAVE_AVX2
-  avx2 = !simd && std::is_same<T, KV>::value && D % 16 == 0;
+  avx2 = !simd && (std::is_same<T, KV>::value || kAvx2Kv<KV>) && D % 16 == 0;
 #else
   (void)avx2;
 #endif
@@ -764,10 +797,10 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
     }
 #endif
 #ifdef KV_HAVE_AVX2
-    if constexpr (std::is_same<T, KV>::value) {
+    if constexpr (std::is_same<T, KV>::value || kAvx2Kv<KV>) {
       if (avx2) {
-        attend_item_avx2<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D, bs,
-                            scale, window, softcap);
+        attend_item_avx2<T, KV>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D,
+                                bs, scale, k_scale, v_scale, window, softcap);
         continue;
       }
     }

@@ -226,6 +226,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvserve_quant_simd.restype = ctypes.c_int
     lib.kvserve_simd.restype = ctypes.c_int
     lib.kvserve_avx2.restype = ctypes.c_int
+    lib.kvserve_fp8_avx2.restype = ctypes.c_int
     lib.kvserve_bf16_tiles.restype = ctypes.c_int
     lib.kvserve_has_packed_matmul.restype = ctypes.c_int
     lib.kvserve_packed_matmul_kind.restype = ctypes.c_int
@@ -331,12 +332,14 @@ def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | No
                onednn_available(torch.float32) else f"{dt} matmuls in torch")
     if not st.built:
         return f"no C++ kernels ({st.reason}): attention in plain torch, {matmuls}{_SEE}"
-    fp8_kv = kv_dtype is not None and kv_dtype in fp8.FORMATS   # FP8 pools: the portable kernel on every CPU
+    fp8_kv = kv_dtype is not None and kv_dtype in fp8.FORMATS   # FP8 pools: the AVX2 kernel, else the portable one
+    fp8_kernel = ("AVX2 kernel, F16C; portable for head dims not a multiple of 16" if load().kvserve_fp8_avx2()
+                  else "portable kernel")
     if dtype == torch.bfloat16 and st.bf16:
-        kv = "FP8 KV (portable kernel)" if fp8_kv else "tiled KV"
+        kv = f"FP8 KV ({fp8_kernel})" if fp8_kv else "tiled KV"
         return f"C++ AVX-512 BF16: paged attention on {kv}, packed bf16 matmuls, fused layer stack"
     if fp8_kv:
-        attention = "C++ paged attention on FP8 KV (portable kernel)"
+        attention = f"C++ paged attention on FP8 KV ({fp8_kernel})"
     else:
         attention = ("C++ paged attention (AVX-512)" if st.avx512 else "C++ paged attention (AVX2)" if st.avx2
                      else "C++ paged attention (portable: no AVX2)")

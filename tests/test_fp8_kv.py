@@ -237,3 +237,10 @@ def test_every_finite_code_reads_as_torch_in_every_kernel_variant(variant, dtype
     want = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta, h, d ** -0.5, scales)
     assert torch.isfinite(want).all()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_the_kernels_line_names_the_fp8_attention_kernel():
+    line = kernels.summary(torch.bfloat16, torch.device("cpu"), torch.float8_e4m3fn)
+    assert ("FP8 KV (AVX2 kernel, F16C" if kernels.load().kvserve_fp8_avx2() else "FP8 KV (portable kernel)") in line
+    assert bool(kernels.load().kvserve_fp8_avx2()) == bool(kernels.load().kvserve_avx2())   # F16C comes with AVX2

@@ -875,6 +875,14 @@ int kvserve_avx2() {
   return 0;
 #endif
 }
+// 1 when the AVX2 attention kernel reads FP8 pools (F16C widens them), else the portable kernel does
+int kvserve_fp8_avx2() {
+#ifdef KV_HAVE_AVX2
+  return kAvx2Kv<fp8_e4m3> ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 // 1 when bf16 caches can take the kernel layout (AVX-512 BF16)
 int kvserve_bf16_tiles() {
 #ifdef KV_HAVE_BF16_TILE

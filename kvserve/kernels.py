@@ -304,6 +304,7 @@ class KernelStatus:
     reason: str | None    # why the library is missing
     avx2: bool = False    # AVX2 attention and bf16 layer ops
     bf16_matmul: bool = False   # packed bf16 matmuls: vdpbf16ps, or bf16 weights widened to float32 (AVX2, AVX-512)
+    fp8_avx2: bool = False      # FP8 KV read by the AVX2 attention kernel (F16C), else by the portable one
 
     @property
     def fast_bf16(self) -> bool:
@@ -317,7 +318,7 @@ def status() -> KernelStatus:
         return KernelStatus(False, False, False, _failures.get(_variant))
     kind = lib.kvserve_packed_matmul_kind()
     return KernelStatus(True, bool(lib.kvserve_simd()), kind == 1, None, bool(lib.kvserve_avx2()),
-                        kind >= 1 and lib.silu_mul_fast)
+                        kind >= 1 and lib.silu_mul_fast, bool(lib.kvserve_fp8_avx2()))
 
 
 def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None) -> str:
@@ -333,8 +334,7 @@ def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | No
     if not st.built:
         return f"no C++ kernels ({st.reason}): attention in plain torch, {matmuls}{_SEE}"
     fp8_kv = kv_dtype is not None and kv_dtype in fp8.FORMATS   # FP8 pools: the AVX2 kernel, else the portable one
-    fp8_kernel = ("AVX2 kernel, F16C; portable for head dims not a multiple of 16" if load().kvserve_fp8_avx2()
-                  else "portable kernel")
+    fp8_kernel = "AVX2 kernel, F16C; portable for head dims not a multiple of 16" if st.fp8_avx2 else "portable kernel"
     if dtype == torch.bfloat16 and st.bf16:
         kv = f"FP8 KV ({fp8_kernel})" if fp8_kv else "tiled KV"
         return f"C++ AVX-512 BF16: paged attention on {kv}, packed bf16 matmuls, fused layer stack"

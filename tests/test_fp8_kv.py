@@ -242,5 +242,6 @@ def test_every_finite_code_reads_as_torch_in_every_kernel_variant(variant, dtype
 @needs_kernels
 def test_the_kernels_line_names_the_fp8_attention_kernel():
     line = kernels.summary(torch.bfloat16, torch.device("cpu"), torch.float8_e4m3fn)
-    assert ("FP8 KV (AVX2 kernel, F16C" if kernels.load().kvserve_fp8_avx2() else "FP8 KV (portable kernel)") in line
-    assert bool(kernels.load().kvserve_fp8_avx2()) == bool(kernels.load().kvserve_avx2())   # F16C comes with AVX2
+    st = kernels.status()
+    assert ("FP8 KV (AVX2 kernel, F16C" if st.fp8_avx2 else "FP8 KV (portable kernel)") in line
+    assert st.fp8_avx2 == st.avx2   # F16C comes with AVX2

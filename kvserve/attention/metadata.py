@@ -78,11 +78,15 @@ class AttentionMetadata:
         return self._groups
 
 
+def flatten_tables(block_tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(every table's ids one table after another, each table's length), int64."""
+    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    return np.fromiter(chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum())), lens
+
+
 def padded_block_tables(block_tables: list[list[int]], min_blocks: int) -> np.ndarray:
     """[B, max(len, min_blocks)] int64 array of the block tables, padded with 0."""
-    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
-    flat = np.fromiter(chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum()))
-    return pad_tables(flat, lens, min_blocks)
+    return pad_tables(*flatten_tables(block_tables), min_blocks)
 
 
 def pad_tables(flat: np.ndarray, lens: np.ndarray, min_blocks: int) -> np.ndarray:
@@ -125,9 +129,8 @@ def _build_groups(meta: AttentionMetadata) -> list[AttnGroup]:
 def build_attention_metadata(query_lens, seq_lens, block_tables: list[list[int]], block_size: int,
                              device: torch.device | str = "cpu") -> AttentionMetadata:
     """Build the metadata for sequences with `query_lens` new tokens each, ending at `seq_lens`."""
-    tables = padded_block_tables(block_tables, 1)
-    return metadata_from_tables(query_lens, seq_lens, tables, np.fromiter(map(len, block_tables), np.int64,
-                                                                          count=len(block_tables)), block_size, device)
+    flat, lens = flatten_tables(block_tables)
+    return metadata_from_tables(query_lens, seq_lens, pad_tables(flat, lens, 1), lens, block_size, device)
 
 
 def metadata_from_tables(query_lens, seq_lens, tables: np.ndarray, table_lens: np.ndarray, block_size: int,

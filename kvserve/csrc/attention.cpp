@@ -75,10 +75,6 @@ KV_ALWAYS_INLINE void load16_halves(const float* p, __m256& a, __m256& b) {
 // FP8 (F16C): each byte made the fp16 of the same value, widened exactly. E5M2 is fp16's upper byte; E4M3's
 // exponent and mantissa sit below fp16's by 7 bits, with a bias 8 smaller: times 2^8 (denormals too), its one NaN
 // code set apart. 16 values as they come (no split).
-KV_ALWAYS_INLINE void fp16_halves(__m256i h, __m256& a, __m256& b) {
-  a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-  b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-}
 KV_ALWAYS_INLINE void load16_halves(const fp8_e5m2* p, __m256& a, __m256& b) {
   const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   fp16_halves(_mm256_slli_epi16(w, 8), a, b);

@@ -173,6 +173,13 @@ inline void store8(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+#ifdef __F16C__
+// 16 fp16 codes (one 256-bit load) -> their first 8 and last 8 values as floats, exactly (F16C)
+KV_ALWAYS_INLINE void fp16_halves(__m256i h, __m256& a, __m256& b) {
+  a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+#endif
 
 // exp(x): exp512's polynomial on 8 lanes; below -87 it returns exp(-87), above 88.7 inf (as exp512's scalef)
 inline __m256 exp256(__m256 x) {

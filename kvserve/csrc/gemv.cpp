@@ -129,8 +129,7 @@ KV_ALWAYS_INLINE void widen_pairs(const int32_t* p, __m256& even, __m256& odd) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 #ifdef KV_HAVE_F16_GEMV
   if constexpr (F16) {   // kvserve_gemv_pack_f16's order: the 8 columns' k values, then their k + 1 values
-    even = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
-    odd = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+    fp16_halves(v, even, odd);
     return;
   }
 #endif

@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field, fields
-from itertools import chain
 
 import numpy as np
 
-from kvserve.attention.metadata import pad_tables
+from kvserve.attention.metadata import flatten_tables, pad_tables
 
 
 @dataclass
@@ -66,8 +65,7 @@ class StepMessage:
         """tables: each sequence's block table, or (several KV groups) each sequence's tables, one per group."""
         if tables and tables[0] and isinstance(tables[0][0], list):
             tables = [seq[g] for g in range(len(tables[0])) for seq in tables]   # group-major
-        lens = np.fromiter(map(len, tables), np.int64, count=len(tables))
-        flat = np.fromiter(chain.from_iterable(tables), np.int64, count=int(lens.sum()))
+        flat, lens = flatten_tables(tables)
         rows = np.concatenate([np.asarray(r, np.int64) for r in logits_calls]) if logits_calls else []
         return StepMessage(_i64(input_ids), _i64(positions), _i64(query_lens), _i64(seq_lens), flat,
                            lens, _i64(block_copies).reshape(-1, 2), _i64(rows),

@@ -333,8 +333,10 @@ def summary(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | No
                onednn_available(torch.float32) else f"{dt} matmuls in torch")
     if not st.built:
         return f"no C++ kernels ({st.reason}): attention in plain torch, {matmuls}{_SEE}"
-    fp8_kv = kv_dtype is not None and kv_dtype in fp8.FORMATS   # FP8 pools: the AVX2 kernel, else the portable one
-    fp8_kernel = "AVX2 kernel, F16C; portable for head dims not a multiple of 16" if st.fp8_avx2 else "portable kernel"
+    fp8_kv = kv_dtype is not None and kv_dtype in fp8.FORMATS   # FP8 pools: the AVX-512 or AVX2 kernel, else portable
+    fp8_kernel = ("AVX-512 kernel; AVX2 for head dims not a multiple of 32, portable for those not of 16" if st.avx512
+                  else "AVX2 kernel, F16C; portable for head dims not a multiple of 16" if st.fp8_avx2
+                  else "portable kernel")
     if dtype == torch.bfloat16 and st.bf16:
         kv = f"FP8 KV ({fp8_kernel})" if fp8_kv else "tiled KV"
         return f"C++ AVX-512 BF16: paged attention on {kv}, packed bf16 matmuls, fused layer stack"

@@ -213,15 +213,17 @@ def test_bad_kv_cache_dtypes_are_refused():
 @needs_kernels
 @pytest.mark.parametrize("variant", ["native", "no-avx512", "portable"])
 @pytest.mark.parametrize("dtype", FORMATS)
-def test_every_finite_code_reads_as_torch_in_every_kernel_variant(variant, dtype):
+@pytest.mark.parametrize("d", [64, 48])
+def test_every_finite_code_reads_as_torch_in_every_kernel_variant(variant, dtype, d):
     """Pools holding every finite code of the format (denormals, both signs, the largest) in K and in V, read by
-    each kernel variant this CPU builds (the AVX2 kernel widens FP8 with F16C; the portable one looks codes up):
-    float32 attention over them equals torch's over its own conversion of the pools, within float32 rounding."""
+    each kernel variant this CPU builds (the AVX-512 kernel widens FP8 on 16 lanes where head dims are a multiple
+    of 32, the AVX2 one with F16C, the portable one looks codes up): float32 attention over them equals torch's
+    over its own conversion of the pools, within float32 rounding."""
     lib = kernels.load_variant(variant)
     if lib is None:
         pytest.skip(f"the {variant} build does not run on this CPU")
     gen = torch.Generator().manual_seed(3)
-    h, hkv, d, bs, ctx = 2, 1, 64, 16, 64
+    h, hkv, bs, ctx = 2, 1, 16, 64
     codes = torch.arange(256, dtype=torch.uint8).view(dtype)
     finite = torch.arange(256, dtype=torch.uint8)[torch.isfinite(codes.float())]
     n = ctx * hkv * d
@@ -240,8 +242,37 @@ def test_every_finite_code_reads_as_torch_in_every_kernel_variant(variant, dtype
 
 
 @needs_kernels
+@pytest.mark.parametrize("variant", ["native", "no-avx512", "portable"])
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_a_nan_written_to_the_pool_reaches_exactly_the_rows_that_see_it(variant, dtype):
+    """A NaN value is stored as the format's NaN code and every kernel variant reads it as NaN (E4M3's one NaN code
+    would otherwise read as 480): the rows of a chunk from the NaN's token on are NaN, the rows before it finite."""
+    lib = kernels.load_variant(variant)
+    if lib is None:
+        pytest.skip(f"the {variant} build does not run on this CPU")
+    gen = torch.Generator().manual_seed(4)
+    h, hkv, d, bs, n = 3, 1, 64, 16, 9
+    meta = build_attention_metadata([n], [40], [[1, 0, 2]], block_size=bs)
+    q, k, v = (torch.randn(n, x * d, generator=gen) for x in (h, hkv, hkv))
+    v[4, 7] = float("nan")
+    kc = torch.randn(3, bs, hkv, d, generator=gen).to(dtype)
+    vc = torch.randn(3, bs, hkv, d, generator=gen).to(dtype)
+    scales = torch.tensor([0.5, 0.25])
+    got = CpuPagedAttention(lib).forward(q, k, v, kc.clone(), vc.clone(), meta, h, d ** -0.5, scales)
+    want = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta, h, d ** -0.5, scales)
+    assert got.isnan().any(dim=1).tolist() == [False] * 4 + [True] * 5
+    torch.testing.assert_close(got[4:], want[4:], atol=1e-5, rtol=1e-5, equal_nan=True)
+    # torch's masked product (probability 0 times NaN) spreads the NaN to the rows before it: those rows against
+    # the step without the NaN
+    v[4, 7] = 0.0
+    clean = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta, h, d ** -0.5, scales)
+    torch.testing.assert_close(got[:4], clean[:4], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
 def test_the_kernels_line_names_the_fp8_attention_kernel():
     line = kernels.summary(torch.bfloat16, torch.device("cpu"), torch.float8_e4m3fn)
     st = kernels.status()
-    assert ("FP8 KV (AVX2 kernel, F16C" if st.fp8_avx2 else "FP8 KV (portable kernel)") in line
+    assert ("FP8 KV (AVX-512 kernel" if st.avx512 else "FP8 KV (AVX2 kernel, F16C" if st.fp8_avx2
+            else "FP8 KV (portable kernel)") in line
     assert st.fp8_avx2 == st.avx2   # F16C comes with AVX2

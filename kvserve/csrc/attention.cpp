@@ -399,23 +399,45 @@ inline __m512 qk_partial(const uint16_t* k, const __m512* qv, int nd, const uint
 #endif
 }
 
+// FP8 pools, 16 values widened exactly through fp16 (vcvtph2ps): E5M2 is fp16's upper byte. E4M3's exponent
+// and mantissa sit below fp16's by 7 bits (S.EEEE.MMM -> S.0EEEE.MMM0000000), which reads 2^-8 of its value,
+// denormals too (kFp8Unit: the kernel's scales carry the 2^8); its one NaN code is made fp16's NaN.
+template <typename KV> constexpr bool kFp8 = std::is_same_v<KV, fp8_e4m3> || std::is_same_v<KV, fp8_e5m2>;
+template <typename KV> constexpr float kFp8Unit = std::is_same_v<KV, fp8_e4m3> ? 256.f : 1.f;
+KV_ALWAYS_INLINE __m512 load16(const fp8_e5m2* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+}
+KV_ALWAYS_INLINE __m512 load16(const fp8_e4m3* p) {   // 2^-8 of the values
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(w, 8), 1), _mm256_set1_epi16(int16_t(0xbfff)));
+  const __m256i m7 = _mm256_set1_epi16(0x7f);
+  const __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(w, m7), m7), _mm256_set1_epi16(0x7e00));
+  return _mm512_cvtph_ps(_mm256_or_si256(h, nan));
+}
+
 // Keys are taken CH = 32 at a time, in three passes over the rows so each pass is short enough for
 // out-of-order execution to overlap rows (one long per-row body serializes on its reductions and exps):
 //   1. scores of every row (bf16 dot products, transposed sums), 2. online-softmax update, 3. P @ V.
-template <typename T>
-void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, const int32_t* table, int64_t ctx_len,
-                      int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g0, int64_t ng, int64_t H,
-                      int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window, float softcap) {
+// FP8 pools (KV) are widened once a chunk, K as V is, so the rows of an item share the conversion; K's scale
+// multiplies the scores, V's the output.
+template <typename T, typename KV = T>
+void attend_item_simd(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* table,
+                      int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g0, int64_t ng,
+                      int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, float k_scale, float v_scale,
+                      int64_t window, float softcap) {
   constexpr int CH = KC;
+  constexpr bool fp8 = kFp8<KV>;
   const int64_t G = H / Hkv, RH = ng * G, R = nt * RH;   // RH: rows per token
   const int nd = int(D / 16);
   // compact strides: power-of-two row strides would put every row in the same L1 set
   alignas(64) float acc[MAX_ROWS * MAX_D];
   alignas(64) float vf[CH * (MAX_KV_ROW + 16)];
+  alignas(64) float kf[fp8 ? CH * (MAX_KV_ROW + 16) : 1];
   alignas(64) float sc[MAX_ROWS * CH];
   float corr[MAX_ROWS], m[MAX_ROWS], l[MAX_ROWS];
   const T* qraw[MAX_ROWS];
-  const T* krow[CH];
+  const KV* krow[CH];
   int64_t koff[MAX_ROWS], limit[MAX_ROWS], first[MAX_ROWS], nvis[MAX_ROWS], lo[MAX_ROWS];
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / RH, h = g0 * G + r % RH;
@@ -428,17 +450,19 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
   }
   const int64_t end = limit[R - 1] + 1;
   const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row, nvf = ng * D, vstride = nvf + 16;
-  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
+  const __m512 vscale = _mm512_set1_ps(scale * k_scale * kFp8Unit<KV>), neg_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t p = chunk_start(first[0], bs); p < end; p += CH) {
     const int64_t n = std::min<int64_t>(CH, end - p), nn = std::max<int64_t>(0, std::min<int64_t>(CH, end - p - CH));
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = p + j;
       krow[j] = kc + int64_t(table[pos / bs]) * blk_stride + (pos % bs) * kv_row + g0 * D;
-      const T* vrow = vc + (krow[j] - kc);
+      const KV* vrow = vc + (krow[j] - kc);
       for (int64_t i = 0; i < nvf; i += 16) _mm512_store_ps(vf + j * vstride + i, load16(vrow + i));
+      if constexpr (fp8)
+        for (int64_t i = 0; i < nvf; i += 16) _mm512_store_ps(kf + j * vstride + i, load16(krow[j] + i));
       if (j < nn) {   // the next chunk's row j on its way to L2 (blocks lie anywhere: no hardware prefetcher knows)
         const int64_t at = int64_t(table[(pos + CH) / bs]) * blk_stride + ((pos + CH) % bs) * kv_row + g0 * D;
-        for (int64_t b = 0; b < nvf * int64_t(sizeof(T)); b += 64) {
+        for (int64_t b = 0; b < nvf * int64_t(sizeof(KV)); b += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(kc + at) + b, _MM_HINT_T1);
           _mm_prefetch(reinterpret_cast<const char*>(vc + at) + b, _MM_HINT_T1);
         }
@@ -454,9 +478,14 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
       for (int i = 0; i < nd; ++i) qv[i] = load16(qraw[r] + 16 * i);
       for (int64_t j0 = 0; j0 < nv; j0 += 16) {
         __m512 part[16];
-        for (int64_t j = 0; j < 16; ++j)
-          part[j] = j0 + j < nv && j0 + j >= lo[r] ? qk_partial(krow[j0 + j] + koff[r], qv, nd, qraw[r])
-                                                   : _mm512_setzero_ps();
+        for (int64_t j = 0; j < 16; ++j) {
+          if (j0 + j >= nv || j0 + j < lo[r])
+            part[j] = _mm512_setzero_ps();
+          else if constexpr (fp8)
+            part[j] = qk_partial(kf + (j0 + j) * vstride + koff[r], qv, nd, nullptr);
+          else
+            part[j] = qk_partial(krow[j0 + j] + koff[r], qv, nd, qraw[r]);
+        }
         const int64_t left = nv - j0, skip = std::min<int64_t>(16, std::max<int64_t>(0, lo[r] - j0));
         const __mmask16 valid = (left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1)) &
                                 __mmask16(0xffffu << skip);
@@ -505,7 +534,7 @@ void attend_item_simd(const T* q, int64_t qs, const T* kc, const T* vc, T* out, 
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / RH, h = g0 * G + r % RH;
     T* dst = out + ((q_row0 + t) * H + h) * D;
-    const float inv = 1.f / l[r];
+    const float inv = v_scale * kFp8Unit<KV> / l[r];
     for (int64_t d = 0; d < D; ++d) store(dst, d, acc[r * D + d] * inv);
   }
 }
@@ -722,7 +751,7 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
   const int64_t G = H / Hkv;
   bool simd = false;
 #ifdef KV_HAVE_AVX512
-  simd = std::is_same<T, KV>::value && D % 32 == 0 && Hkv * D <= MAX_KV_ROW && H <= MAX_ROWS;
+  simd = (std::is_same<T, KV>::value || kFp8<KV>) && D % 32 == 0 && Hkv * D <= MAX_KV_ROW && H <= MAX_ROWS;
 #endif
   bool avx2 = false;   // the AVX2 kernel: where the AVX-512 one does not apply
 #ifdef KV_HAVE_AVX2
@@ -784,10 +813,10 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
     }
 #endif
 #ifdef KV_HAVE_AVX512
-    if constexpr (std::is_same<T, KV>::value) {
+    if constexpr (std::is_same<T, KV>::value || kFp8<KV>) {
       if (simd) {
-        attend_item_simd<T>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D,
-                            bs, scale, window, softcap);
+        attend_item_simd<T, KV>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv,
+                                D, bs, scale, k_scale, v_scale, window, softcap);
         continue;
       }
     }

@@ -1,7 +1,7 @@
 """The C++ paged-attention kernels on W1-shaped steps, side by side in one process: the bf16 kernel over the
 tiled KV layout (kvserve/attention/kv_layout.py: K and V tiles vdpbf16ps takes, read straight from the cache)
 against the AVX-512 kernel over the standard layout [blocks, block size, kv heads, head dim] (what bf16 pools
-that cannot tile take), the kernels over FP8 (E4M3) pools of the same values, and the torch reference backend. SmolLM2-135M shapes: 9 q heads, 3 kv heads, head dim 64,
+that cannot tile take), the kernel over FP8 (E4M3) pools of the same values, and the torch reference backend. SmolLM2-135M shapes: 9 q heads, 3 kv heads, head dim 64,
 blocks of 16.
 
   python benchmarks/attention_kernel.py [--repeats 20] [--num-threads N] [--layers 30]
@@ -10,8 +10,9 @@ Steps: "decode 64" (64 sequences, one new token each, contexts 64..768 as in W1)
 context 400), "verify 6" (one sequence verifying 5 drafts: 6 query tokens, context 400), "prefill" (4 fresh
 prompts of 128..512 tokens). Each call is one layer's attention, and the calls
 cycle over --layers layers' pools, so with 30 (the model's) the K/V come from DRAM as in the engine, with 1 from
-the caches. The table shows the best ms per call, the ratio to the standard layout's kernel, and for decode the
-KV bytes read per second.
+the caches. The table shows the best ms per call, the ratio to the standard layout's kernel, for decode the KV
+bytes read per second, and the largest difference from the torch backend's output (for FP8, torch over the same
+FP8 pools).
 """
 from __future__ import annotations
 

@@ -227,6 +227,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvserve_simd.restype = ctypes.c_int
     lib.kvserve_avx2.restype = ctypes.c_int
     lib.kvserve_fp8_avx2.restype = ctypes.c_int
+    lib.kvserve_fp8_attention_path.argtypes = [i64, i64, i64, i64]
+    lib.kvserve_fp8_attention_path.restype = ctypes.c_int
     lib.kvserve_bf16_tiles.restype = ctypes.c_int
     lib.kvserve_has_packed_matmul.restype = ctypes.c_int
     lib.kvserve_packed_matmul_kind.restype = ctypes.c_int
@@ -304,7 +306,8 @@ class KernelStatus:
     reason: str | None    # why the library is missing
     avx2: bool = False    # AVX2 attention and bf16 layer ops
     bf16_matmul: bool = False   # packed bf16 matmuls: vdpbf16ps, or bf16 weights widened to float32 (AVX2, AVX-512)
-    fp8_avx2: bool = False      # FP8 KV read by the AVX2 attention kernel (F16C), else by the portable one
+    fp8_avx2: bool = False      # the AVX2 attention kernel reads FP8 KV (F16C); on AVX-512 CPUs the AVX-512 one does
+                                # where head dims are a multiple of 32 (kvserve_fp8_attention_path)
 
     @property
     def fast_bf16(self) -> bool:

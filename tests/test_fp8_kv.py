@@ -270,6 +270,24 @@ def test_a_nan_written_to_the_pool_reaches_exactly_the_rows_that_see_it(variant,
 
 
 @needs_kernels
+@pytest.mark.parametrize("variant", ["native", "no-avx512", "portable"])
+def test_fp8_pools_take_the_widest_kernel_the_build_has(variant):
+    """The kernel the dispatch picks for FP8 pools (the same function paged_attention calls): the AVX-512 one where
+    head dims are a multiple of 32 and a row fits, else the AVX2 one (head dims a multiple of 16), else portable."""
+    lib = kernels.load_variant(variant)
+    if lib is None:
+        pytest.skip(f"the {variant} build does not run on this CPU")
+    simd, avx2 = lib.kvserve_simd(), lib.kvserve_avx2()
+    for fmt in fp8.FORMATS.values():   # the codes the kernels take: E4M3, E5M2
+        widest = 512 if simd else 2 if avx2 else 0
+        assert lib.kvserve_fp8_attention_path(9, 3, 64, fmt) == widest
+        assert lib.kvserve_fp8_attention_path(6, 2, 32, fmt) == widest   # the shapes of the tests above
+        assert lib.kvserve_fp8_attention_path(2, 1, 48, fmt) == (2 if avx2 else 0)
+        assert lib.kvserve_fp8_attention_path(2, 1, 40, fmt) == 0
+        assert lib.kvserve_fp8_attention_path(80, 8, 64, fmt) == (2 if avx2 else 0)   # more rows than an item holds
+
+
+@needs_kernels
 def test_the_kernels_line_names_the_fp8_attention_kernel():
     line = kernels.summary(torch.bfloat16, torch.device("cpu"), torch.float8_e4m3fn)
     st = kernels.status()

@@ -1,5 +1,6 @@
-// Paged attention straight from the KV blocks, and the KV cache write: a portable path and an AVX-512 path over
-// the standard layout [blocks, bs, Hkv, D], and a bf16 path over the kernel layout (tiles vdpbf16ps takes).
+// Paged attention straight from the KV blocks, and the KV cache write: portable, AVX2 and AVX-512 paths over the
+// standard layout [blocks, bs, Hkv, D] (bf16, float32 or FP8 pools), and a bf16 path over the kernel layout (tiles
+// vdpbf16ps takes).
 #include "common.h"
 
 namespace {
@@ -741,24 +742,30 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
 }
 #endif
 
+// The kernel a step of these shapes takes over the standard layout: 512 (AVX-512), 2 (AVX2) or 0 (portable)
+template <typename T, typename KV>
+int standard_path(int64_t H, int64_t Hkv, int64_t D) {
+#ifdef KV_HAVE_AVX512
+  if ((std::is_same<T, KV>::value || kFp8<KV>) && D % 32 == 0 && Hkv * D <= MAX_KV_ROW && H <= MAX_ROWS) return 512;
+#endif
+#ifdef KV_HAVE_AVX2
+  if ((std::is_same<T, KV>::value || kAvx2Kv<KV>) && D % 16 == 0) return 2;
+#endif
+  (void)H; (void)Hkv; (void)D;
+  return 0;
+}
+
 // tiled: K/V are in the bf16 kernel layout (bf16 only, bs % 16 == 0, D % 32 == 0), else [blocks, bs, Hkv, D]
-// KV: the pools' element type: T, or an FP8 format (standard layout, the portable kernel; kv_scales: K's, V's)
+// KV: the pools' element type: T, or an FP8 format (standard layout; kv_scales: K's, V's)
 template <typename T, typename KV = T>
 void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* block_tables,
                      int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start, int64_t B, int64_t H,
                      int64_t Hkv, int64_t D, int64_t bs, float scale, bool tiled, const float* kv_scales,
                      int64_t window, float softcap) {
   const int64_t G = H / Hkv;
-  bool simd = false;
-#ifdef KV_HAVE_AVX512
-  simd = (std::is_same<T, KV>::value || kFp8<KV>) && D % 32 == 0 && Hkv * D <= MAX_KV_ROW && H <= MAX_ROWS;
-#endif
-  bool avx2 = false;   // the AVX2 kernel: where the AVX-512 one does not apply
-#ifdef KV_HAVE_AVX2
-  avx2 = !simd && (std::is_same<T, KV>::value || kAvx2Kv<KV>) && D % 16 == 0;
-#else
+  const int path = standard_path<T, KV>(H, Hkv, D);
+  const bool simd = path == 512, avx2 = path == 2;
   (void)avx2;
-#endif
   const float k_scale = kv_scales ? kv_scales[0] : 1.f, v_scale = kv_scales ? kv_scales[1] : 1.f;
   // A work item is (sequence, query tile, kv heads), decided per sequence. The tiled kernel takes all kv heads
   // when the step has many sequences and every row of the sequence fits one item (decodes, short chunks), else
@@ -907,6 +914,11 @@ int kvserve_fp8_avx2() {
 #else
   return 0;
 #endif
+}
+// the kernel FP8 pools (fmt: FP8_E4M3, FP8_E5M2) of these shapes take under float32 queries: 512 (AVX-512), 2 (AVX2)
+// or 0 (portable); paged_attention dispatches by the same function
+int kvserve_fp8_attention_path(int64_t H, int64_t Hkv, int64_t D, int64_t fmt) {
+  return fmt == FP8_E4M3 ? standard_path<float, fp8_e4m3>(H, Hkv, D) : standard_path<float, fp8_e5m2>(H, Hkv, D);
 }
 // 1 when bf16 caches can take the kernel layout (AVX-512 BF16)
 int kvserve_bf16_tiles() {

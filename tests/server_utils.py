@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -21,10 +22,28 @@ SERVER_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "48MiB", "--max-num-s
                 "--max-model-len", str(MAX_MODEL_LEN), "--max-waiting-requests", "200", "--api-key", API_KEY]
 
 
+_PORTS_PER_PROCESS = 1000
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port for a server started a moment later. It comes from a range of this pytest process's own
+    (pytest-xdist's gw0, gw1, ...: make test runs two) below the kernel's ephemeral ports, where outgoing
+    connections take theirs: between the check here and the server's bind, neither the other test process nor a
+    connection can take it, and no other process's server can answer the test."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    first = 20000 + _PORTS_PER_PROCESS * (int(worker) % 12 if worker.isdigit() else 0)
+    for port in random.sample(range(first, first + _PORTS_PER_PROCESS), _PORTS_PER_PROCESS):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {first}..{first + _PORTS_PER_PROCESS - 1}")
 
 
 class ServerProcess:

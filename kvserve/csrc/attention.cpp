@@ -9,6 +9,9 @@ constexpr int KC = 32;        // keys per chunk: every query row of a work item 
 constexpr int MAX_D = 256;    // largest head_dim supported (checked on the Python side)
 constexpr int MAX_ROWS = 64;  // query rows (tokens x q heads) per work item
 constexpr int MAX_KV_ROW = 1024;  // kv heads x head_dim of the SIMD path
+// FP8 pools: the SIMD kernels widen E4M3 to 2^-8 of its value (e4m3_as_fp16) and carry the 2^8 in their scales
+template <typename KV> constexpr bool kFp8 = std::is_same_v<KV, fp8_e4m3> || std::is_same_v<KV, fp8_e5m2>;
+template <typename KV> constexpr float kFp8Unit = std::is_same_v<KV, fp8_e4m3> ? 256.f : 1.f;
 
 // Sliding window W (0: none): a token whose last visible key is `limit` sees keys [limit - W + 1, limit].
 inline int64_t window_first(int64_t limit, int64_t window) {
@@ -73,27 +76,25 @@ KV_ALWAYS_INLINE void load16_halves(const float* p, __m256& a, __m256& b) {
   b = _mm256_loadu_ps(p + 8);
 }
 #ifdef __F16C__
-// FP8 (F16C): each byte made the fp16 of the same value, widened exactly. E5M2 is fp16's upper byte; E4M3's
-// exponent and mantissa sit below fp16's by 7 bits, with a bias 8 smaller: times 2^8 (denormals too), its one NaN
-// code set apart. 16 values as they come (no split).
-KV_ALWAYS_INLINE void load16_halves(const fp8_e5m2* p, __m256& a, __m256& b) {
+// FP8 as fp16 codes, 16 at a time, for vcvtph2ps to widen exactly. E5M2 is fp16's upper byte. E4M3's exponent and
+// mantissa sit below fp16's by 7 bits (S.EEEE.MMM -> S.0EEEE.MMM0000000: 2^-8 of its value, denormals too;
+// kFp8Unit); its one NaN code is made fp16's NaN.
+KV_ALWAYS_INLINE __m256i fp8_as_fp16(const fp8_e5m2* p) {
+  return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+}
+KV_ALWAYS_INLINE __m256i fp8_as_fp16(const fp8_e4m3* p) {
   const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  fp16_halves(_mm256_slli_epi16(w, 8), a, b);
+  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(w, 8), 1), _mm256_set1_epi16(int16_t(0xbfff)));
+  const __m256i m7 = _mm256_set1_epi16(0x7f);
+  return _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(w, m7), m7),
+                                             _mm256_set1_epi16(0x7e00)));
 }
-KV_ALWAYS_INLINE void load16_halves(const fp8_e4m3* p, __m256& a, __m256& b) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i w = _mm256_cvtepu8_epi16(raw);
-  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-  fp16_halves(_mm256_or_si256(_mm256_slli_epi16(mag, 7), sign), a, b);
-  const __m256 two8 = _mm256_set1_ps(256.f), nan = _mm256_set1_ps(NAN);
-  const __m256i is_nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));   // S.1111.111
-  const __m256 na = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(is_nan)));
-  const __m256 nb = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(is_nan, 1)));
-  a = _mm256_blendv_ps(_mm256_mul_ps(a, two8), nan, na);
-  b = _mm256_blendv_ps(_mm256_mul_ps(b, two8), nan, nb);
+// 16 values as they come (no split)
+template <typename KV, typename = std::enable_if_t<kFp8<KV>>>
+KV_ALWAYS_INLINE void load16_halves(const KV* p, __m256& a, __m256& b) {
+  fp16_halves(fp8_as_fp16(p), a, b);
 }
-template <typename KV> constexpr bool kAvx2Kv = std::is_same_v<KV, fp8_e4m3> || std::is_same_v<KV, fp8_e5m2>;
+template <typename KV> constexpr bool kAvx2Kv = kFp8<KV>;
 #else
 template <typename KV> constexpr bool kAvx2Kv = false;
 #endif
@@ -225,7 +226,7 @@ void attend_item_avx2(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / G, h = g * G + r % G;
     const T* src = q + (q_row0 + t) * qs + h * D;
-    for (int64_t d = 0; d < D; d += 16) q16<KV>(src + d, scale * k_scale, qf[r] + d);
+    for (int64_t d = 0; d < D; d += 16) q16<KV>(src + d, scale * k_scale * kFp8Unit<KV>, qf[r] + d);
     for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[r] + d, _mm256_setzero_ps());
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;   // causal: the last key position this token sees
@@ -309,7 +310,7 @@ void attend_item_avx2(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / G, h = g * G + r % G;
     T* dst = out + ((q_row0 + t) * H + h) * D;
-    const float inv = v_scale / l[r];
+    const float inv = v_scale * kFp8Unit<KV> / l[r];
     for (int64_t d = 0; d < D; d += 16)
       for (int k = 0; k < 16; ++k) store(dst, d + k, acc[r][d + unpermute16<KV>(k)] * inv);
   }
@@ -400,21 +401,10 @@ inline __m512 qk_partial(const uint16_t* k, const __m512* qv, int nd, const uint
 #endif
 }
 
-// FP8 pools, 16 values widened exactly through fp16 (vcvtph2ps): E5M2 is fp16's upper byte. E4M3's exponent
-// and mantissa sit below fp16's by 7 bits (S.EEEE.MMM -> S.0EEEE.MMM0000000), which reads 2^-8 of its value,
-// denormals too (kFp8Unit: the kernel's scales carry the 2^8); its one NaN code is made fp16's NaN.
-template <typename KV> constexpr bool kFp8 = std::is_same_v<KV, fp8_e4m3> || std::is_same_v<KV, fp8_e5m2>;
-template <typename KV> constexpr float kFp8Unit = std::is_same_v<KV, fp8_e4m3> ? 256.f : 1.f;
-KV_ALWAYS_INLINE __m512 load16(const fp8_e5m2* p) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
-}
-KV_ALWAYS_INLINE __m512 load16(const fp8_e4m3* p) {   // 2^-8 of the values
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(w, 8), 1), _mm256_set1_epi16(int16_t(0xbfff)));
-  const __m256i m7 = _mm256_set1_epi16(0x7f);
-  const __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(w, m7), m7), _mm256_set1_epi16(0x7e00));
-  return _mm512_cvtph_ps(_mm256_or_si256(h, nan));
+// FP8 pools, 16 values widened exactly (fp8_as_fp16: E4M3 as 2^-8 of its value)
+template <typename KV, typename = std::enable_if_t<kFp8<KV>>>
+KV_ALWAYS_INLINE __m512 load16(const KV* p) {
+  return _mm512_cvtph_ps(fp8_as_fp16(p));
 }
 
 // Keys are taken CH = 32 at a time, in three passes over the rows so each pass is short enough for

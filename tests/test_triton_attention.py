@@ -114,6 +114,39 @@ def test_one_long_prefill_over_many_blocks_and_decodes_beside_it():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("splits, window, softcap", [(2, 16, None), (8, None, 2.0)])
+def test_split_kv_equals_the_reference(splits, window, softcap):
+    """Split KV on a mixed step (decodes, prefills, chunks: rows that see no key of some splits), with a window and
+    soft-capping: each split's partial result merged by combine_splits_kernel equals the reference."""
+    from kvserve.attention.triton.ops import launch_unified_attention
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    q, k, v, k_cache, v_cache, meta = on_device(random_batch(5, 4, bs, heads, kv_heads, d, torch.float32,
+                                                             max_ctx=120))
+    q = q * 2
+    ref = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, heads, d ** -0.5, None, window, softcap)
+    out = launch_unified_attention(q, k_cache, v_cache, meta.block_table_tensor, meta.seq_lens_tensor,
+                                   meta.query_start_loc, torch.ones(2, device=q.device), heads, d ** -0.5,
+                                   window or 0, softcap or 0.0, num_splits=splits)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_a_long_decode_splits_its_keys_by_itself():
+    """One sequence decoding at 300 tokens of context (19 blocks): its step, from its shapes alone, takes 16 splits
+    of one or two blocks (its KV heads alone would leave most of a GPU idle), and equals the reference; a batch
+    of 64 decodes and any step with a prefill take none."""
+    from kvserve.attention.triton.ops import decode_splits
+    assert decode_splits(1, 1, 2) == 16 and decode_splits(64, 64, 3) == 1 and decode_splits(9, 2, 3) == 1
+    assert decode_splits(8, 8, 2) == 16 and decode_splits(16, 16, 2) == 8 and decode_splits(32, 32, 3) == 2
+    heads, kv_heads, d, bs = 12, 2, 128, 16
+    g = torch.Generator().manual_seed(7)
+    k_cache, v_cache = (torch.randn(20, bs, kv_heads, d, generator=g) for _ in range(2))
+    batch = (torch.randn(1, heads * d, generator=g), torch.randn(1, kv_heads * d, generator=g),
+             torch.randn(1, kv_heads * d, generator=g), k_cache, v_cache,
+             build_attention_metadata([1], [300], [list(range(19, 0, -1))], bs))
+    out, ref, _, _ = run_both(on_device(batch), heads)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 def representable(dtype: torch.dtype, shape, scale: float, g: torch.Generator, saturate: bool = True) -> torch.Tensor:
     """Values whose quantization involves no rounding (fp8 values times the scale), a few past the largest: the
     interpreter's fp8 rounding is wrong where the mantissa carries into the exponent, the GPU's is not."""

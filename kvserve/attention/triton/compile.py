@@ -32,25 +32,31 @@ class Variant:
     block_size: int
     window: int = 0
     softcap: float = 0.0
+    splits: int = 1   # split KV (a decode step of few sequences)
 
     def label(self) -> str:
         kv = "" if self.kv_dtype == self.dtype else f" kv={self.kv_dtype}"
         window = f" window={self.window}" if self.window else ""
         cap = f" softcap={self.softcap:g}" if self.softcap else ""
+        splits = f" splits={self.splits}" if self.splits > 1 else ""
         return (f"{self.dtype}{kv} h={self.heads}/{self.kv_heads} d={self.head_dim} bs={self.block_size}"
-                f"{window}{cap}")
+                f"{window}{cap}{splits}")
 
 
 def variants() -> list[Variant]:
     """The geometries of the models we serve (GQA 3 at D=64, GQA 6 at D=128, MHA), both block sizes, every dtype,
-    a sliding window with logit soft-capping (Gemma 2's shape), FP8 pools."""
+    a sliding window with logit soft-capping (Gemma 2's shape), FP8 pools, split KV (a single stream's decode)."""
     out = []
     for dtype in DTYPES:
         out += [Variant(dtype, dtype, 9, 3, 64, 16), Variant(dtype, dtype, 12, 2, 128, 16),
                 Variant(dtype, dtype, 8, 8, 64, 32)]
     out += [Variant("bfloat16", "bfloat16", 8, 4, 128, 16, window=512),
             Variant("bfloat16", "bfloat16", 8, 4, 256, 16, window=4096, softcap=50.0),
-            Variant("bfloat16", "fp8_e4m3", 9, 3, 64, 16), Variant("bfloat16", "fp8_e5m2", 12, 2, 128, 16)]
+            Variant("bfloat16", "fp8_e4m3", 9, 3, 64, 16), Variant("bfloat16", "fp8_e5m2", 12, 2, 128, 16),
+            Variant("bfloat16", "bfloat16", 9, 3, 64, 16, splits=16),
+            Variant("bfloat16", "bfloat16", 12, 2, 128, 16, splits=16),
+            Variant("float16", "float16", 8, 4, 128, 16, window=512, splits=8),
+            Variant("bfloat16", "fp8_e4m3", 12, 2, 128, 16, splits=16)]
     return out
 
 
@@ -69,13 +75,24 @@ def attention_source(v: Variant):
     from kvserve.attention.triton.ops import attention_meta
     t, kv = DTYPES[v.dtype], FP8.get(v.kv_dtype, DTYPES.get(v.kv_dtype))
     constexprs = attention_meta(v.heads, v.kv_heads, v.head_dim, v.block_size, v.window, v.kv_dtype in FP8,
-                                v.dtype == "float32", v.softcap)
+                                v.dtype == "float32", v.softcap, v.splits)
     signature = dict(out_ptr=f"*{t}", q_ptr=f"*{t}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}",
                      block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", k_scale_ptr="*fp32",
                      v_scale_ptr="*fp32", scale="fp32", num_seqs="i32", q_stride_t="i32", q_stride_h="i32",
-                     out_stride_t="i32", out_stride_h="i32", block_table_stride="i32",
-                     **{name: "constexpr" for name in constexprs})
+                     out_stride_t="i32", out_stride_h="i32", block_table_stride="i32", part_ptr="*fp32",
+                     ml_ptr="*fp32", **{name: "constexpr" for name in constexprs})
     return ASTSource(kernels.unified_attention_kernel, signature, constexprs)
+
+
+def combine_source(v: Variant):
+    """The split-KV combine kernel's ASTSource for a variant with splits."""
+    from triton.compiler import ASTSource
+    kernels = _kernels()
+    from kvserve.attention.triton.ops import combine_meta
+    constexprs = combine_meta(v.heads, v.head_dim, v.splits)
+    signature = dict(out_ptr=f"*{DTYPES[v.dtype]}", part_ptr="*fp32", ml_ptr="*fp32", out_stride_t="i32",
+                     out_stride_h="i32", **{name: "constexpr" for name in constexprs})
+    return ASTSource(kernels.combine_splits_kernel, signature, constexprs)
 
 
 def write_source(v: Variant):
@@ -150,7 +167,9 @@ def compile_all(archs=ARCHS) -> list[tuple[str, str, int, str]]:
         for arch in archs:
             if v.kv_dtype in FP8 and arch < 89:
                 continue
-            for name, make in (("unified_attention", attention_source), ("write_kv", write_source)):
+            makers = (("unified_attention", attention_source),
+                      ("combine_splits", combine_source) if v.splits > 1 else ("write_kv", write_source))
+            for name, make in makers:
                 rows.append((name, v.label(), arch, _compile(make(v), arch)))
     for dtype in ("bfloat16", "float16"):
         for arch in archs:

@@ -3,6 +3,7 @@
 
 write_kv_kernel: new K/V rows into their slots (slot < 0: a padding row, skipped), FP8 pools scaled and saturated.
 unified_attention_kernel: one launch for a whole mixed step (decodes, fresh and chunked prefills, verification rows).
+combine_splits_kernel: a split-KV step's result from its splits' partial ones.
 
 unified_attention_kernel's programs: axis 0 walks "query blocks" of BLOCK_Q query tokens of one sequence, axis 1
 the KV heads. A program takes its query tokens times the num_queries_per_kv query heads that share its KV head as
@@ -19,6 +20,12 @@ captured graph replays it) and programs past a sequence's last query block retur
 Query token j of a sequence with seq_len keys, query_len of them new, sits at position seq_len - query_len + j and
 sees keys 0 .. that position (causal), and with a sliding window W only the last W of them. Softmax is the online
 one (running max M, sum L, rescaled accumulator), over K/V tiles of one paged block each.
+
+Split KV (NUM_SPLITS > 1, flash-decoding): axis 2 cuts each program's blocks into NUM_SPLITS runs of about equal
+length, so that a step of few sequences (a decode of one long sequence: as many programs as KV heads) still
+spreads over the GPU. Each split stores its rows' unnormalized accumulator with their running max and sum, and
+combine_splits_kernel merges them: out = sum_s e^(M_s - M) acc_s / sum_s e^(M_s - M) L_s, M = max_s M_s (a split
+that saw no key of a row holds M_s = -inf and weighs 0).
 """
 from __future__ import annotations
 
@@ -70,11 +77,13 @@ def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 def unified_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
         k_scale_ptr, v_scale_ptr, scale, num_seqs, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
-        block_table_stride,
+        block_table_stride, part_ptr, ml_ptr,
         NUM_KV_HEADS: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr):
-    """out[t, h] = softmax(scale * q[t, h] K^T) V over the keys token t sees (see the module docstring)."""
+        SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr):
+    """out[t, h] = softmax(scale * q[t, h] K^T) V over the keys token t sees (see the module docstring); with
+    NUM_SPLITS > 1 split program_id(2)'s share of the keys into part/ml [tokens, heads, NUM_SPLITS, ...] instead."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
@@ -111,7 +120,14 @@ def unified_attention_kernel(
     if SLIDING_WINDOW > 0:
         first_block = tl.maximum(context_len + q_block_local * BLOCK_Q - SLIDING_WINDOW + 1, 0) // BLOCK_SIZE
     row_stride = NUM_KV_HEADS * HEAD_DIM
-    for j in range(first_block, num_blocks):
+    if NUM_SPLITS > 1:   # this split's run of the blocks
+        per_split = tl.cdiv(num_blocks - first_block, NUM_SPLITS)
+        lo = first_block + tl.program_id(2) * per_split
+        hi = tl.minimum(lo + per_split, num_blocks)
+    else:
+        lo = first_block
+        hi = num_blocks
+    for j in range(lo, hi):
         block = tl.load(block_table_ptr + seq.to(tl.int64) * block_table_stride + j).to(tl.int64)
         key_pos = j * BLOCK_SIZE + offs_n
         kv_off = (block * BLOCK_SIZE + offs_n).to(tl.int64) * row_stride + kv_head * HEAD_DIM
@@ -148,6 +164,30 @@ def unified_attention_kernel(
             acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc += tl.dot(p.to(v.dtype), v)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if NUM_SPLITS > 1:   # unnormalized, with the running max and sum: combine_splits_kernel merges the splits
+        at = (token * (NUM_KV_HEADS * NUM_QUERIES_PER_KV) + head) * NUM_SPLITS + tl.program_id(2)
+        tl.store(part_ptr + at[:, None] * HEAD_DIM_PADDED + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(ml_ptr + at * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + at * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def combine_splits_kernel(out_ptr, part_ptr, ml_ptr, out_stride_t, out_stride_h, NUM_HEADS: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr):
+    """out[t, h] from the NUM_SPLITS partial results of unified_attention_kernel (program (t, h))."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    at = (t * NUM_HEADS + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    m = tl.load(ml_ptr + at * 2)
+    l = tl.load(ml_ptr + at * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(m_max > float("-inf"), m_max, 0.0))   # 0 for a split without keys (M_s = -inf)
+    acc = tl.load(part_ptr + at[:, None] * HEAD_DIM_PADDED + offs_d[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + t * out_stride_t + h * out_stride_h + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)

@@ -12,7 +12,7 @@
      them: every row runs to the longest output; both are credited only the tokens asked for);
    - the decode step at batch 64 (each request 256 tokens in) against the time to read the weights and the KV it
      attends to once at the measured read bandwidth;
-   - single-stream TPOT against the same bound.
+   - single-stream TPOT against the same bound, and at ~2,000 tokens of context with split KV and without.
 
 It runs with the machine's own python3 and packages; the tokenizer directory comes from KVSERVE_TEST_TOKENIZER
 (`python benchmarks/gpu_check.py --prepare DIR` writes the bundled model's there, to carry). Writes
@@ -247,6 +247,39 @@ def decode_figures(llm, vocab: int, wb: int, kvb: int, bandwidth: float, label: 
             "tpot_bound_ms": round(bound1 * 1e3, 3), f"tpot_{label}_vs_bound": round(tpot / bound1, 2)}
 
 
+def long_context_figures(llm, vocab: int, wb: int, kvb: int, bandwidth: float) -> dict:
+    """Single-stream TPOT at about 2,000 tokens of context with graphs: the decode's keys split over the GPU (split
+    KV, the default: kvserve.attention.triton.ops.decode_splits) and not (the graphs captured again without),
+    against the time to read the weights and that KV once."""
+    from kvserve.attention.triton import ops
+    n = 192 if DRY_RUN else 1920
+    prompt = [np.random.default_rng(2).integers(3, vocab, n).tolist()]
+    bound = (wb + (n + 40) * kvb) / bandwidth
+    out = {"tpot_long_bound_ms": round(bound * 1e3, 3)}
+    graphs = llm.llm_engine.runner.decode_graphs
+    target = ops.SPLIT_TARGET_PROGRAMS
+
+    def recapture():
+        if graphs is not None and graphs.graphs:
+            graphs.graphs.clear()
+            graphs.outputs.clear()
+            graphs.capture_all()
+
+    try:
+        for label, value in (("split", target), ("unsplit", 0)):   # a target of 0 programs: never split
+            ops.SPLIT_TARGET_PROGRAMS = value
+            recapture()
+            tpot = float(np.median(step_times(llm, prompt, 80, 4 if DRY_RUN else 64)))
+            out[f"tpot_long_{label}_ms"] = round(tpot * 1e3, 3)
+    except Exception as e:   # the rest of the check goes on
+        out["tpot_long_error"] = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        ops.SPLIT_TARGET_PROGRAMS = target
+        recapture()
+    log(f"TPOT at {n} tokens of context: {out}")
+    return out
+
+
 def bench_model(name: str, root: Path, tokenizer: str, bandwidth: float) -> dict:
     log(f"== {name}")
     path = make_model(name, root)
@@ -269,6 +302,7 @@ def bench_model(name: str, root: Path, tokenizer: str, bandwidth: float) -> dict
     row["weight_bytes"] = wb
     row["async_scheduling"] = llm.llm_engine.async_scheduling
     row.update(decode_figures(llm, vocab, wb, kvb, bandwidth, "graphs"))
+    row.update(long_context_figures(llm, vocab, wb, kvb, bandwidth))
     engine = llm.llm_engine
     while engine._pending is not None:   # a launched step not merged yet: merge it before switching
         engine.step()
@@ -308,6 +342,13 @@ def async_cell(r: dict) -> str:
             f"{r[f'tpot_{off}_ms']} off")
 
 
+def long_cell(r: dict) -> str:
+    """Single-stream TPOT at ~2k tokens of context, split KV / not, and its bound."""
+    if "tpot_long_split_ms" not in r or "tpot_long_unsplit_ms" not in r:
+        return r.get("tpot_long_error", "not measured")
+    return f"{r['tpot_long_split_ms']} / {r['tpot_long_unsplit_ms']} ({r['tpot_long_bound_ms']})"
+
+
 def markdown(result: dict) -> str:
     env = result["env"]
     lines = [f"GPU check on {env['gpu']} ({env.get('date', '')}): torch {env['torch']}, Triton {env['triton']}, "
@@ -319,17 +360,18 @@ def markdown(result: dict) -> str:
         lines[-1:] = [f"- {f}" for f in t["failures"][:8]] + [""]
     lines += ["| model (random weights, bf16) | W1 kvserve s | W1 HF generate s | kvserve / HF | kvserve output tok/s "
               "| decode step b=64 ms, graphs / eager | its bound ms | graphs / bound | TPOT ms, graphs / eager "
-              "| its bound ms | graphs / bound | graphs | async scheduling: decode b=64 / TPOT ms, on / off |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| its bound ms | graphs / bound | graphs | async scheduling: decode b=64 / TPOT ms, on / off "
+              "| TPOT at ~2k context ms, split KV / not (bound) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("models", []):
         if "error" in r or "hf_s" not in r:
-            lines.append(f"| {r['model']} | failed: {r['error'][:160]} ||||||||||||")
+            lines.append(f"| {r['model']} | failed: {r['error'][:160]} |||||||||||||")
             continue
         lines.append(f"| {r['model']} | {r['kvserve_s']} | {r['hf_s']} | {r['speedup_vs_hf']}x | "
                      f"{r['kvserve_out_tok_s']} | {r['decode64_graphs_ms']} / {r['decode64_eager_ms']} | "
                      f"{r['decode64_bound_ms']} | {r['decode64_graphs_vs_bound']}x | {r['tpot_graphs_ms']} / "
                      f"{r['tpot_eager_ms']} | {r['tpot_bound_ms']} | {r['tpot_graphs_vs_bound']}x | {r['graphs']} | "
-                     f"{async_cell(r)} |")
+                     f"{async_cell(r)} | {long_cell(r)} |")
     return "\n".join(lines) + "\n"
 
 

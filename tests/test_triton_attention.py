@@ -132,10 +132,12 @@ def test_split_kv_equals_the_reference(splits, window, softcap):
 
 def test_a_long_decode_splits_its_keys_by_itself():
     """One sequence decoding at 300 tokens of context (19 blocks): its step, from its shapes alone, takes 16 splits
-    of one or two blocks (its KV heads alone would leave most of a GPU idle), and equals the reference; a batch
-    of 64 decodes and any step with a prefill take none."""
+    of up to two blocks on a GPU (10 of them with blocks; its KV heads alone would leave most of a GPU idle), 2 under
+    the interpreter, and equals the reference; a batch of 64 decodes of 3 KV heads and any step with a prefill
+    take none."""
     from kvserve.attention.triton.ops import decode_splits
     assert decode_splits(1, 1, 2) == 16 and decode_splits(64, 64, 3) == 1 and decode_splits(9, 2, 3) == 1
+    assert decode_splits(1, 1, 2, target=4) == 2 and decode_splits(2, 2, 1, target=4) == 2
     assert decode_splits(8, 8, 2) == 16 and decode_splits(16, 16, 2) == 8 and decode_splits(32, 32, 3) == 2
     heads, kv_heads, d, bs = 12, 2, 128, 16
     g = torch.Generator().manual_seed(7)

@@ -84,6 +84,25 @@ def test_greedy_equals_transformers(tiny_models, tokenizer_path, qwen2_reference
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
 
 
+def test_split_kv_decodes_equal_transformers(tiny_models, tokenizer_path, qwen2_reference, monkeypatch):
+    """The decode steps split each sequence's keys (split KV, as on a GPU: a target of programs that the tests'
+    steps fall short of): the outputs are still transformers', and their logprobs those of unsplit steps."""
+    from kvserve.attention.triton import ops
+    path, _ = tiny_models["qwen2"]
+    prompts, reference = qwen2_reference
+    params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=1)
+    unsplit = [c.cumulative_logprob for o in engine(path, tokenizer_path).generate(prompts, params, use_tqdm=False)
+               for c in o.outputs]
+    splits = []
+    real = ops.decode_splits
+    monkeypatch.setattr(ops, "INTERPRETER_SPLIT_TARGET", 64)
+    monkeypatch.setattr(ops, "decode_splits", lambda *args: splits.append(real(*args)) or splits[-1])
+    outs = engine(path, tokenizer_path).generate(prompts, params, use_tqdm=False)
+    assert max(splits) >= 4
+    assert tokens(outs) == reference
+    assert [c.cumulative_logprob for o in outs for c in o.outputs] == pytest.approx(unsplit, abs=1e-4)
+
+
 def test_batching_chunked_prefill_preemption_and_prefix_caching(tiny_models, tokenizer_path, qwen2_reference):
     """Small steps chunk the prompts, a small pool preempts requests, and the last prompts run again (from the
     prefix cache): the outputs are still transformers' (so the torch reference backend's too)."""

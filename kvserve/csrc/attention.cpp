@@ -9,7 +9,7 @@ constexpr int KC = 32;        // keys per chunk: every query row of a work item 
 constexpr int MAX_D = 256;    // largest head_dim supported (checked on the Python side)
 constexpr int MAX_ROWS = 64;  // query rows (tokens x q heads) per work item
 constexpr int MAX_KV_ROW = 1024;  // kv heads x head_dim of the SIMD path
-// FP8 pools: the SIMD kernels widen E4M3 to 2^-8 of its value (e4m3_as_fp16) and carry the 2^8 in their scales
+// FP8 pools: the SIMD kernels widen E4M3 to 2^-8 of its value (fp8_as_fp16) and carry the 2^8 in their scales
 template <typename KV> constexpr bool kFp8 = std::is_same_v<KV, fp8_e4m3> || std::is_same_v<KV, fp8_e5m2>;
 template <typename KV> constexpr float kFp8Unit = std::is_same_v<KV, fp8_e4m3> ? 256.f : 1.f;
 

@@ -14,20 +14,25 @@ from kvserve.attention import fp8
 from kvserve.attention.triton import kernels
 
 MIN_TILE = 16   # tl.dot's smallest dimension
-# Split KV: an all-decode step of fewer programs than SPLIT_TARGET_PROGRAMS (two per SM of the 132 of an H100/H200)
-# cuts each sequence's keys into up to MAX_SPLITS runs (a power of two), so that it still fills the GPU
+# Split KV: an all-decode step cuts each sequence's keys into the most runs (a power of two, up to MAX_SPLITS) that
+# keep its programs (sequences x KV heads x runs) within SPLIT_TARGET_PROGRAMS, two per SM of the 132 of an
+# H100/H200: a step of at most half that many programs splits, so that it still fills the GPU
 SPLIT_TARGET_PROGRAMS = 256
 MAX_SPLITS = 16
+# on CPU tensors (Triton's interpreter, which runs the programs one after another in Python: the tests) a step
+# splits into a few runs only, enough to take the split path
+INTERPRETER_SPLIT_TARGET = 4
 
 
-def decode_splits(num_tokens: int, num_seqs: int, num_kv_heads: int) -> int:
+def decode_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, target: int | None = None) -> int:
     """The splits of a step's keys, from its shapes alone (a captured graph replays them): 1 unless every sequence
     brings one token (a decode step), then the largest power of two up to MAX_SPLITS that keeps the programs
-    (sequences x KV heads x splits) within SPLIT_TARGET_PROGRAMS."""
+    (sequences x KV heads x splits) within `target` (SPLIT_TARGET_PROGRAMS by default)."""
+    target = SPLIT_TARGET_PROGRAMS if target is None else target
     if num_tokens != num_seqs:
         return 1
     splits = 1
-    while splits < MAX_SPLITS and num_seqs * num_kv_heads * splits * 2 <= SPLIT_TARGET_PROGRAMS:
+    while splits < MAX_SPLITS and num_seqs * num_kv_heads * splits * 2 <= target:
         splits *= 2
     return splits
 
@@ -107,7 +112,10 @@ def launch_unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    splits = decode_splits(num_tokens, num_seqs, num_kv_heads) if num_splits is None else num_splits
+    if num_splits is None:
+        target = SPLIT_TARGET_PROGRAMS if q.is_cuda else min(SPLIT_TARGET_PROGRAMS, INTERPRETER_SPLIT_TARGET)
+        num_splits = decode_splits(num_tokens, num_seqs, num_kv_heads, target)
+    splits = num_splits
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, not {splits}")
     meta = attention_meta(num_heads, num_kv_heads, head_dim, block_size, sliding_window, fp8.is_fp8(k_cache.dtype),

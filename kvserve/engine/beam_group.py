@@ -154,7 +154,7 @@ def fork_beam(engine, parent: Request, request_id: str, token: int, block_size: 
     child.logprobs = list(parent.logprobs)
     child.num_cached_tokens = max(parent.num_cached_tokens, 0)
     child.accounting = type(parent.accounting)() if parent.accounting is not None else None
-    engine.processor.add_child(engine.processor.child_to_parent[parent.request_id], child)   # abortable from here
+    engine.processor.add_child(engine.processor.children[parent.request_id].parent, child)   # abortable from here
     if child.lora_request is not None:   # each beam leaves the scheduler once: each unpins once
         engine.lora.pin(child.lora_id)
     scheduler = engine.scheduler

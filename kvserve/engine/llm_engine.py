@@ -273,7 +273,7 @@ class LLMEngine(StepLoop):
 
     def id_in_use(self, request_id: str) -> bool:
         """Whether a request in flight, one of its n > 1 samples ("i_<id>") or beams ("<id>#k") goes by this id."""
-        return (request_id in self.processor.parents or request_id in self.processor.child_to_parent
+        return (request_id in self.processor.parents or request_id in self.processor.children
                 or request_id in self.scheduler.requests)
 
     def _on_request_finished(self, req: Request) -> None:

@@ -19,6 +19,7 @@ from kvserve.sampling_params import RequestOutputKind, SamplingParams
 class ChildState:
     req: Request
     detok: IncrementalDetokenizer
+    parent: ParentState = field(repr=False, compare=False)   # the user request it is a sample (or beam) of
     num_tokens_sent: int = 0
     num_logprobs_sent: int = 0
     finish_sent: bool = False
@@ -48,8 +49,7 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
-        self.child_to_parent: dict[str, ParentState] = {}
-        self.child_states: dict[str, ChildState] = {}   # request id of a child -> its state
+        self.children: dict[str, ChildState] = {}   # request id of a child -> its state
 
     def add(self, parent: ParentState, children: list[Request]) -> None:
         for req in children:
@@ -61,10 +61,14 @@ class OutputProcessor:
         self._add_child(parent, req)
 
     def _add_child(self, parent: ParentState, req: Request) -> None:
-        child = ChildState(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params))
+        child = ChildState(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params), parent)
         parent.children.append(child)
-        self.child_to_parent[req.request_id] = parent
-        self.child_states[req.request_id] = child
+        self.children[req.request_id] = child
+
+    def parent_of(self, request_id: str) -> ParentState | None:
+        """The user request a child request (a sample or beam) belongs to, while it is in flight."""
+        child = self.children.get(request_id)
+        return None if child is None else child.parent
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -78,14 +82,14 @@ class OutputProcessor:
         stopped: list[str] = []
         failed: dict[str, Exception] = {}
         for req, new_tokens in updates:
-            parent = self.child_to_parent[req.request_id]
+            child = self.children[req.request_id]
+            parent = child.parent
             if parent.request_id in failed:
                 continue
             if parent.beam is not None:   # its BeamGroup builds the output, once
                 touched[parent.request_id] = parent
                 continue
             try:
-                child = self.child_states[req.request_id]
                 stop_str = child.detok.update(new_tokens, req.status == RequestStatus.FINISHED_STOPPED)
             except Exception as e:   # a token this tokenizer cannot decode fails its own request only
                 failed[parent.request_id] = e
@@ -181,8 +185,7 @@ class OutputProcessor:
     def _drop(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)
         for c in parent.children:
-            self.child_to_parent.pop(c.req.request_id, None)
-            self.child_states.pop(c.req.request_id, None)
+            self.children.pop(c.req.request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self.parents)

@@ -63,7 +63,7 @@ class StepLoop:
     def _parent_ids(self, sched: SchedulerOutput) -> list[str]:
         # taken first: output processing drops a finished request's parent, even in a step that then fails
         return list(dict.fromkeys(p.request_id for req, _ in sched.scheduled
-                                  if (p := self.processor.child_to_parent.get(req.request_id)) is not None))
+                                  if (p := self.processor.parent_of(req.request_id)) is not None))
 
     def _step_async(self) -> list[RequestOutput]:
         """Schedule and launch the next step behind the one in flight, then wait for that one's tokens and merge
@@ -181,7 +181,7 @@ class StepLoop:
 
     def _fail(self, req: Request, error: KVServeError) -> None:
         """Abort the user request `req` belongs to (every sample of it) and remember why."""
-        parent = self.processor.child_to_parent.get(req.request_id)
+        parent = self.processor.parent_of(req.request_id)
         if parent is not None:   # else an earlier sample of the same request already failed it
             self._fail_parent(parent.request_id, error)
 

@@ -112,10 +112,10 @@ def launch_unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if num_splits is None:
-        target = SPLIT_TARGET_PROGRAMS if q.is_cuda else min(SPLIT_TARGET_PROGRAMS, INTERPRETER_SPLIT_TARGET)
-        num_splits = decode_splits(num_tokens, num_seqs, num_kv_heads, target)
     splits = num_splits
+    if splits is None:
+        target = SPLIT_TARGET_PROGRAMS if q.is_cuda else min(SPLIT_TARGET_PROGRAMS, INTERPRETER_SPLIT_TARGET)
+        splits = decode_splits(num_tokens, num_seqs, num_kv_heads, target)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, not {splits}")
     meta = attention_meta(num_heads, num_kv_heads, head_dim, block_size, sliding_window, fp8.is_fp8(k_cache.dtype),

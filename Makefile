@@ -2,6 +2,8 @@
 # make test  : set up .venv if needed, then run the whole suite
 # make gpu-compile: compile every Triton kernel variant for sm_80/sm_90 here, without a GPU (make test runs it too)
 # make gpu-check  : on an NVIDIA GPU machine, the CUDA tests and the GPU benchmark (benchmarks/gpu_check.py)
+# make gpu-check-model: on the same GPU machine right after, the bundled model greedy against transformers (a second
+#               call carrying the second half of its file: benchmarks/gpu_model_check.py)
 # make models: fetch the Qwen2.5-Coder 0.5B/1.5B and Gemma-3-270M GGUFs (~1.7 GB) into $KVSERVE_MODELS_DIR (~/.cache/kvserve/models)
 # make peers : install vLLM's CPU build and the HF copy of the bundled model under $(PEERS), for make bench
 # make hf-models: bf16 Hugging Face copies of the bundled model and Qwen2.5-Coder-1.5B under $(PEERS) (vLLM cannot
@@ -21,7 +23,7 @@ TEST_WORKERS ?= 2
 export PEERS ?= $(HOME)/peers
 HF_MODEL := $(PEERS)/smollm2-135m-instruct
 
-.PHONY: setup run test gpu-compile gpu-check models hf-models bench peers peers-llamacpp clean
+.PHONY: setup run test gpu-compile gpu-check gpu-check-model models hf-models bench peers peers-llamacpp clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -74,6 +76,11 @@ gpu-compile: $(STAMP)
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py
+
+# the second call of a GPU lease: the bundled model's real weights greedy on CUDA against transformers, its file
+# carried in two halves (benchmarks/gpu_model_check.py says how: --prepare .gpu-carry here first)
+gpu-check-model:
+	$(GPU_PYTHON) benchmarks/gpu_model_check.py .gpu-carry
 
 models: setup
 	$(PY) -m kvserve.model.fetch

@@ -48,32 +48,9 @@ def qwen_15b_path():
 
 @pytest.fixture(scope="session")
 def hf_reference(gguf_path):
-    """transformers' own model on the bundled GGUF weights in float32 (test-only reference).
-
-    Loading it, transformers parses the file twice and rebuilds gguf's tensor name map for every tensor (~20 of
-    its ~27 s here): both are memoized while it loads, and the parse runs as kvserve's does (open_gguf), which
-    changes nothing it computes."""
-    import functools
-    from unittest import mock
-
-    import gguf
-    import torch
-    from transformers import AutoModelForCausalLM
-    readers = {}
-
-    def reader(path, *args, **kwargs):
-        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = real_reader(path, *args, **kwargs)
-        return readers[key]
-
-    from kvserve.model.gguf_loader import _plain_view_reader
-    real_reader = _plain_view_reader()   # gguf's reader, parsing through a plain view of the file: the same fields
-    with mock.patch.object(gguf, "GGUFReader", reader), \
-            mock.patch.object(gguf, "get_tensor_name_map", functools.lru_cache(None)(gguf.get_tensor_name_map)):
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),
-                                                     gguf_file=os.path.basename(gguf_path), dtype=torch.float32)
-    return model.eval()
+    """transformers' own model on the bundled GGUF weights in float32 (test-only reference; hf_reference.py)."""
+    from hf_reference import load_gguf_reference
+    return load_gguf_reference(gguf_path)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.attention.triton import unavailable_reason  # noqa: E402
 from kvserve.errors import InvalidRequestError  # noqa: E402
+from hf_reference import greedy_with_logprobs  # noqa: E402
 from model_utils import save_tiny_model  # noqa: E402
 from spec_utils import tiny_prompts, tokens  # noqa: E402
 
@@ -54,17 +55,8 @@ def engine(path, tokenizer_path, backend="triton", **kwargs):
 
 
 def hf_greedy(model, prompts, max_tokens):
-    """transformers' greedy output, max_tokens each with EOS an ordinary token (as ignore_eos; generate's
-    min_new_tokens would mask it instead): its argmax over the whole sequence at each step."""
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p["prompt_token_ids"]], device=DEVICE)
-            for _ in range(max_tokens):
-                logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, -1]
-                ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
-            out.append([ids[0, len(p["prompt_token_ids"]):].tolist()])
-    return out
+    """transformers' greedy output (hf_reference.greedy_with_logprobs), as LLM.generate's token ids."""
+    return [[ids] for ids, _ in greedy_with_logprobs(model, [p["prompt_token_ids"] for p in prompts], max_tokens)]
 
 
 @pytest.fixture(scope="module")

@@ -89,12 +89,13 @@ def run_json(cmd: list[str], out: Path, env: dict | None = None, timeout: int = 
 
 
 # ----- W1 offline -----
-def kvserve_offline(args, work_path: Path, tmp: Path) -> dict | None:
+def kvserve_offline(args, work_path: Path, tmp: Path, quantization: str = "none",
+                    env: dict | None = None) -> dict | None:
     out = tmp / "kvserve.json"
     cmd = [PY, "-m", "kvserve.entrypoints.bench", "throughput", "--num-prompts", args.num_prompts,
            "--input-len", "64:512", "--output-len", "32:256", "--seed", args.seed, "--dtype", "bfloat16",
-           "--quantization", "none", "--no-tqdm", "--output-json", out]
-    return run_json(cmd, out)
+           "--quantization", quantization, "--no-tqdm", "--output-json", out]
+    return run_json(cmd, out, env)
 
 
 HF_SCRIPT = r'''
@@ -128,8 +129,9 @@ import json, sys, time
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     work, model, out = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "bfloat16"
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=2048, seed=0)
+    llm = LLM(model=model, dtype=dtype, max_model_len=2048, seed=0)
     load_s = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": w["prompt_token_ids"]} for w in work]
     params = [SamplingParams(temperature=0, max_tokens=w["output_len"], ignore_eos=True) for w in work]
@@ -139,7 +141,7 @@ if __name__ == "__main__":
     elapsed = time.perf_counter() - t0
     num_in = sum(len(o.prompt_token_ids) for o in outs); num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     import vllm
-    json.dump({"engine": "vllm", "version": vllm.__version__, "dtype": "bfloat16", "elapsed_s": round(elapsed, 3),
+    json.dump({"engine": "vllm", "version": vllm.__version__, "dtype": dtype, "elapsed_s": round(elapsed, 3),
                "num_output_tokens": num_out, "output_tokens_per_s": round(num_out / elapsed, 2),
                "total_tokens_per_s": round((num_in + num_out) / elapsed, 2),
                "requests_per_s": round(len(outs) / elapsed, 3), "load_s": round(load_s, 1)}, open(out, "w"))
@@ -173,10 +175,10 @@ def ensure_hf_model() -> bool:
     return proc.returncode == 0
 
 
-def vllm_offline(args, work_path: Path, tmp: Path) -> dict | None:
+def vllm_offline(args, work_path: Path, tmp: Path, dtype: str = "bfloat16", env: dict | None = None) -> dict | None:
     out, script = tmp / "vllm.json", tmp / "vllm_generate.py"
     script.write_text(VLLM_OFFLINE_SCRIPT)
-    return run_json([VLLM_PY, script, work_path, HF_DIR, out], out, VLLM_ENV)
+    return run_json([VLLM_PY, script, work_path, HF_DIR, out, dtype], out, {**VLLM_ENV, **(env or {})})
 
 
 # ----- serving: S1 burst, single stream, start-up -----

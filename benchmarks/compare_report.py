@@ -179,7 +179,9 @@ COMMANDS = """\
 | `python benchmarks/sampling.py` | the cost of random sampling: temperature 1 against greedy, one request and 64 concurrent |
 | `python benchmarks/step_overhead.py [--baseline DIR]` | the host's share of a decode step at batch 64 (scheduling, inputs, sampling, outputs) on a one-layer model with the bundled vocabulary, against another checkout's, alternating |
 | `python benchmarks/bf16_matmul_avx2.py [no-avx512bf16]` | the packed matmul that widens bf16 weights (what AVX2 CPUs, and AVX-512 ones without BF16, run) against oneDNN's float32 one, by rows (run under `ONEDNN_MAX_CPU_ISA=AVX2` or `AVX512_CORE_VNNI`) |
+| `python benchmarks/w1_peers.py [--isa native\|avx2] [--rounds 2]` | W1 for kvserve's dense bf16 path and `--quantization int8` against vLLM's CPU build in float32 and bfloat16, alternating; `--isa avx2`: every engine held to AVX2 |
 | `make gpu-check` (on an NVIDIA GPU machine) | the CUDA tests, then W1 against transformers' `generate`, the decode step at batch 64 and single-stream TPOT with and without CUDA graphs, and with async scheduling on and off, against the bandwidth bound (docs/gpu.md) |
+| `make gpu-check-model` (right after `make gpu-check`, on the same machine) | the bundled model's real weights greedy on CUDA in float32 against transformers (its file carried in two calls: docs/gpu.md) |
 | `make gpu-compile` | every Triton kernel variant compiled for sm_80 and sm_90 without a GPU: registers, spills, shared memory |
 | `python benchmarks/fp8_kv.py`, `lora.py`, `distributed.py`, `structured_outputs.py`, `kernel_paths.py`, `float32_packing.py` | FP8 KV, multi-LoRA, tensor parallelism and replicas, grammars, each kernel path, float32 packing: each against its baseline in one run (the script's docstring says how) |
 | `python benchmarks/prefix_caching.py --json benchmarks/results/prefix_caching.json` | prefix caching on against off |
@@ -322,6 +324,28 @@ def prefix_caching_table(path: Path = RESULTS / "prefix_caching.json") -> list[s
             "With sharing, the samples hold one copy of the prompt's blocks plus their own tail and output blocks.", ""]
 
 
+def w1_peers_section() -> list[str]:
+    """The last `benchmarks/w1_peers.py` run of each ISA: W1 for kvserve's dense and int8 paths against each of vLLM's
+    dtypes."""
+    lines = []
+    for path in sorted(RESULTS.glob("w1_peers_*.json")):
+        r = json.loads(path.read_text())
+        how = "as an AVX2 CPU (`--isa avx2`: kvserve's kernels, oneDNN and ATen held to AVX2; vLLM's own kernels may " \
+              "still use AVX-512)" if r["isa"] == "avx2" else "natively"
+        lines += [f"## W1 against vLLM's dtypes, {r['cpu']}, {how}", "",
+                  f"`python benchmarks/w1_peers.py --isa {r['isa']}` ({r['date']}, load average {r['load_avg']}): "
+                  f"W1 ({r['num_prompts']} requests), the engines alternating over {r['rounds']} rounds, output tok/s "
+                  f"(results in `benchmarks/results/{path.name}`).", "",
+                  "| engine | output tok/s, each run | median | / vLLM's best dtype |", "|---|---|---:|---:|"]
+        for row in r["rows"]:
+            runs = ", ".join(f"{v:.1f}" for v in row["output_tok_s"]) or "failed"
+            median = f"{row['median']:.1f}" if row["median"] else "-"
+            ratio = f"{row['vs_best_vllm']:.2f}×" if row["vs_best_vllm"] else "-"
+            lines.append(f"| {row['engine']} | {runs} | {median} | {ratio} |")
+        lines.append("")
+    return lines
+
+
 def gpu_section(path: Path = RESULTS / "gpu_check.md") -> list[str]:
     """The last GPU check's table (`make gpu-check` on a machine with an NVIDIA GPU; docs/gpu.md), when there is one."""
     if not path.exists():
@@ -339,7 +363,7 @@ def report(results: dict, plots: list[str]) -> str:
     """The generated part of docs/benchmarks.md: everything above the optimization log."""
     lines = header(results) + summary(results) + [WORKLOADS] + offline_table(results) + serving_tables(results)
     lines += [f"![{p}]({p})" for p in plots] + ([""] if plots else [])
-    lines += prefix_caching_table() + gpu_section() + [READING, COMMANDS]
+    lines += prefix_caching_table() + w1_peers_section() + gpu_section() + [READING, COMMANDS]
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """The host's share of a decode step: where a step's time goes outside the model, at batch 64.
 
   python benchmarks/step_overhead.py [--baseline OTHER_CHECKOUT] [--requests 64] [--steps 64] [--rounds 3]
-                                     [--async-scheduling] [--profile] [--json PATH]
+                                     [--async-scheduling] [--final-only] [--profile] [--json PATH]
 
 A random-weight Llama with the bundled model's vocabulary (49,152) but one layer of width 64, so that the forward
 costs next to nothing and what is left of a step is the engine around it: scheduling, building the step's inputs,
@@ -13,7 +13,8 @@ runs a second checkout's kvserve on the same model, each round in processes of t
 
 `--async-scheduling` runs this tree's engine with it (each step launched behind the one in flight; the CPU still
 computes it in the host's thread, so this measures the host's work a step under async scheduling, not an overlap).
-`--profile` prints cProfile's table of the measured steps (by cumulative time; SORT=tottime by own time).
+`--final-only`: the requests' outputs are FINAL_ONLY (LLM.generate's, the GPU check's W1) instead of the server's DELTA
+streams. `--profile` prints cProfile's table of the measured steps (by cumulative time; SORT=tottime by own time).
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def wrap(engine, timings: dict) -> None:
         setattr(obj, name, timed)
 
 
-def measure(model: Path, requests: int, steps: int, profile: bool, **engine_kwargs) -> dict:
+def measure(model: Path, requests: int, steps: int, profile: bool, final_only: bool = False, **engine_kwargs) -> dict:
     import numpy as np
     from kvserve import LLM, SamplingParams
     from kvserve.model.loader import default_model_path
@@ -79,7 +80,8 @@ def measure(model: Path, requests: int, steps: int, profile: bool, **engine_kwar
     for i in range(requests):
         engine.add_request(f"r{i}", {"prompt_token_ids": rng.integers(3, 49152, 256).tolist()},
                            SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True,
-                                          output_kind=RequestOutputKind.DELTA))
+                                          output_kind=RequestOutputKind.FINAL_ONLY if final_only
+                                          else RequestOutputKind.DELTA))
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in engine.scheduler.running):
         engine.step()
@@ -129,8 +131,11 @@ def main() -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="this tree's engine with async scheduling (on the CPU each step still runs in the host's "
                         "thread: what it measures is the host's work a step, which a GPU overlaps with its own)")
+    p.add_argument("--final-only", action="store_true",
+                   help="the requests' outputs FINAL_ONLY instead of DELTA (both trees)")
     args = p.parse_args()
-    this = {"async_scheduling": True} if args.async_scheduling else {}
+    kind = {"final_only": True} if args.final_only else {}
+    this = {**kind, "async_scheduling": True} if args.async_scheduling else kind
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp))
         if args.profile:
@@ -140,7 +145,7 @@ def main() -> None:
         for _ in range(args.rounds):
             runs["this tree"].append(child([str(ROOT), str(model), args.requests, args.steps, this]))
             if args.baseline:
-                runs["baseline"].append(child([args.baseline, str(model), args.requests, args.steps]))
+                runs["baseline"].append(child([args.baseline, str(model), args.requests, args.steps, kind]))
     rows = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items() if rs}
     keys = list(next(iter(rows.values())))
     print("| ms a step, batch %d | " % args.requests + " | ".join(rows) + " |")

@@ -1,0 +1,75 @@
+"""W1 offline against vLLM's CPU build in each of its dtypes, on this CPU or as an AVX2 one: kvserve's dense bf16
+checkpoint path and `--quantization int8` against vLLM in float32 and bfloat16, alternating, each run in a process
+of its own, one workload for all (benchmarks/compare.py's W1: 64 prompts of 64-512 tokens, 32-256 out, greedy).
+
+  python benchmarks/w1_peers.py [--isa native|avx2] [--rounds 2] [--num-prompts 64]
+
+`--isa avx2` runs every engine as an AVX2 CPU would (KVSERVE_KERNELS=no-avx512, oneDNN and ATen held to AVX2; vLLM's
+own kernels may still use AVX-512 where its build has them): on an AVX2 machine, leave it at native. vLLM in
+bfloat16 runs in the first round only (on a CPU without AVX-512 BF16 it is several times slower than in float32).
+Needs vLLM's CPU build (`make peers`). Writes benchmarks/results/w1_peers_<isa>.json, which compare_report.py puts in
+docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from compare import RESULTS, ensure_hf_model, kvserve_offline, load_avg, make_workload, vllm_available, vllm_offline
+
+AVX2_ENV = {"KVSERVE_KERNELS": "no-avx512", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+ENGINES = [("kvserve bf16", "kvserve", "none"), ("kvserve -q int8", "kvserve", "int8"),
+           ("vLLM float32", "vllm", "float32"), ("vLLM bfloat16", "vllm", "bfloat16")]
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--isa", choices=["native", "avx2"], default="native")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if not (vllm_available() and ensure_hf_model()):
+        raise SystemExit("w1_peers: needs vLLM's CPU build and the HF copy of the bundled model (make peers)")
+    env = AVX2_ENV if args.isa == "avx2" else {}
+    runs: dict[str, list[float]] = {name: [] for name, _, _ in ENGINES}
+    with tempfile.TemporaryDirectory() as tmp:
+        work_path = Path(tmp) / "w1.json"
+        make_workload(work_path, args.num_prompts, args.seed)
+        for r in range(args.rounds):
+            for name, engine, setting in ENGINES:
+                if setting == "bfloat16" and r > 0:
+                    continue
+                run_dir = Path(tempfile.mkdtemp(dir=tmp))   # a failed run leaves no figures of an earlier one
+                out = (kvserve_offline(args, work_path, run_dir, setting, env) if engine == "kvserve"
+                       else vllm_offline(args, work_path, run_dir, setting, env))
+                if out is not None:
+                    runs[name].append(out["output_tokens_per_s"])
+    best_peer = max((statistics.median(v) for n, v in runs.items() if n.startswith("vLLM") and v), default=None)
+    rows = [{"engine": name, "output_tok_s": runs[name], "median": statistics.median(runs[name]) if runs[name]
+             else None} for name, _, _ in ENGINES]
+    for row in rows:
+        row["vs_best_vllm"] = round(row["median"] / best_peer, 2) if row["median"] and best_peer else None
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "isa": args.isa, "load_avg": load_avg(),
+              "num_prompts": args.num_prompts, "rounds": args.rounds, "rows": rows}
+    path = RESULTS / f"w1_peers_{args.isa}.json"
+    path.write_text(json.dumps(result, indent=1))
+    for row in rows:
+        print(f"{row['engine']:18s} {row['output_tok_s']} median {row['median']} -> {row['vs_best_vllm']}x vLLM's best")
+    print(f"written: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer, detokenize_logprobs
 from kvserve.outputs import Logprob
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from tokenizer_utils import byte_token_ids, load_smollm2_tokenizer
 
 FFFD = "\ufffd"
@@ -340,3 +340,42 @@ def test_stop_strings_stream_like_full_text(data, name, include, chunk):
     stops += data.draw(st.lists(st.sampled_from(["zz", "🙃", "\n\n\n"]), max_size=1))
     d = detok(tok, stop=stops, include_stop_str_in_output=include)
     assert stream(d, tok.encode(text), chunk) == expected_stop(text, stops, include)
+
+
+# ---------------------------------------------------------------- FINAL_ONLY: decoded once, at the end
+
+@settings(max_examples=150, deadline=None)
+@given(ids=random_ids(), prompt=random_ids(), chunk=st.integers(1, 4), skip=st.booleans(),
+       stop_terminated=st.booleans())
+def test_final_only_decodes_once_what_the_window_steps_add_up_to(ids, prompt, chunk, skip, stop_terminated):
+    """A FINAL_ONLY request without stop strings keeps its tokens and decodes them in one call when it finishes:
+    the same text as decoding them a token at a time (after the prompt's context, with the stop token's text left
+    out), and nothing decoded before."""
+    tok = load_smollm2_tokenizer()
+    final = detok(tok, prompt, skip_special_tokens=skip, output_kind=RequestOutputKind.FINAL_ONLY)
+    stepwise = detok(tok, prompt, skip_special_tokens=skip)
+    feed(final, ids, chunk, stop_terminated)
+    feed(stepwise, ids, chunk, stop_terminated)
+    assert final.output_text == "" and final.num_output_tokens == len(ids)
+    want = stepwise.get_next_output_text(finished=True, delta=False)
+    assert final.get_next_output_text(finished=True, delta=False) == want
+
+
+def test_final_only_text_asked_early_is_the_stepwise_text(tok):
+    """Read before the end (an output forced out), the deferred tokens are decoded a token at a time: no partial
+    character, and the rest follows at the end."""
+    ids = tok.encode(TEXTS["emoji"])
+    final = detok(tok, output_kind=RequestOutputKind.FINAL_ONLY)
+    stepwise = detok(tok)
+    half = len(ids) // 2 + 1
+    feed(final, ids[:half])
+    feed(stepwise, ids[:half])
+    assert final.get_next_output_text(finished=False, delta=False) == stepwise.output_text
+    feed(final, ids[half:])
+    assert final.get_next_output_text(finished=True, delta=False) == TEXTS["emoji"]
+
+
+def test_final_only_with_stop_strings_decodes_as_it_goes(tok):
+    d = detok(tok, output_kind=RequestOutputKind.FINAL_ONLY, stop=["fox"])
+    assert feed(d, tok.encode(TEXTS["english"])) == "fox"
+    assert d.output_text == "The quick brown "

@@ -122,6 +122,20 @@ def test_delta_outputs_concatenate_to_the_final_text(llm):
     assert text == full.text and tokens == full.token_ids
 
 
+def test_final_outputs_of_n_samples_are_their_tokens_text(llm):
+    """LLM.generate's outputs (FINAL_ONLY, no stop strings: each sample's tokens decoded once, when it ends): every
+    sample of every request is there once, with the text of its tokens, samples ending at different steps."""
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=24)
+    outs = gen(llm, ["Tell me a story about a dragon.", "Write a haiku about 🍣 and ☕."], params)
+    assert len(outs) == 2 and all(o.finished and len(o.outputs) == 3 for o in outs)
+    for out in outs:
+        for c in out.outputs:
+            ids = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids   # the stop token's text is left out
+            assert c.text == tok.decode(ids, skip_special_tokens=True)
+    assert len({len(c.token_ids) for o in outs for c in o.outputs}) > 1, "some samples should end before others"
+
+
 def test_abort_frees_the_blocks(llm):
     engine = llm.llm_engine
     free = engine.kv.num_free_blocks

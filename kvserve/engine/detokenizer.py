@@ -16,7 +16,7 @@ import io
 from collections.abc import Callable, Iterable
 
 from kvserve.outputs import Logprob
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded in front of the output as context (vLLM uses 5 too).
@@ -71,6 +71,10 @@ class IncrementalDetokenizer:
         self._num_emitted_chars = 0  # how much get_next_output_text(delta=True) has handed out
         self._is_stopped = False     # a stop string was found: nothing after it may be added
         self._decode_with_special = make_decode_fn(tokenizer) if tokenizer is not None else None
+        # FINAL_ONLY without stop strings: no text is read before the end, so the tokens wait there and are decoded
+        # in one call with the window (what the window's steps add up to; tests/test_detokenizer.py checks it)
+        deferring = not self.stop and params.output_kind == RequestOutputKind.FINAL_ONLY
+        self._deferred: list[int] | None = [] if deferring else None
         if not params.detokenize:
             return
         self._decode = make_decode_fn(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
@@ -109,6 +113,9 @@ class IncrementalDetokenizer:
             return None
         if stop_terminated:
             new_token_ids = new_token_ids[:-1]
+        if self._deferred is not None:
+            self._deferred.extend(new_token_ids)
+            return None
         # Stop strings must end in text produced after the first min_tokens tokens.
         check_from = self._num_chars
         for i, token_id in enumerate(new_token_ids):
@@ -125,6 +132,8 @@ class IncrementalDetokenizer:
         While unfinished, the last `stop_buffer_length` chars are held back; when finished, the text still
         waiting for a complete character is flushed (an undecodable tail reads U+FFFD, as in a full decode).
         """
+        if self._deferred:
+            self._catch_up(finished)
         if finished and self.params.detokenize and not self._is_stopped:
             check_from = self._num_chars
             self._append(self._take_pending_text())
@@ -137,6 +146,16 @@ class IncrementalDetokenizer:
         text = self._read(self._num_emitted_chars, end)
         self._num_emitted_chars = end
         return text
+
+    def _catch_up(self, finished: bool) -> None:
+        """Decodes the deferred tokens: finished, all in one call with the window; else one at a time."""
+        ids, self._deferred = self._deferred, []
+        if finished:
+            self._ids.extend(ids)
+            self._append(self._take_pending_text())
+            return
+        for token_id in ids:
+            self._append(self._decode_next(token_id))
 
     def decode_token(self, token_id: int) -> str:
         """One token's text on its own, as `tokenizer.decode([token_id])` shows it (for Logprob.decoded_token)."""

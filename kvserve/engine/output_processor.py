@@ -100,7 +100,8 @@ class OutputProcessor:
                     stopped.append(req.request_id)
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = stop_str
-            touched[parent.request_id] = parent
+            if parent.params.output_kind != RequestOutputKind.FINAL_ONLY or req.is_finished:
+                touched[parent.request_id] = parent   # a FINAL_ONLY parent has an output only once one finishes
         outputs = []
         for parent in touched.values():
             if parent.request_id in failed:

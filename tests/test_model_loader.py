@@ -278,6 +278,41 @@ def test_gguf_tokenizer_chat_template_and_cache(tmp_path, monkeypatch):
     assert load_tokenizer("/nope", tokenizer_path=str(tmp_path / "hf")).vocab_size == tok.vocab_size
 
 
+@pytest.mark.parametrize("model_type, tokenizer_class", [("llama", "TokenizersBackend"),
+                                                         ("qwen2", "Qwen2Tokenizer"), ("llama", None)])
+def test_an_hf_tokenizer_loads_as_transformers_would_without_the_modeling_stack(tmp_path, model_type,
+                                                                                  tokenizer_class):
+    """An HF directory whose tokenizer_config.json names its class: the tokenizer AutoTokenizer builds from the model's
+    own config (same class, tokens, chat template, special tokens), but without importing transformers' modeling
+    stack for that config (sympy among it); one that names no class goes the whole way."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+    from tokenizer_utils import load_smollm2_tokenizer
+    hf = tmp_path / "hf"
+    load_smollm2_tokenizer().save_pretrained(str(hf))
+    tc = json.loads((hf / "tokenizer_config.json").read_text())
+    if tokenizer_class is None:
+        tc.pop("tokenizer_class")
+    else:
+        tc["tokenizer_class"] = tokenizer_class
+    (hf / "tokenizer_config.json").write_text(json.dumps(tc))
+    (hf / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["LlamaForCausalLM"]}))
+    ours, theirs = load_tokenizer(str(hf)), AutoTokenizer.from_pretrained(str(hf))
+    messages = [{"role": "user", "content": "Hi 🙂, write code"}]
+    assert type(ours) is type(theirs)
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == \
+        theirs.apply_chat_template(messages, add_generation_prompt=True)
+    assert (ours.all_special_ids, ours.eos_token_id, len(ours)) == (theirs.all_special_ids, theirs.eos_token_id,
+                                                                     len(theirs))
+    code = (f"import sys, torch; from kvserve.model import load_tokenizer; load_tokenizer({str(hf)!r}); "
+            "print('sympy' in sys.modules)")
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert imported.split()[-1] == str(tokenizer_class is None)
+
+
 def test_gguf_weight_cache_is_written_then_hit_and_a_damaged_entry_is_rebuilt(tmp_path, monkeypatch):
     import torch
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -19,9 +20,28 @@ def load_tokenizer(path: str | None, tokenizer_path: str | None = None):
         return release_build_state(load_gguf_tokenizer(source))
     from transformers import AutoTokenizer
     try:
-        return release_build_state(AutoTokenizer.from_pretrained(source))
+        return release_build_state(AutoTokenizer.from_pretrained(source, **_declared_config(source)))
     except Exception as e:
         raise ModelLoadError(f"cannot load a tokenizer from {source}: {type(e).__name__}: {e}") from e
+
+
+def _declared_config(source: str) -> dict:
+    """{"config": a plain PretrainedConfig carrying the model's type} where tokenizer_config.json names the
+    tokenizer's class and no remote code is involved: all AutoTokenizer then reads of the model's config. Else {}.
+
+    Without it AutoTokenizer loads the model's own config class, which imports transformers' modeling stack (torch's
+    distributed tensors, sympy: about 700 modules and 60-90 MiB resident) for nothing."""
+    try:
+        tokenizer_config = json.loads((Path(source) / "tokenizer_config.json").read_text())
+        config = json.loads((Path(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config or "auto_map" in config:
+        return {}
+    from transformers import PretrainedConfig
+    declared = PretrainedConfig()
+    declared.model_type = config.get("model_type", "")
+    return {"config": declared}
 
 
 # what transformers' fast tokenizers of BPE families (Gemma, Llama, GPT-NeoX, ...) keep after building their Rust

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import signal
 import socket
 import subprocess
@@ -306,17 +305,23 @@ def versions() -> dict:
     return v
 
 
-def machine() -> str:
-    cpu = "?"
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or "?"."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+def machine() -> str:
+    try:
         mem = int(Path("/proc/meminfo").read_text().split()[1]) // (1024 * 1024)
     except (OSError, ValueError):
         mem = 0
-    return f"{cpu}, {os.cpu_count()} cores, {mem} GiB RAM, {platform.system()} {platform.release()}"
+    return f"{cpu_name()}, {os.cpu_count()} cores, {mem} GiB RAM, {platform.system()} {platform.release()}"
 
 
 def main() -> None:

@@ -330,12 +330,12 @@ def w1_peers_section() -> list[str]:
     lines = []
     for path in sorted(RESULTS.glob("w1_peers_*.json")):
         r = json.loads(path.read_text())
-        how = "as an AVX2 CPU (`--isa avx2`: kvserve's kernels, oneDNN and ATen held to AVX2; vLLM's own kernels may " \
-              "still use AVX-512)" if r["isa"] == "avx2" else "natively"
-        lines += [f"## W1 against vLLM's dtypes, {r['cpu']}, {how}", "",
+        how = (" Every engine ran as on an AVX2 CPU: kvserve's kernels, oneDNN and ATen held to AVX2 (vLLM's own "
+               "kernels may still use AVX-512).") if r["isa"] == "avx2" else ""
+        lines += [f"## W1 against vLLM's dtypes: {r['cpu']}{', as AVX2' if r['isa'] == 'avx2' else ''}", "",
                   f"`python benchmarks/w1_peers.py --isa {r['isa']}` ({r['date']}, load average {r['load_avg']}): "
                   f"W1 ({r['num_prompts']} requests), the engines alternating over {r['rounds']} rounds, output tok/s "
-                  f"(results in `benchmarks/results/{path.name}`).", "",
+                  f"(results in `benchmarks/results/{path.name}`).{how}", "",
                   "| engine | output tok/s, each run | median | / vLLM's best dtype |", "|---|---|---:|---:|"]
         for row in r["rows"]:
             runs = ", ".join(f"{v:.1f}" for v in row["output_tok_s"]) or "failed"

@@ -10,7 +10,7 @@ lease; the machine keeps the first call's files while it stays warm (it goes bac
                                                                  # file's first half and sha256, gguf's wheel)
                                                                  # and .gpu-carry/call2 (the second half)
   call 1, carry [".gpu-carry/call1"]:  KVSERVE_TEST_TOKENIZER=.gpu-carry/call1/tokenizer make gpu-check
-  call 2 at once, carry [".gpu-carry/call2"]:  make gpu-check-model
+  call 2 at once, carry [".gpu-carry/call2"]:  make gpu-check-model   (the carried tokenizer, not a conversion)
 
 Three engines on the same prompts (batched, all at once): the default on CUDA (decode steps replaying CUDA graphs,
 async scheduling); eager with chunked prefill (a step budget of 32 tokens); and that one again on the same prompts,
@@ -105,15 +105,18 @@ def assemble(directory: Path, tmp: Path) -> Path:
             f.write(part.read_bytes())
     if sha256(path) != meta["sha256"]:
         raise SystemExit(f"gpu_model_check: the assembled {meta['name']} does not match its sha256")
-    for wheel in sorted(call1.glob("gguf-*.whl")):   # pure Python: importable from the wheel itself
-        sys.path.insert(0, str(wheel))
+    for wheel in sorted(call1.glob("gguf-*.whl")):   # pure Python: importable from the wheel itself, here and in
+        sys.path.insert(0, str(wheel))              # the processes the engine starts
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(wheel), os.environ.get("PYTHONPATH")) if p)
     return path
 
 
-def kvserve_greedy(model: str, prompts: list[list[int]], runs: int = 1, **engine_kwargs) -> list[dict]:
+def kvserve_greedy(model: str, tokenizer: str | None, prompts: list[list[int]], runs: int = 1,
+                   **engine_kwargs) -> list[dict]:
     """kvserve's greedy outputs (token ids, each token's logprob), all prompts at once, `runs` times."""
     from kvserve import LLM, SamplingParams
-    llm = LLM(model=model, dtype="float32", device=DEVICE, quantization="none", seed=0, max_model_len=1024,
+    llm = LLM(model=model, tokenizer=tokenizer, dtype="float32", device=DEVICE, quantization="none", seed=0,
+              max_model_len=1024,
               **({"gpu_memory_utilization": 0.3} if DEVICE == "cuda" else {"kv_cache_memory": "256MiB"}),
               **engine_kwargs)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -172,29 +175,33 @@ def save(result: dict) -> None:
         (d / "gpu_model_check.md").write_text(markdown(result))
 
 
-def run(model: Path) -> dict:
+def run(model: Path, tokenizer: str | None) -> dict:
+    """`tokenizer`: the carried copy of the GGUF's (None: converted from the GGUF)."""
     import torch
     import transformers
-    from hf_reference import greedy_with_logprobs, load_gguf_reference
-    from kvserve.model import load_tokenizer
-    torch.backends.cuda.matmul.allow_tf32 = False   # float32 means float32 on both sides
-    torch.backends.cudnn.allow_tf32 = False
-    tokenizer = load_tokenizer(str(model))
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
     result = {"env": {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (dry run)",
                       "model": model.name, "torch": torch.__version__, "transformers": transformers.__version__,
-                      "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "max_tokens": MAX_TOKENS},
+                      "date": time.strftime("%Y-%m-%d"), "prompts": len(PROMPTS), "max_tokens": MAX_TOKENS},
               "rows": []}
     try:
+        from transformers_reference import greedy_with_logprobs, load_gguf_reference
+        from kvserve.model import load_tokenizer
+        torch.backends.cuda.matmul.allow_tf32 = False   # float32 means float32 on both sides
+        torch.backends.cudnn.allow_tf32 = False
+        tok = load_tokenizer(str(model), tokenizer)
+        prompts = [tok.encode(p) for p in PROMPTS]
         t0 = time.perf_counter()
         hf = load_gguf_reference(str(model), DEVICE)
         want = greedy_with_logprobs(hf, prompts, MAX_TOKENS)
         del hf
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
         log(f"transformers: {time.perf_counter() - t0:.1f} s")
-        (default,) = kvserve_greedy(str(model), prompts)
+        (default,) = kvserve_greedy(str(model), tokenizer, prompts)
         result["rows"].append(compare("default (graphs, async scheduling)" if DEVICE == "cuda" else "default",
                                       default, want))
-        fresh, cached = kvserve_greedy(str(model), prompts, runs=2, enforce_eager=True, max_num_batched_tokens=32)
+        fresh, cached = kvserve_greedy(str(model), tokenizer, prompts, runs=2, enforce_eager=True,
+                                       max_num_batched_tokens=32)
         result["rows"].append(compare("eager, chunked prefill of 32 tokens", fresh, want))
         result["rows"].append(compare("the same again: prefix-cache hits", cached, want))
     except Exception as e:   # what ran is still written
@@ -215,10 +222,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if DRY_RUN and not args:
             from kvserve.model import default_model_path
-            model = Path(default_model_path())
+            model, tokenizer = Path(default_model_path()), None
         else:
-            model = assemble(Path(args[0] if args else ROOT / ".gpu-carry"), Path(tmp))
-        result = run(model)
+            carried = Path(args[0] if args else ROOT / ".gpu-carry")
+            model, tokenizer = assemble(carried, Path(tmp)), str(carried / "call1" / "tokenizer")
+        result = run(model, tokenizer)
     save(result)
     print(markdown(result))
     return 0 if result["rows"] and all(r["ok"] for r in result["rows"]) and "error" not in result else 1

@@ -1,6 +1,7 @@
 """W1 offline against vLLM's CPU build in each of its dtypes, on this CPU or as an AVX2 one: kvserve's dense bf16
-checkpoint path and `--quantization int8` against vLLM in float32 and bfloat16, alternating, each run in a process
-of its own, one workload for all (benchmarks/compare.py's W1: 64 prompts of 64-512 tokens, 32-256 out, greedy).
+path (the bundled model dequantized to bf16) and `--quantization int8` against vLLM in float32 and bfloat16 (on the
+HF bf16 copy of the same weights, `make peers`), alternating, each run in a process of its own, one workload for all
+(benchmarks/compare.py's W1: 64 prompts of 64-512 tokens, 32-256 out, greedy).
 
   python benchmarks/w1_peers.py [--isa native|avx2] [--rounds 2] [--num-prompts 64]
 
@@ -14,24 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from compare import RESULTS, ensure_hf_model, kvserve_offline, load_avg, make_workload, vllm_available, vllm_offline
+from compare import (RESULTS, cpu_name, ensure_hf_model, kvserve_offline, load_avg, make_workload, vllm_available,
+                     vllm_offline)
 
 AVX2_ENV = {"KVSERVE_KERNELS": "no-avx512", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 ENGINES = [("kvserve bf16", "kvserve", "none"), ("kvserve -q int8", "kvserve", "int8"),
            ("vLLM float32", "vllm", "float32"), ("vLLM bfloat16", "vllm", "bfloat16")]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:

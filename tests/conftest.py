@@ -48,8 +48,8 @@ def qwen_15b_path():
 
 @pytest.fixture(scope="session")
 def hf_reference(gguf_path):
-    """transformers' own model on the bundled GGUF weights in float32 (test-only reference; hf_reference.py)."""
-    from hf_reference import load_gguf_reference
+    """transformers' own model on the bundled GGUF weights in float32 (test-only reference; transformers_reference.py)."""
+    from transformers_reference import load_gguf_reference
     return load_gguf_reference(gguf_path)
 
 

@@ -6,6 +6,7 @@ import pytest
 from kvserve import (LLM, ContextLengthExceededError, EngineConfig, InvalidRequestError, ModelLoadError,
                      SamplingParams)
 from kvserve.errors import RequestFailedError
+from kvserve.sampling_params import RequestOutputKind
 from model_utils import FailingForward
 
 
@@ -271,6 +272,28 @@ def test_a_token_the_detokenizer_cannot_decode_fails_its_request_only():
         llm.generate(["Hi", "Hello"], [fine, forced], use_tqdm=False)
     assert not engine.has_unfinished_requests()
     assert len(llm.generate("Hi", fine, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_a_final_only_request_whose_text_cannot_be_decoded_fails_when_aborted():
+    """A FINAL_ONLY request without stop strings decodes its text only when it ends: aborted before that, with a
+    token its tokenizer cannot decode, it fails (a typed error, no output) rather than raising out of the abort and
+    staying behind; in generate, another request's failure still raises its own typed error."""
+    llm = LLM(dtype="float32", max_model_len=128, num_kv_blocks=32)
+    engine = llm.llm_engine
+    engine.processor.tokenizer = DecodeFails(engine.tokenizer, 1000)
+    deferred = SamplingParams(temperature=0, max_tokens=8, logit_bias={1000: 100.0},
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("bad", "Hello", deferred)
+    for _ in range(3):
+        assert engine.step() == []
+    assert engine.abort_request("bad") == []
+    assert "injected" in str(engine.take_failed_requests()["bad"])
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.num_kv_blocks
+    at_once = SamplingParams(temperature=0, max_tokens=8, logit_bias={1000: 100.0}, stop=["never"])
+    with pytest.raises(RequestFailedError, match="prompt 1: .*injected"):
+        llm.generate(["Hi", "Hello"], [deferred, at_once], use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.num_kv_blocks
+    assert len(llm.generate("Hi", SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids) == 4
 
 
 def test_a_call_interrupted_by_an_error_leaves_no_request_behind():

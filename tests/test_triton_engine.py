@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.attention.triton import unavailable_reason  # noqa: E402
 from kvserve.errors import InvalidRequestError  # noqa: E402
-from hf_reference import greedy_with_logprobs  # noqa: E402
+from transformers_reference import greedy_with_logprobs  # noqa: E402
 from model_utils import save_tiny_model  # noqa: E402
 from spec_utils import tiny_prompts, tokens  # noqa: E402
 
@@ -55,7 +55,7 @@ def engine(path, tokenizer_path, backend="triton", **kwargs):
 
 
 def hf_greedy(model, prompts, max_tokens):
-    """transformers' greedy output (hf_reference.greedy_with_logprobs), as LLM.generate's token ids."""
+    """transformers' greedy output (transformers_reference.greedy_with_logprobs), as LLM.generate's token ids."""
     return [[ids] for ids, _ in greedy_with_logprobs(model, [p["prompt_token_ids"] for p in prompts], max_tokens)]
 
 

@@ -19,7 +19,7 @@ from kvserve.engine.accounting import Accountant, RequestAccounting
 from kvserve.engine.beam_group import BeamGroup, beam_request_params
 from kvserve.engine.describe import log_loaded
 from kvserve.entrypoints.beam_search import BeamSearchParams
-from kvserve.engine.step_loop import StepLoop
+from kvserve.engine.step_loop import StepLoop, output_failed
 from kvserve.engine.pooling import check_pooling_fits, pooling_state, refuse_generation
 from kvserve.engine.prompts import PromptType, process_prompt
 from kvserve.distributed import start_tensor_parallel
@@ -333,7 +333,11 @@ class LLMEngine(StepLoop):
 
     def _abort(self, request_id: str, build_output: bool = True) -> RequestOutput | None:
         self.scheduler.finish_requests(self.processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
-        out = self.processor.abort(request_id, build_output)
+        try:
+            out = self.processor.abort(request_id, build_output)
+        except Exception as e:   # its last output could not be built (a FINAL_ONLY request's text is decoded only then)
+            self._failed[request_id] = output_failed(request_id, e)
+            out = self.processor.abort(request_id, build_output=False)
         self._drop_finished_pending()
         return out
 

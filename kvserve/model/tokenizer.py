@@ -26,21 +26,25 @@ def load_tokenizer(path: str | None, tokenizer_path: str | None = None):
 
 
 def _declared_config(source: str) -> dict:
-    """{"config": a plain PretrainedConfig carrying the model's type} where tokenizer_config.json names the
-    tokenizer's class and no remote code is involved: all AutoTokenizer then reads of the model's config. Else {}.
+    """{"config": a plain PretrainedConfig carrying the model's type, name and path} where tokenizer_config.json names
+    the tokenizer's class, config.json the model's type, and no remote code is involved: all AutoTokenizer then reads
+    of the model's config. Else {}.
 
     Without it AutoTokenizer loads the model's own config class, which imports transformers' modeling stack (torch's
-    distributed tensors, sympy: about 700 modules and 60-90 MiB resident) for nothing."""
+    distributed tensors, sympy: about 700 modules and 60-95 MiB resident) for nothing."""
     try:
         tokenizer_config = json.loads((Path(source) / "tokenizer_config.json").read_text())
         config = json.loads((Path(source) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
-    if not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config or "auto_map" in config:
+    if not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config or "auto_map" in config \
+            or not config.get("model_type"):
         return {}
     from transformers import PretrainedConfig
-    declared = PretrainedConfig()
-    declared.model_type = config.get("model_type", "")
+    declared = PretrainedConfig(name_or_path=source)   # as AutoConfig sets it
+    declared.model_type = config["model_type"]
+    if "model_name" in config:
+        declared.model_name = config["model_name"]
     return {"config": declared}
 
 

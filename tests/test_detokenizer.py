@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from kvserve.engine.detokenizer import IncrementalDetokenizer, detokenize_logprobs
 from kvserve.outputs import Logprob
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
-from tokenizer_utils import byte_token_ids, load_smollm2_tokenizer
+from tokenizer_utils import byte_token_ids, load_smollm2_tokenizer, sentencepiece_style_tokenizer
 
 FFFD = "\ufffd"
 TEXTS = {
@@ -359,6 +359,30 @@ def test_final_only_decodes_once_what_the_window_steps_add_up_to(ids, prompt, ch
     assert final.output_text == "" and final.num_output_tokens == len(ids)
     want = stepwise.get_next_output_text(finished=True, delta=False)
     assert final.get_next_output_text(finished=True, delta=False) == want
+
+
+@st.composite
+def sentencepiece_case(draw):
+    """Prompt and output ids for sentencepiece_style_tokenizer(): words, byte-fallback tokens, special tokens."""
+    tok = sentencepiece_style_tokenizer()
+    token_id = st.one_of(st.integers(0, len(tok) - 1), st.integers(3, 258), st.integers(0, 2))
+    return draw(st.lists(token_id, max_size=8)), draw(st.lists(token_id, max_size=40))
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=sentencepiece_case(), chunk=st.integers(1, 4), skip=st.booleans(), stop_terminated=st.booleans())
+def test_final_only_with_a_sentencepiece_style_tokenizer(case, chunk, skip, stop_terminated):
+    """With "▁" spaces, byte fallback and a decoder that strips the text's leading space (Llama 2, Gemma), a run of
+    byte tokens that is not UTF-8 decodes otherwise at once than a token at a time ([<0x00>, <0x80>]: two U+FFFD at
+    once, NUL then U+FFFD stepwise): such a tokenizer's FINAL_ONLY text is decoded stepwise, as a stream's is."""
+    tok = sentencepiece_style_tokenizer()
+    prompt, ids = case
+    final = detok(tok, prompt, skip_special_tokens=skip, output_kind=RequestOutputKind.FINAL_ONLY)
+    stepwise = detok(tok, prompt, skip_special_tokens=skip)
+    feed(final, ids, chunk, stop_terminated)
+    feed(stepwise, ids, chunk, stop_terminated)
+    assert final.get_next_output_text(finished=True, delta=False) == \
+        stepwise.get_next_output_text(finished=True, delta=False)
 
 
 def test_final_only_text_asked_early_is_the_stepwise_text(tok):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Iterable
 
+from tokenizers import decoders
+
 from kvserve.outputs import Logprob
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -45,6 +47,16 @@ def make_decode_fn(tokenizer, skip_special_tokens: bool = False,
                                         clean_up_tokenization_spaces=False)
 
 
+def decodes_bytes_at_once(tokenizer) -> bool:
+    """Whether the tokenizer's decoder is byte-level BPE's (GPT-2, Llama 3, Qwen, SmolLM2), which turns the bytes of
+    all its tokens into text in one pass: then decoding a sequence at once gives what the window's steps add up to
+    (tests/test_detokenizer.py tries random ids). Byte-fallback decoders (Llama 2, Gemma) turn a run of byte tokens
+    that is not valid UTF-8 into one U+FFFD per byte, so a complete character the window emitted can decode
+    otherwise once more bytes follow it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else tokenizer
+    return isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+
+
 def detokenize_logprobs(tokenizer, logprobs: Iterable[dict[int, Logprob] | None]) -> None:
     """Fills in `decoded_token` of every Logprob (sampled or prompt logprobs) that has none yet, in place."""
     decode = make_decode_fn(tokenizer)
@@ -72,9 +84,9 @@ class IncrementalDetokenizer:
         self._is_stopped = False     # a stop string was found: nothing after it may be added
         self._decode_with_special = make_decode_fn(tokenizer) if tokenizer is not None else None
         # FINAL_ONLY without stop strings: no text is read before the end, so the tokens wait there and are decoded
-        # in one call with the window (what the window's steps add up to; tests/test_detokenizer.py checks it)
+        # in one call with the window, where that is what the window's steps add up to (decodes_bytes_at_once)
         deferring = not self.stop and params.output_kind == RequestOutputKind.FINAL_ONLY
-        self._deferred: list[int] | None = [] if deferring else None
+        self._deferred: list[int] | None = [] if deferring and decodes_bytes_at_once(tokenizer) else None
         if not params.detokenize:
             return
         self._decode = make_decode_fn(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)

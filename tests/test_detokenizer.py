@@ -385,6 +385,18 @@ def test_final_only_with_a_sentencepiece_style_tokenizer(case, chunk, skip, stop
         stepwise.get_next_output_text(finished=True, delta=False)
 
 
+@pytest.mark.parametrize("name", sorted(TEXTS))
+@pytest.mark.parametrize("prompt", ["", "Hi there"])
+def test_incremental_with_a_sentencepiece_style_tokenizer(name, prompt):
+    """A decoder that strips the text's leading space decodes a token otherwise at the start of a window than after
+    its context: each window's context is decoded again, never taken from the text it emitted."""
+    tok = sentencepiece_style_tokenizer()
+    context = tok.encode(prompt, add_special_tokens=False)
+    ids = tok.encode(TEXTS[name], add_special_tokens=False)
+    text, _ = stream(detok(tok, context), ids)
+    assert text == tok.decode(context + ids)[len(tok.decode(context)):]
+
+
 def test_final_only_text_asked_early_is_the_stepwise_text(tok):
     """Read before the end (an output forced out), the deferred tokens are decoded a token at a time: no partial
     character, and the rest follows at the end."""

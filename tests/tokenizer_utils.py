@@ -42,17 +42,27 @@ def byte_token_ids(tokenizer) -> dict[int, int]:
 
 @functools.cache
 def sentencepiece_style_tokenizer():
-    """A small tokenizer made as Llama's and Gemma's are: "▁" for spaces, BPE with byte fallback (<0xNN> tokens), and
-    a decoder that strips the decode's leading space, so a token decodes differently at the start of a text. Trained
-    here in milliseconds on a few sentences: the detokenizer's tests' other kind of tokenizer."""
+    """A small tokenizer made as Llama 2's and Gemma's are: "▁" for spaces, BPE with byte fallback (<0xNN> tokens in
+    the vocabulary), and a decoder that strips the decode's leading space, so a token decodes differently at the
+    start of a text. Trained here in milliseconds on a few sentences: the detokenizer's tests' other kind."""
+    import json
+
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
     from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizer
+    corpus = ["The quick brown fox jumps over the lazy dog.", "It wasn't me, said the fox!", "naïve café — hello"]
+    trained.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                                 special_tokens=["<unk>", "<s>", "</s>"]))
+    model = json.loads(trained.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for b in range(256):   # ordinary tokens, as in Llama 2's vocabulary
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizer
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
-    special = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    corpus = ["The quick brown fox jumps over the lazy dog.", "It wasn't me, said the fox!", "naïve café — hello"]
-    tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=600, special_tokens=special,
-                                                             show_progress=False))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=[])

@@ -85,8 +85,9 @@ class IncrementalDetokenizer:
         self._decode_with_special = make_decode_fn(tokenizer) if tokenizer is not None else None
         # FINAL_ONLY without stop strings: no text is read before the end, so the tokens wait there and are decoded
         # in one call with the window, where that is what the window's steps add up to (decodes_bytes_at_once)
+        self._bytes_at_once = decodes_bytes_at_once(tokenizer)
         deferring = not self.stop and params.output_kind == RequestOutputKind.FINAL_ONLY
-        self._deferred: list[int] | None = [] if deferring and decodes_bytes_at_once(tokenizer) else None
+        self._deferred: list[int] | None = [] if deferring and self._bytes_at_once else None
         if not params.detokenize:
             return
         self._decode = make_decode_fn(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
@@ -188,7 +189,8 @@ class IncrementalDetokenizer:
         new_text = text[len(self._prefix_text):]
         self._ids = self._ids[self._read_offset:]
         self._read_offset = read_offset - self._read_offset
-        self._prefix_text = self._decode(self._ids[:self._read_offset])
+        # a byte-level decoder's text of the emitted tokens is what they added, their last character complete
+        self._prefix_text = new_text if self._bytes_at_once else self._decode(self._ids[:self._read_offset])
         return new_text
 
     def _split_stalled_window(self, text: str) -> str:

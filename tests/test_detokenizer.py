@@ -365,7 +365,8 @@ def test_final_only_decodes_once_what_the_window_steps_add_up_to(ids, prompt, ch
 def sentencepiece_case(draw):
     """Prompt and output ids for sentencepiece_style_tokenizer(): words, byte-fallback tokens, special tokens."""
     tok = sentencepiece_style_tokenizer()
-    token_id = st.one_of(st.integers(0, len(tok) - 1), st.integers(3, 258), st.integers(0, 2))
+    byte_ids = tok.convert_tokens_to_ids([f"<0x{b:02X}>" for b in range(256)])
+    token_id = st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(byte_ids), st.integers(0, 2))
     return draw(st.lists(token_id, max_size=8)), draw(st.lists(token_id, max_size=40))
 
 

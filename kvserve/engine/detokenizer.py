@@ -37,14 +37,21 @@ def make_decode_fn(tokenizer, skip_special_tokens: bool = False,
     A fast tokenizer decodes through its Rust backend directly; like `tokenizer.decode`, it puts nothing between
     special tokens, so `spaces_between_special_tokens` only matters to slow tokenizers.
     """
-    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
-    if backend is None and hasattr(tokenizer, "decode_batch"):   # a bare tokenizers.Tokenizer
-        backend = tokenizer
+    backend = _backend(tokenizer)
     if backend is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
                                         spaces_between_special_tokens=spaces_between_special_tokens,
                                         clean_up_tokenization_spaces=False)
+
+
+def _backend(tokenizer):
+    """The Rust tokenizer that decodes for `tokenizer`: a fast tokenizer's, or a bare tokenizers.Tokenizer; None for a
+    slow one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None and hasattr(tokenizer, "decode_batch"):   # a bare tokenizers.Tokenizer
+        backend = tokenizer
+    return backend
 
 
 def decodes_bytes_at_once(tokenizer) -> bool:
@@ -53,8 +60,8 @@ def decodes_bytes_at_once(tokenizer) -> bool:
     (tests/test_detokenizer.py tries random ids). Byte-fallback decoders (Llama 2, Gemma) turn a run of byte tokens
     that is not valid UTF-8 into one U+FFFD per byte, so a complete character the window emitted can decode
     otherwise once more bytes follow it."""
-    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else tokenizer
-    return isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+    backend = _backend(tokenizer)
+    return backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
 
 
 def detokenize_logprobs(tokenizer, logprobs: Iterable[dict[int, Logprob] | None]) -> None:

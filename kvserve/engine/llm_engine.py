@@ -19,7 +19,7 @@ from kvserve.engine.accounting import Accountant, RequestAccounting
 from kvserve.engine.beam_group import BeamGroup, beam_request_params
 from kvserve.engine.describe import log_loaded
 from kvserve.entrypoints.beam_search import BeamSearchParams
-from kvserve.engine.step_loop import StepLoop, output_failed
+from kvserve.engine.step_loop import StepLoop
 from kvserve.engine.pooling import check_pooling_fits, pooling_state, refuse_generation
 from kvserve.engine.prompts import PromptType, process_prompt
 from kvserve.distributed import start_tensor_parallel
@@ -335,8 +335,9 @@ class LLMEngine(StepLoop):
         self.scheduler.finish_requests(self.processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
         try:
             out = self.processor.abort(request_id, build_output)
-        except Exception as e:   # its last output could not be built (a FINAL_ONLY request's text is decoded only then)
-            self._failed[request_id] = output_failed(request_id, e)
+        except Exception:   # its last output could not be built (a FINAL_ONLY request's text is decoded only then):
+            # the caller gave it up, so nothing is left to report to (a failure kept would meet a request reusing its id)
+            logger.exception("kvserve: building the output of aborted request %s failed; dropped", request_id)
             out = self.processor.abort(request_id, build_output=False)
         self._drop_finished_pending()
         return out

@@ -137,7 +137,9 @@ class StepLoop:
             return []
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for parent_id, e in failed.items():
-            self._fail_parent(parent_id, output_failed(parent_id, e))
+            logger.error("kvserve: building the output of request %s failed; failing it", parent_id, exc_info=e)
+            self._fail_parent(parent_id, RequestFailedError(f"the output of this request could not be built: "
+                                                            f"{type(e).__name__}: {e}"))
         return outputs
 
     def _wait_for_held_requests(self) -> None:
@@ -186,9 +188,3 @@ class StepLoop:
     def _fail_parent(self, parent_id: str, error: KVServeError) -> None:
         self._failed[parent_id] = error
         self._abort(parent_id, build_output=False)   # its detokenizer may be what failed
-
-
-def output_failed(parent_id: str, e: Exception) -> RequestFailedError:
-    """A request whose output could not be built (its detokenizer failed): logged, and the error it fails with."""
-    logger.error("kvserve: building the output of request %s failed; failing it", parent_id, exc_info=e)
-    return RequestFailedError(f"the output of this request could not be built: {type(e).__name__}: {e}")

@@ -37,8 +37,8 @@ def _declared_config(source: str) -> dict:
         config = json.loads((Path(source) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
-    if not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config or "auto_map" in config \
-            or not config.get("model_type"):
+    if not (isinstance(tokenizer_config, dict) and isinstance(config, dict)) or "auto_map" in tokenizer_config \
+            or "auto_map" in config or not tokenizer_config.get("tokenizer_class") or not config.get("model_type"):
         return {}
     from transformers import PretrainedConfig
     declared = PretrainedConfig(name_or_path=source)   # as AutoConfig sets it

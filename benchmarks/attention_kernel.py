@@ -1,8 +1,8 @@
 """The C++ paged-attention kernels on W1-shaped steps, side by side in one process: the bf16 kernel over the
 tiled KV layout (kvserve/attention/kv_layout.py: K and V tiles vdpbf16ps takes, read straight from the cache)
 against the AVX-512 kernel over the standard layout [blocks, block size, kv heads, head dim] (what bf16 pools
-that cannot tile take), the kernel over FP8 (E4M3) pools of the same values, and the torch reference backend. SmolLM2-135M shapes: 9 q heads, 3 kv heads, head dim 64,
-blocks of 16.
+that cannot tile take), the kernel over FP8 (E4M3) pools of the same values, and the torch reference backend.
+SmolLM2-135M shapes: 9 q heads, 3 kv heads, head dim 64, blocks of 16.
 
   python benchmarks/attention_kernel.py [--repeats 20] [--num-threads N] [--layers 30]
 

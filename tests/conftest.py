@@ -48,7 +48,7 @@ def qwen_15b_path():
 
 @pytest.fixture(scope="session")
 def hf_reference(gguf_path):
-    """transformers' own model on the bundled GGUF weights in float32 (test-only reference; transformers_reference.py)."""
+    """transformers' own model on the bundled GGUF weights in float32 (transformers_reference.py)."""
     from transformers_reference import load_gguf_reference
     return load_gguf_reference(gguf_path)
 

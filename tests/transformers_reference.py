@@ -1,5 +1,5 @@
-"""transformers as the test reference: its model on a GGUF file's weights in float32 (conftest.py's hf_reference fixture,
-benchmarks/gpu_model_check.py) and its greedy output with each token's logprob."""
+"""transformers as the test reference: its model on a GGUF file's weights in float32 (conftest.py's hf_reference
+fixture, benchmarks/gpu_model_check.py) and its greedy output with each token's logprob."""
 from __future__ import annotations
 
 import functools

@@ -333,12 +333,7 @@ class LLMEngine(StepLoop):
 
     def _abort(self, request_id: str, build_output: bool = True) -> RequestOutput | None:
         self.scheduler.finish_requests(self.processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
-        try:
-            out = self.processor.abort(request_id, build_output)
-        except Exception:   # its last output could not be built (a FINAL_ONLY request's text is decoded only then):
-            # the caller gave it up, so nothing is left to report to (a failure kept would meet a request reusing its id)
-            logger.exception("kvserve: building the output of aborted request %s failed; dropped", request_id)
-            out = self.processor.abort(request_id, build_output=False)
+        out = self.processor.abort(request_id, build_output)
         self._drop_finished_pending()
         return out
 

@@ -5,6 +5,7 @@ RequestOutput carries one CompletionOutput per child, in index order.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from kvserve.core.request import Request, RequestStatus
@@ -13,6 +14,8 @@ from kvserve.engine.accounting import accounting_metrics
 from kvserve.engine.pooling import pooling_output
 from kvserve.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("kvserve")
 
 
 @dataclass
@@ -171,7 +174,9 @@ class OutputProcessor:
 
     def abort(self, request_id: str, build_output: bool = True) -> RequestOutput | None:
         """Mark a parent's children aborted and return its final output; without `build_output` just forget the
-        parent (a failed request: its detokenizer may be what failed)."""
+        parent (a failed request: its detokenizer may be what failed). An output that cannot be built (a FINAL_ONLY
+        request's text is decoded only now) is logged and the parent forgotten: the caller gave it up, so there is
+        nobody to report it to."""
         parent = self.parents.get(request_id)
         if parent is None:
             return None
@@ -179,7 +184,10 @@ class OutputProcessor:
             if not c.req.is_finished:
                 c.req.status = RequestStatus.FINISHED_ABORTED
         if build_output:
-            return self.make_output(parent, force=True)
+            try:
+                return self.make_output(parent, force=True)
+            except Exception:
+                logger.exception("kvserve: building the output of aborted request %s failed; dropped", request_id)
         self._drop(parent)
         return None
 

@@ -53,14 +53,6 @@ def log(*args):
     print(*args, flush=True)
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def prepare(directory: str) -> int:
     """Write the two calls' folders (split_model) and gguf's wheel into call1."""
     call1, call2 = split_model(Path(directory))
@@ -100,10 +92,13 @@ def assemble(directory: Path, tmp: Path) -> Path:
                          f"(carrying {call2}) must run on the same warm machine (module doc)")
     meta = json.loads((call1 / "model.json").read_text())
     path = tmp / meta["name"]
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
         for part in (call1 / "model.part1", call2 / "model.part2"):
-            f.write(part.read_bytes())
-    if sha256(path) != meta["sha256"]:
+            data = part.read_bytes()
+            digest.update(data)
+            f.write(data)
+    if digest.hexdigest() != meta["sha256"]:
         raise SystemExit(f"gpu_model_check: the assembled {meta['name']} does not match its sha256")
     for wheel in sorted(call1.glob("gguf-*.whl")):   # pure Python: importable from the wheel itself, here and in
         sys.path.insert(0, str(wheel))              # the processes the engine starts

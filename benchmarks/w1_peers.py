@@ -51,9 +51,8 @@ def main() -> None:
                        else vllm_offline(args, work_path, run_dir, setting, env))
                 if out is not None:
                     runs[name].append(out["output_tokens_per_s"])
-    best_peer = max((statistics.median(v) for n, v in runs.items() if n.startswith("vLLM") and v), default=None)
-    rows = [{"engine": name, "output_tok_s": runs[name], "median": statistics.median(runs[name]) if runs[name]
-             else None} for name, _, _ in ENGINES]
+    rows = [{"engine": name, "output_tok_s": v, "median": statistics.median(v) if v else None} for name, v in runs.items()]
+    best_peer = max((r["median"] for r in rows if r["engine"].startswith("vLLM") and r["median"]), default=None)
     for row in rows:
         row["vs_best_vllm"] = round(row["median"] / best_peer, 2) if row["median"] and best_peer else None
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "isa": args.isa, "load_avg": load_avg(),

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from kvserve.attention import fp8, kv_layout
+from kvserve import memory
 
 logger = logging.getLogger("kvserve")
 
@@ -436,13 +437,27 @@ def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
                     k.element_size(), bs, kv_layout.is_tiled(k_cache), k_cache.data_ptr(), v_cache.data_ptr())
 
 
-def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor, out: torch.Tensor) -> None:
+def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor, out: torch.Tensor, consume: bool = False) -> None:
     """Repack a bf16 (or fp16) weight [N, K] (K even) into `out` (packed_numel(N, K) values) for
-    kvserve_packed_matmul_bf16 (or _f16): a permutation of the 16-bit values."""
+    kvserve_packed_matmul_bf16 (or _f16): a permutation of the 16-bit values, in panels of 16 rows. consume: the
+    weight is dropped next, so it is packed a few panels at a time and each part's pages go back to the OS as soon
+    as it is packed (memory.discard_pages: the weight reads as zeros there after): a large weight (a tied embedding
+    table) and its pack then never both take memory."""
     n, k = weight.shape
     w = weight.contiguous()
     pack = lib.kvserve_gemv_pack_f16 if w.dtype == torch.float16 else lib.kvserve_gemv_pack
-    pack(w.data_ptr(), n, k, out.data_ptr())
+    step = max(16, _CONSUME_BYTES // (k * w.element_size()) // 16 * 16) if consume else n
+    row_bytes, done = k * w.element_size(), 0
+    for r in range(0, n, step):
+        rows = min(step, n - r)
+        pack(w[r:].data_ptr(), rows, k, out[r * k:].data_ptr())
+        if consume:
+            end = (r + rows) * row_bytes
+            memory.discard_pages(w, done, end)
+            done = end - (w.data_ptr() + end) % memory.PAGE   # the page across this part's end: with the next
+
+
+_CONSUME_BYTES = 4 << 20   # a consumed weight's bytes packed between two hand-backs of its pages
 
 
 def packed_numel(n: int, k: int) -> int:

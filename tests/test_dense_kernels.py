@@ -99,9 +99,9 @@ def test_prepack_with_release_drops_each_plain_weight_as_its_pack_is_made(dtype,
     spied = (kernels, "pack_weight") if kept[0].method.kind == "packed bf16" else (linear_method, "_onednn_pack")
     pack = getattr(*spied)
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         alive_at_each_pack.append(sum(ref() is not None for ref in plain))
-        return pack(*args)
+        return pack(*args, **kwargs)
     monkeypatch.setattr(*spied, spy)
     assert layers.prepack_linears(released, release=True)[0] == 5
     assert alive_at_each_pack == ([5, 4, 3, 2, 1] if releasable else [5] * 5)
@@ -109,6 +109,69 @@ def test_prepack_with_release_drops_each_plain_weight_as_its_pack_is_made(dtype,
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9)).to(dtype)
     for a, b in zip(kept, released):
         assert torch.equal(a(x), b(x))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_consuming_pack_is_the_same_pack_and_hands_the_plain_weight_back(dtype, monkeypatch):
+    """pack_weight(consume=True) (prepack's release: the plain weight is dropped next) packs a few panels at a time
+    and hands each part's pages back to the OS as it goes, so the weight and its pack never both take memory: the
+    pack is the same bits as a whole one (the parts end on panel bounds, the last panel padded), the weight's whole
+    pages read as zeros after; a weight whose storage another tensor shares is left as it was."""
+    from kvserve.model.linear_method import packs_fp16
+    lib = kernels.load()
+    if not lib.kvserve_has_packed_matmul() or (dtype == torch.float16 and not packs_fp16()):
+        pytest.skip(f"no packed {dtype} matmul here")
+    monkeypatch.setattr(kernels, "_CONSUME_BYTES", 40 * 576 * 2)   # 32 rows a part: 38 parts, the last one short
+    n, k = 1203, 576
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    whole, parts = (torch.empty(kernels.packed_numel(n, k), dtype=dtype) for _ in range(2))
+    kernels.pack_weight(lib, weight, whole)
+    consumed = weight.clone()
+    kernels.pack_weight(lib, consumed, parts, consume=True)
+    assert torch.equal(parts.view(torch.int16), whole.view(torch.int16))
+    start = consumed.data_ptr()
+    lo, hi = -(-start // 4096) * 4096 - start, (start + consumed.nbytes) // 4096 * 4096 - start   # its whole pages
+    values = consumed.view(torch.int16).flatten()
+    assert not values[lo // 2:hi // 2].any() and lo < 4096 and consumed.nbytes - hi < 4096
+    shared = weight.clone()
+    view = shared[1:]
+    kernels.pack_weight(lib, shared, parts, consume=True)
+    assert torch.equal(shared, weight) and torch.equal(parts.view(torch.int16), whole.view(torch.int16))
+    del view
+
+
+@needs_kernels
+def test_the_engines_prepack_hands_every_plain_weight_back_as_it_packs(tmp_path, monkeypatch):
+    """A tied bf16 model's prepack (the engine's, release=True) consumes every weight it packs, the embedding table
+    (the head's pack) included: the pages handed back come to the plain weights' bytes, less at most two partial
+    pages each. A module holding a second view of its weight would keep it whole, and the load would peak with
+    both copies; the model still computes what a kept-weights copy computes."""
+    from kvserve import memory
+    from kvserve.model.layers import Linear
+    from kvserve.model.linear_method import PackedBf16Method
+    from model_utils import load_ours, save_tiny_model
+    if not kernels.load().kvserve_has_packed_matmul():
+        pytest.skip("no packed bf16 matmul here")
+    monkeypatch.setattr(kernels, "_CONSUME_BYTES", 64 << 10)   # the table in 8 parts
+    save_tiny_model("llama", tmp_path, vocab_size=4096, tie_word_embeddings=True)
+    released, _ = load_ours(str(tmp_path), "bfloat16")
+    kept, _ = load_ours(str(tmp_path), "bfloat16")
+    weights = [m.weight for m in released.modules() if isinstance(m, Linear)] + [released.model.embed_tokens.weight]
+    nbytes, count = sum(w.nbytes for w in weights), len(weights)
+    handed_back = []
+    discard = memory.discard_pages
+    monkeypatch.setattr(memory, "discard_pages", lambda *a: handed_back.append(discard(*a)) or handed_back[-1])
+    del weights
+    released.prepack(release=True)
+    kept.prepack()
+    assert isinstance(released.tied_head, PackedBf16Method) and released.model.embed_tokens.weight.is_meta
+    assert nbytes - 2 * 4096 * count <= sum(handed_back) <= nbytes
+    ids = torch.tensor([5, 900, 4095, 17])
+    assert torch.equal(released.model.embed_tokens(ids), kept.model.embed_tokens(ids))
+    hidden = torch.randn(4, released.model.embed_tokens.weight.shape[1]).to(torch.bfloat16)
+    assert torch.equal(released.tied_head.apply(released.model.embed_tokens, hidden),
+                       kept.tied_head.apply(kept.model.embed_tokens, hidden))
 
 
 @needs_kernels

@@ -55,7 +55,8 @@ def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = (),
     """Give every dense bf16 or float32 CPU Linear a packed method (quantized ones keep theirs); returns how many,
     and the methods of the `extra` weights. release: each Linear's plain weight is dropped as soon as its pack is
     made, where the pack can give it back (release_unpacked_weights' rule), so that the plain weights and the packs
-    never both take the whole model's memory."""
+    never both take the whole model's memory; the C++ packs consume each plain weight as they go (the `extra` ones
+    too: the caller drops them), so not even the largest (a tied embedding table) is held twice."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is None]
     weights = [m.weight for m in linears] + list(extra)
     if not weights or not can_prepack(weights[0]):
@@ -73,7 +74,7 @@ def prepack_linears(model: nn.Module, extra: list[torch.Tensor] = (),
                 if freed >= _TRIM_BYTES:   # glibc keeps freed weights resident until trimmed: the packs and the
                     return_freed_memory()  # plain weights would otherwise peak together
                     freed = 0
-    packs = prepack_weights(weights, on_packed=packed)
+    packs = prepack_weights(weights, on_packed=packed, consume=release)
     return len(linears), packs[len(linears):]
 
 

@@ -240,12 +240,13 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def prepack_weights(weights: list[torch.Tensor], onednn: bool = False,
-                    on_packed=None) -> list[LinearMethod]:
+                    on_packed=None, consume: bool = False) -> list[LinearMethod]:
     """Pack weights [N, K] once (they must not change afterwards): the C++ kernels' layout where they build and
     every weight is bf16 with an even K, else oneDNN's. The C++ kernels' copies share one huge-page buffer: decode
     steps read it from start to end. onednn=True packs for oneDNN even where the kernels exist (benchmarks compare
     the two). on_packed(i, method) is called as soon as weights[i] is packed (prepack_linears drops the plain
-    weight there, and its entry in `weights`)."""
+    weight there, and its entry in `weights`). consume: the caller drops every plain weight once it is packed, so
+    the C++ packs hand each one's pages back to the OS as they go (kernels.pack_weight)."""
     lib = _kernel_lib()
     fp16 = torch.float16 if packs_fp16() else None   # fp16 weights (an fp16 checkpoint's) where they pack
     onednn = onednn or lib is None or any(w.shape[1] % 2 or w.dtype not in (torch.bfloat16, fp16) for w in weights)
@@ -259,7 +260,7 @@ def prepack_weights(weights: list[torch.Tensor], onednn: bool = False,
         if onednn:
             packs.append(OneDNNMethod(w.shape[0], _onednn_pack(w)))
         else:
-            kernels.pack_weight(lib, w, parts[i])
+            kernels.pack_weight(lib, w, parts[i], consume=consume)
             packs.append((PackedF16Method if w.dtype == torch.float16 else PackedBf16Method)(w.shape[0], parts[i],
                                                                                                lib))
         del w

@@ -343,7 +343,7 @@ def safetensors_files(model_dir: str) -> list[Path]:
     return files
 
 
-REOPEN_BYTES = 32 << 20   # tensor bytes read from one mapping of a safetensors file before it is opened again
+REOPEN_BYTES = 8 << 20   # tensor bytes read from one mapping of a safetensors file before it is opened again
 
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

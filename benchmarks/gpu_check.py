@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 DRY_RUN = "--dry-run" in sys.argv
 DEVICE = "cpu" if DRY_RUN else "cuda"
+if DRY_RUN:
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # the Triton kernels on CPU tensors
 PROFILE = "--profile" in sys.argv   # torch.profiler's table of decode steps at batch 64, into gpu_check_profile.txt
 PROFILES: list[str] = []
 
@@ -173,11 +175,11 @@ def bench_hf(path: Path, prompts, output_lens) -> dict:
     return {"seconds": seconds}
 
 
-def step_times(llm, prompts, max_tokens: int, steps: int) -> list[float]:
+def step_times(llm, prompts, max_tokens: int, steps: int, probe=None) -> list[float]:
     """Seconds of each of `steps` engine steps once every request decodes (its prefill done), from the end of one
     step() to the end of the next: with async scheduling a step() returns once the step behind it is launched,
     so waiting for the device after each would hide what the overlap gains (without it, each step() waits for its
-    tokens anyway)."""
+    tokens anyway). probe(): called after the timed steps, while the requests still run."""
     from kvserve import SamplingParams
     from kvserve.sampling_params import RequestOutputKind
     engine = llm.llm_engine
@@ -195,6 +197,8 @@ def step_times(llm, prompts, max_tokens: int, steps: int) -> list[float]:
         engine.step()
         times.append(time.perf_counter() - t)
         t += times[-1]
+    if probe is not None:
+        probe()
     while engine.has_unfinished_requests():
         engine.step()
     return times
@@ -211,6 +215,31 @@ def profile_steps(llm, prompts, name: str) -> str:
             + prof.key_averages().table(sort_by=sort, row_limit=25)
             + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     return text
+
+
+def replay_probe(llm, size: int, into: dict, key: str, times: int = 20):
+    """A step_times probe: the device time of the decode forward's graph for `size` alone (ms, CUDA events), replayed
+    `times` times on the last step's inputs (each replay writes the same K/V into the same slots: the requests are
+    still running, their blocks theirs). Against the step's time, it says how much of a step is the device's
+    forward, and how much the host, the logits, sampling and copies. No graph (CPU, eager): nothing recorded."""
+    def probe() -> None:
+        graphs = llm.llm_engine.runner.decode_graphs
+        if DEVICE != "cuda" or graphs is None or size not in graphs.graphs:
+            return
+        try:
+            graph = graphs.graphs[size]
+            sync()
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(times):
+                graph.replay()
+            end.record()
+            sync()
+            into[key] = round(start.elapsed_time(end) / times, 3)
+        except Exception as e:   # a diagnostic: the step's own figures stand without it
+            into[key] = f"failed: {type(e).__name__}: {e}"[:120]
+    return probe
 
 
 def weight_bytes(llm) -> int:
@@ -234,15 +263,18 @@ def decode_figures(llm, vocab: int, wb: int, kvb: int, bandwidth: float, label: 
     the weights and the KV it attends to at `bandwidth`."""
     rng = np.random.default_rng(1)
     batch = [rng.integers(3, vocab, 256).tolist() for _ in range(4 if DRY_RUN else 64)]
-    step = float(np.median(step_times(llm, batch, 48, 4 if DRY_RUN else 32)))
+    replay: dict = {}
+    step = float(np.median(step_times(llm, batch, 48, 4 if DRY_RUN else 32,
+                                      replay_probe(llm, len(batch), replay, f"decode64_{label}_replay_ms"))))
     bound = (wb + 64 * (256 + 16) * kvb) / bandwidth   # the median step's context, about 16 tokens past the prompt
-    tpot = float(np.median(step_times(llm, [rng.integers(3, vocab, 128).tolist()], 80, 4 if DRY_RUN else 64)))
+    tpot = float(np.median(step_times(llm, [rng.integers(3, vocab, 128).tolist()], 80, 4 if DRY_RUN else 64,
+                                      replay_probe(llm, 1, replay, f"tpot_{label}_replay_ms"))))
     bound1 = (wb + 160 * kvb) / bandwidth
     log(f"{label}: decode step at batch 64 {step * 1e3:.2f} ms (bound {bound * 1e3:.3f}), TPOT {tpot * 1e3:.2f} ms "
         f"(bound {bound1 * 1e3:.3f})")
     if PROFILE:
         PROFILES.append(profile_steps(llm, batch, label))
-    return {f"decode64_{label}_ms": round(step * 1e3, 3), "decode64_bound_ms": round(bound * 1e3, 3),
+    return {**replay, f"decode64_{label}_ms": round(step * 1e3, 3), "decode64_bound_ms": round(bound * 1e3, 3),
             f"decode64_{label}_vs_bound": round(step / bound, 2), f"tpot_{label}_ms": round(tpot * 1e3, 3),
             "tpot_bound_ms": round(bound1 * 1e3, 3), f"tpot_{label}_vs_bound": round(tpot / bound1, 2)}
 
@@ -366,17 +398,18 @@ def markdown(result: dict) -> str:
     lines += ["| model (random weights, bf16) | W1 kvserve s | W1 HF generate s | kvserve / HF | kvserve output tok/s "
               "| decode step b=64 ms, graphs / eager | its bound ms | graphs / bound | TPOT ms, graphs / eager "
               "| its bound ms | graphs / bound | graphs | async scheduling: decode b=64 / TPOT ms, on / off "
-              "| TPOT at ~2k context ms, split KV / not (bound) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| TPOT at ~2k context ms, split KV / not (bound) | the forward's graph alone ms, b=64 / b=1 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("models", []):
         if "error" in r or "hf_s" not in r:
-            lines.append(f"| {r['model']} | failed: {r['error'][:160]} |||||||||||||")
+            lines.append(f"| {r['model']} | failed: {r['error'][:160]} ||||||||||||||")
             continue
         lines.append(f"| {r['model']} | {r['kvserve_s']} | {r['hf_s']} | {r['speedup_vs_hf']}x | "
                      f"{r['kvserve_out_tok_s']} | {r['decode64_graphs_ms']} / {r['decode64_eager_ms']} | "
                      f"{r['decode64_bound_ms']} | {r['decode64_graphs_vs_bound']}x | {r['tpot_graphs_ms']} / "
                      f"{r['tpot_eager_ms']} | {r['tpot_bound_ms']} | {r['tpot_graphs_vs_bound']}x | {r['graphs']} | "
-                     f"{async_cell(r)} | {long_cell(r)} |")
+                     f"{async_cell(r)} | {long_cell(r)} | {r.get('decode64_graphs_replay_ms', '-')} / "
+                     f"{r.get('tpot_graphs_replay_ms', '-')} |")
     return "\n".join(lines) + "\n"
 
 

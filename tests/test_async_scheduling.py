@@ -61,9 +61,23 @@ def test_mixed_batch_equals_synchronous(engines):
     assert completions(got) == completions(want)
     for a, b in zip(got[2].outputs[0].logprobs, want[2].outputs[0].logprobs):
         assert a.keys() == b.keys() and all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
-    assert calls[0] > 20   # decodes launched behind the step in flight
+    assert calls[0] > 0   # decodes launched behind the step in flight (how many depends on the outputs: below)
     engine = overlapped.llm_engine
     assert engine._pending is None and engine.kv.num_free_blocks == sync.llm_engine.kv.num_free_blocks
+
+
+def test_every_decode_step_is_launched_behind_the_one_in_flight(engines):
+    """A request that needs none of its tokens on the host (greedy, no penalties, lengths fixed by max_tokens) has
+    each decode step after its first launched while the token before is still in flight: 15 of its 16 tokens
+    (the first comes from its prefill), whatever this CPU's kernels make of the logits."""
+    overlapped = engines[1]
+    calls = count_fill_ins(overlapped)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = overlapped.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 16 and calls[0] == 15
+    calls = count_fill_ins(overlapped)
+    assert completions(overlapped.generate(PROMPTS[:3], params, use_tqdm=False)) == completions(
+        engines[0].generate(PROMPTS[:3], params, use_tqdm=False)) and calls[0] >= 15
 
 
 def test_prefix_hits_and_a_second_round(engines):

@@ -109,7 +109,9 @@ def test_grouped_experts_equal_a_per_token_loop(top_k, renormalize, shared, toke
     # each chosen expert ran once, over all its tokens; the others not at all (a decode reads only their weights)
     assert [e.calls for e in block.experts] == [int(e in chosen) for e in range(8)]
     with torch.inference_mode():
-        torch.testing.assert_close(got, _per_token(block, x), atol=1e-5, rtol=1e-5)
+        # float32 both ways, but a matmul over an expert's group of rows and one over a single row may sum in other
+        # orders (by BLAS kernel, so by CPU: 1.3e-5 apart held to AVX2); a wrong expert or weight is off by far more
+        torch.testing.assert_close(got, _per_token(block, x), atol=1e-4, rtol=1e-4)
 
 
 def test_every_token_on_one_expert():

@@ -12,6 +12,7 @@ its pages become resident as blocks are first written, one for one, and none are
 from __future__ import annotations
 
 import argparse
+import importlib
 import resource
 import threading
 import time
@@ -42,7 +43,7 @@ def main() -> None:
 
     threading.Thread(target=sample, daemon=True).start()
     t0 = time.perf_counter()
-    from transformers import PreTrainedTokenizerFast  # noqa: F401  the tokenizers' library: every engine imports it
+    importlib.import_module("transformers.tokenization_utils_fast")   # the tokenizers' library: every engine's
 
     from kvserve import LLM
     from kvserve.model.loader import resolve_model_path

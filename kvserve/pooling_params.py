@@ -17,6 +17,7 @@ class PoolingParams:
     pooling_type: str | None = None
     normalize: bool | None = None
     dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None   # embed the input's last k tokens; -1: max_model_len of them
 
     def validate(self, hidden_size: int) -> None:
         if self.pooling_type is not None and self.pooling_type.upper() not in POOLING_TYPES:
@@ -28,3 +29,7 @@ class PoolingParams:
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= hidden_size):
             raise InvalidRequestError(f"dimensions must be an integer in [1, {hidden_size}] (this model's embedding "
                                       f"size), got {d!r}", "dimensions")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
+            raise InvalidRequestError(f"truncate_prompt_tokens must be a positive integer or -1 (max_model_len), "
+                                      f"got {k!r}", "truncate_prompt_tokens")

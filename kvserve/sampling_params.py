@@ -133,14 +133,18 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | dict | None = None   # constrained decoding (docs/structured_outputs.md)
+    allowed_token_ids: list[int] | None = None   # sample only among these tokens
+    bad_words: list[str] | None = None   # never generate these words (the last token of each, once its others came)
+    truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens; -1: max_model_len of them
     # filled by the engine, not by users
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         self._verify_numbers()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), (list, tuple)):
                 raise InvalidRequestError(f"{name} must be a list, got {getattr(self, name)!r}", name)
         self.stop = list(self.stop or [])
@@ -157,8 +161,14 @@ class SamplingParams:
             self.top_k = 0
         if self.temperature is not None and 0 < self.temperature < 1e-5:
             self.temperature = 0.0
+        self.bad_words = list(self.bad_words or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._verify()
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        if self.structured_outputs is not None and self.allowed_token_ids is not None:
+            raise InvalidRequestError("allowed_token_ids cannot be combined with structured outputs (the grammar "
+                                      "chooses the allowed tokens)", "allowed_token_ids")
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     @property
@@ -225,10 +235,20 @@ class SamplingParams:
             bad("stop_token_ids must be non-negative integers", "stop_token_ids")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             bad("logit_bias values must be in [-100, 100]", "logit_bias")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids must be a non-empty list of non-negative integers", "allowed_token_ids")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words must be a list of non-empty strings", "bad_words")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not is_int(k) or (k < 1 and k != -1)):
+            bad(f"truncate_prompt_tokens must be a positive integer or -1 (max_model_len), got {k!r}",
+                "truncate_prompt_tokens")
 
     def verify_for_model(self, vocab_size: int) -> None:
         """Checks that need the model: token ids in range."""
-        for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             for t in ids:
                 if not 0 <= t < vocab_size:
                     raise InvalidRequestError(f"{name} has token id {t} outside the vocabulary [0, {vocab_size})",

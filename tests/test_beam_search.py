@@ -86,6 +86,11 @@ def test_use_beam_search_on_the_server_equals_llm_beam_search(server, client):
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"use_beam_search": True},
                                       **{"n": 2, **kwargs})
         assert e.value.body["param"] == field
+    for field, value in (("bad_words", ["a"]), ("allowed_token_ids", [5]), ("truncate_prompt_tokens", 4)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, n=2,
+                                      extra_body={"use_beam_search": True, field: value})
+        assert e.value.body["param"] == field and e.value.body["code"] == "unsupported_parameter"
 
 
 def test_beam_search_under_preemption_and_beside_other_requests_equals_a_roomy_engine():

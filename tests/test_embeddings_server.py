@@ -33,6 +33,8 @@ def test_embeddings_through_the_openai_sdk(client, server):
     assert client.embeddings.create(model=MODEL, input=TEXTS).usage.prompt_tokens == sum(ids)
     token_ids = _embed(client, input=[[1, 2, 3, 4]], encoding_format="float")
     assert token_ids.shape == (1, floats.shape[1])
+    cut = _embed(client, input=[[9, 8, 1, 2, 3, 4]], encoding_format="float", extra_body={"truncate_prompt_tokens": 4})
+    np.testing.assert_allclose(cut, token_ids, atol=1e-6)   # the input's last 4 tokens
 
 
 def test_score_rerank_and_pooling_are_the_embeddings_cosines(client, server):

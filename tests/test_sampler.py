@@ -189,7 +189,7 @@ def test_penalty_changes_greedy_choice():
 
 def test_no_penalties_builds_no_penalty_tensors():
     meta = SamplingMetadata.build([row(prompt=[1, 2], output=[3])], 10, CPU)
-    assert meta.penalties is None and meta.logit_bias is None and meta.min_tokens_mask is None
+    assert meta.penalties is None and meta.logit_bias is None and meta.banned is None
     assert meta.top_k is None and meta.top_p is None and meta.min_p is None and meta.temperature is not None
     meta = SamplingMetadata.build([row(frequency_penalty=0.1, output=[3])], 10, CPU)
     assert meta.penalties.prompt_token_ids is None  # only repetition needs the prompt

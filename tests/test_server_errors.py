@@ -158,3 +158,23 @@ def test_openai_refusals_name_the_field_the_request_used(client):
         client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
             *answered, {"role": "tool", "tool_call_id": "call_2", "content": "43"}])
     assert e.value.body["param"] == "messages[3].tool_call_id" and "call_2" in e.value.body["message"]
+
+
+def test_vllm_sampling_extras_work_and_their_bad_values_are_400(server, client):
+    """allowed_token_ids, bad_words and truncate_prompt_tokens (vLLM's extra fields) do what they say through the
+    server, and a bad value of each is a 400 naming it."""
+    paris = post(server, "/tokenize", {"model": MODEL, "prompt": " Paris", "add_special_tokens": False}).json()
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0,
+                                    extra_body={"allowed_token_ids": paris["tokens"], "ignore_eos": True})
+    assert out.choices[0].text == " Paris" * 3
+    free = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    banned = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                       extra_body={"bad_words": ["Paris"]})
+    assert "Paris" in free.choices[0].text and "Paris" not in banned.choices[0].text
+    cut = client.completions.create(model=MODEL, prompt=[7] * MAX_MODEL_LEN, max_tokens=1,
+                                    extra_body={"truncate_prompt_tokens": 8})
+    assert cut.usage.prompt_tokens == 8
+    for field, value in (("allowed_token_ids", []), ("bad_words", [""]), ("truncate_prompt_tokens", 0)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={field: value})
+        assert e.value.body["param"] == field

@@ -131,11 +131,11 @@ class Request:
     def needs_its_last_token(self) -> bool:
         """Whether the next step's sampling or scheduling depends on the token the step in flight samples (async
         scheduling waits for it): penalties, min_tokens still to reach, a grammar, beams, and n > 1 samples still to
-        fork from this one (the scheduler's fork groups, checked there)."""
+        fork from this one (the scheduler's fork groups, checked there), bad words of several tokens."""
         p = self.params
         return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
                 or self.num_output_tokens < p.min_tokens or self.structured_output is not None
-                or self.beam is not None)
+                or self.beam is not None or any(len(s) > 1 for s in p.bad_words_token_ids))
 
     def sampling_row(self, drafts: list[int], generator: torch.Generator | None) -> SamplingRow:
         """The row that samples after `drafts` (taken as output: penalties, min_tokens), drawing from

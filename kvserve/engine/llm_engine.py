@@ -31,6 +31,7 @@ from kvserve.model.loader import load_model_config, model_dtype
 from kvserve.model.registry import get_model_class
 from kvserve.outputs import RequestOutput
 from kvserve.pooling_params import PoolingParams
+from kvserve.sample.constraints import bad_words_token_ids, check_allowed_tokens, truncate_prompt
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_loader import load_draft_model
 from kvserve.spec_decode.proposer import build_proposer
@@ -210,9 +211,12 @@ class LLMEngine(StepLoop):
         if self.id_in_use(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, token_ids = process_prompt(prompt, self.tokenizer, self.vocab_size)
+        token_ids = truncate_prompt(token_ids, (pooling_params or params).truncate_prompt_tokens, self.max_model_len)
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")   # vLLM's place for it in offline prompts
         params.verify_for_model(self.vocab_size)
+        params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
+        check_allowed_tokens(params, self.eos_token_ids)
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} is more samples than the engine runs at once "
                                       f"(max_num_seqs={self.config.max_num_seqs})", "n")

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from kvserve.errors import InvalidRequestError
+from kvserve.sample.constraints import banned_by_bad_words
 from kvserve.transfer import to_device
 from kvserve.sampling_params import SamplingParams
 
@@ -68,7 +69,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row index -> generator, random rows only
     generator: torch.Generator | None       # for random rows without a seed; None: torch's default
     logit_bias: SparseLogits | None
-    min_tokens_mask: SparseLogits | None    # tokens forced to -inf this step
+    banned: SparseLogits | None         # tokens forced to -inf this step: min_tokens' stop tokens, bad words
+    allowed: AllowedTokens | None       # rows sampling among their allowed_token_ids only
     penalties: PenaltyTensors | None
     max_num_logprobs: int | None        # K; None: no row asked for logprobs
     grammar_bitmask: object | None = None   # structured outputs: a GrammarBitmask, set by the model runner
@@ -99,8 +101,10 @@ class SamplingMetadata:
                         if r.generator is not None and not r.params.is_greedy} if random else {},
             generator=generator,
             logit_bias=_logit_bias(rows, vocab_size, device) if any(p.logit_bias for p in params) else None,
-            min_tokens_mask=(_min_tokens_mask(rows, vocab_size, device) if any(p.min_tokens for p in params)
-                             else None),
+            banned=(_banned(rows, vocab_size, device) if any(p.min_tokens or p.bad_words_token_ids for p in params)
+                    else None),
+            allowed=(_allowed(rows, vocab_size, device) if any(p.allowed_token_ids is not None for p in params)
+                     else None),
             penalties=_penalties(rows, vocab_size, device),
             max_num_logprobs=_max_num_logprobs(rows, vocab_size),
         )
@@ -143,18 +147,41 @@ def _logit_bias(rows: list[SamplingRow], vocab_size: int, device) -> SparseLogit
     return SparseLogits(_tensor(flat_ids, torch.long, device), _tensor(values, torch.float32, device))
 
 
-def _min_tokens_mask(rows: list[SamplingRow], vocab_size: int, device) -> SparseLogits | None:
+def _banned(rows: list[SamplingRow], vocab_size: int, device) -> SparseLogits | None:
     flat_ids = []
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) >= r.params.min_tokens or r.params.structured_outputs is not None:
-            continue   # a constrained row bans them in its grammar bitmask, unless nothing else is allowed
-        # ignore_eos only stops eos from ending the request; while under min_tokens eos stays forbidden.
-        banned = sorted(set(r.eos_token_ids) | r.params.all_stop_token_ids)
-        _check_ids(banned, vocab_size, "stop_token_ids")
-        flat_ids += [i * vocab_size + t for t in banned]
+        p, banned = r.params, set()
+        # a constrained row bans the stop tokens in its grammar bitmask, unless nothing else is allowed; ignore_eos
+        # only stops eos from ending the request: while under min_tokens eos stays forbidden
+        if len(r.output_token_ids) < p.min_tokens and p.structured_outputs is None:
+            banned = set(r.eos_token_ids) | p.all_stop_token_ids
+            _check_ids(banned, vocab_size, "stop_token_ids")
+        words = banned_by_bad_words(p.bad_words_token_ids, r.output_token_ids) - banned
+        if words and p.allowed_token_ids is not None and set(p.allowed_token_ids) <= banned | words:
+            words = set()   # a bad word's last token, where the only tokens left to sample are such (refused at
+            #                 admission where that holds from the start: sample.constraints.check_allowed_tokens)
+        flat_ids += [i * vocab_size + t for t in sorted(banned | {t for t in words if t < vocab_size})]
     if not flat_ids:
         return None
     return SparseLogits(_tensor(flat_ids, torch.long, device))
+
+
+@dataclass
+class AllowedTokens:
+    """Rows restricted to their allowed_token_ids: every other entry of those rows is set to -inf."""
+
+    rows: torch.Tensor   # [R] long
+    keep: torch.Tensor   # [R, V] bool
+
+
+def _allowed(rows: list[SamplingRow], vocab_size: int, device) -> AllowedTokens:
+    which = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    keep = np.zeros((len(which), vocab_size), dtype=bool)
+    for j, i in enumerate(which):
+        ids = rows[i].params.allowed_token_ids
+        _check_ids(ids, vocab_size, "allowed_token_ids")
+        keep[j, ids] = True
+    return AllowedTokens(_tensor(which, torch.long, device), to_device(keep, torch.bool, device))
 
 
 def _penalties(rows: list[SamplingRow], vocab_size: int, device) -> PenaltyTensors | None:

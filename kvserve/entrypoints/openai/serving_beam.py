@@ -27,6 +27,9 @@ def check_beam_search(req: SamplingFields, constrained: bool) -> None:
                                           ("repetition_penalty", req.repetition_penalty in (None, 1.0)),
                                           ("logprobs", not getattr(req, "logprobs", None)),
                                           ("echo", not getattr(req, "echo", False)),
+                                          ("allowed_token_ids", req.allowed_token_ids is None),
+                                          ("bad_words", not req.bad_words),
+                                          ("truncate_prompt_tokens", req.truncate_prompt_tokens is None),
                                           ("stream_options", req.stream_options is None)) if not off]
     if unsupported:
         raise BadRequestError(f"use_beam_search does not run with {unsupported[0]}", unsupported[0],

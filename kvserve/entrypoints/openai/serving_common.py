@@ -108,7 +108,8 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens, output_kind=RequestOutputKind.DELTA,
-            structured_outputs=structured_outputs)
+            structured_outputs=structured_outputs, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+            truncate_prompt_tokens=req.truncate_prompt_tokens)
 
     async def add_prompts(self, request_id: str, prompts: list[PromptInput], params: list[SamplingParams | None],
                           req: SamplingFields, constraint_source: str | None = None,

@@ -42,6 +42,7 @@ class PoolingFields(OpenAIBaseModel):
     # vLLM extras
     normalize: bool | None = None
     add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None   # each input's last k tokens; -1: max_model_len of them
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
@@ -89,7 +90,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_model(req.model)
         request_id = self.request_id(raw_request, "embd", req.request_id)
         prompts = self._prompts(inputs, req.add_special_tokens)
-        params = PoolingParams(normalize=req.normalize, dimensions=dimensions)
+        params = PoolingParams(normalize=req.normalize, dimensions=dimensions,
+                               truncate_prompt_tokens=req.truncate_prompt_tokens)
         try:
             streams = await self.add_prompts(request_id, prompts, [None] * len(prompts), req, pooling_params=params)
         except InvalidRequestError as e:   # the engine names the prompt; these routes call it input

@@ -1,0 +1,55 @@
+"""Per-request constraints resolved when a request is admitted: bad words as the token sequences that write them,
+the prompt's truncation, and a check that a request's allowed tokens leave it something to sample."""
+from __future__ import annotations
+
+from kvserve.errors import InvalidRequestError
+from kvserve.sampling_params import SamplingParams
+
+
+def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:
+    """Each bad word as the token sequences that write it (vLLM's rule): the word alone, and after a space (the
+    form it takes inside a text) where that is another sequence of as many tokens starting with another token."""
+    out: list[list[int]] = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if alone:
+            out.append(alone)
+        if spaced and (not alone or (spaced[0] != alone[0] and len(spaced) == len(alone))):
+            out.append(spaced)
+    return out
+
+
+def banned_by_bad_words(sequences: list[list[int]], output_token_ids: list[int]) -> set[int]:
+    """The tokens a row may not sample next: the last token of each bad word whose other tokens end its output."""
+    banned = set()
+    for seq in sequences:
+        n = len(seq) - 1
+        if n <= len(output_token_ids) and (n == 0 or output_token_ids[-n:] == seq[:-1]):
+            banned.add(seq[-1])
+    return banned
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (-1: max_model_len of them; None: all)."""
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is more than max_model_len ({max_model_len})",
+                                  "truncate_prompt_tokens")
+    return token_ids[-keep:]
+
+
+def check_allowed_tokens(params: SamplingParams, eos_token_ids: set[int]) -> None:
+    """A request whose allowed tokens are all bad words (of one token), or all stop tokens while min_tokens forbids
+    them, has nothing to sample: refused."""
+    if params.allowed_token_ids is None:
+        return
+    usable = set(params.allowed_token_ids) - {s[0] for s in params.bad_words_token_ids if len(s) == 1}
+    if params.min_tokens:
+        usable -= set(eos_token_ids) | params.all_stop_token_ids
+    if not usable:
+        raise InvalidRequestError("allowed_token_ids leaves nothing to sample: each is a bad word, or a stop token "
+                                  "that min_tokens forbids", "allowed_token_ids")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import platform
 
@@ -23,22 +24,34 @@ _MADV_DONTNEED = 4
 
 
 def discard_pages(tensor: torch.Tensor, start: int, end: int) -> int:
-    """Hand back to the OS the whole pages inside bytes [start, end) of `tensor` (Linux, where it is its storage's
-    only user): their contents are lost, they read as zeros, and they stop counting in the resident set until
-    written again. For a tensor about to be dropped that is consumed piece by piece (a weight packed panel by panel),
-    so that it and what replaces it never both take memory. Returns the bytes handed back (0 where not possible)."""
+    """Hand back to the OS the whole pages inside bytes [start, end) of `tensor` (Linux), where no other tensor
+    views its storage: their contents are lost, they read as zeros, and they stop counting in the resident set
+    until written again. For a tensor the caller is about to drop, consumed piece by piece (a weight packed panel by
+    panel), so that it and what replaces it never both take memory. The caller vouches that nothing else holds the
+    tensor object itself (a view, which this check sees, is how to keep its values). Returns the bytes handed
+    back (0 where not possible)."""
     storage = tensor.untyped_storage()
-    if (platform.system() != "Linux" or not tensor.is_contiguous() or tensor.device.type != "cpu"
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    madvise = _madvise()
+    if (madvise is None or use_count is None or not tensor.is_contiguous() or tensor.device.type != "cpu"
             or storage.data_ptr() != tensor.data_ptr() or storage.nbytes() != tensor.nbytes
-            or torch._C._storage_Use_Count(storage._cdata) != 2):   # the tensor's and `storage`'s: no view
+            or use_count(storage._cdata) != 2):   # the tensor's and `storage`'s: no view
         return 0
     lo = -(-(tensor.data_ptr() + start) // PAGE) * PAGE
     hi = (tensor.data_ptr() + min(end, tensor.nbytes)) // PAGE * PAGE
     if hi <= lo:
         return 0
+    return hi - lo if madvise(lo, hi - lo, _MADV_DONTNEED) == 0 else 0
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    """libc's madvise (Linux), or None."""
+    if platform.system() != "Linux":
+        return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return hi - lo if libc.madvise(lo, hi - lo, _MADV_DONTNEED) == 0 else 0
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
-        return 0
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise

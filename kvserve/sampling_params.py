@@ -166,9 +166,10 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self._verify()
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
-        if self.structured_outputs is not None and self.allowed_token_ids is not None:
-            raise InvalidRequestError("allowed_token_ids cannot be combined with structured outputs (the grammar "
-                                      "chooses the allowed tokens)", "allowed_token_ids")
+        for name in ("allowed_token_ids", "bad_words"):   # a ban could leave a grammar's only token forbidden
+            if self.structured_outputs is not None and getattr(self, name):
+                raise InvalidRequestError(f"{name} cannot be combined with structured outputs (the grammar chooses "
+                                          "the allowed tokens)", name)
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     @property

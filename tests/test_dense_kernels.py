@@ -118,6 +118,7 @@ def test_a_consuming_pack_is_the_same_pack_and_hands_the_plain_weight_back(dtype
     and hands each part's pages back to the OS as it goes, so the weight and its pack never both take memory: the
     pack is the same bits as a whole one (the parts end on panel bounds, the last panel padded), the weight's whole
     pages read as zeros after; a weight whose storage another tensor shares is left as it was."""
+    from kvserve import memory
     from kvserve.model.linear_method import packs_fp16
     lib = kernels.load()
     if not lib.kvserve_has_packed_matmul() or (dtype == torch.float16 and not packs_fp16()):
@@ -130,10 +131,10 @@ def test_a_consuming_pack_is_the_same_pack_and_hands_the_plain_weight_back(dtype
     consumed = weight.clone()
     kernels.pack_weight(lib, consumed, parts, consume=True)
     assert torch.equal(parts.view(torch.int16), whole.view(torch.int16))
-    start = consumed.data_ptr()
-    lo, hi = -(-start // 4096) * 4096 - start, (start + consumed.nbytes) // 4096 * 4096 - start   # its whole pages
+    start, page = consumed.data_ptr(), memory.PAGE
+    lo, hi = -(-start // page) * page - start, (start + consumed.nbytes) // page * page - start   # its whole pages
     values = consumed.view(torch.int16).flatten()
-    assert not values[lo // 2:hi // 2].any() and lo < 4096 and consumed.nbytes - hi < 4096
+    assert not values[lo // 2:hi // 2].any() and lo < page and consumed.nbytes - hi < page
     shared = weight.clone()
     view = shared[1:]
     kernels.pack_weight(lib, shared, parts, consume=True)
@@ -166,7 +167,7 @@ def test_the_engines_prepack_hands_every_plain_weight_back_as_it_packs(tmp_path,
     released.prepack(release=True)
     kept.prepack()
     assert isinstance(released.tied_head, PackedBf16Method) and released.model.embed_tokens.weight.is_meta
-    assert nbytes - 2 * 4096 * count <= sum(handed_back) <= nbytes
+    assert nbytes - 2 * memory.PAGE * count <= sum(handed_back) <= nbytes
     ids = torch.tensor([5, 900, 4095, 17])
     assert torch.equal(released.model.embed_tokens(ids), kept.model.embed_tokens(ids))
     hidden = torch.randn(4, released.model.embed_tokens.weight.shape[1]).to(torch.bfloat16)

@@ -49,6 +49,13 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm):
         llm.embed({"prompt_token_ids": [101] * 100}, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="dimensions"):
         llm.embed("x", PoolingParams(dimensions=385), use_tqdm=False)
+    # truncate_prompt_tokens keeps [CLS] and the text's end, as the tokenizer truncating from the left does
+    tok = llm.get_tokenizer()
+    tok.truncation_side = "left"
+    cut = tok(SENTENCES[0], truncation=True, max_length=6)["input_ids"]
+    assert len(cut) == 6 and cut[0] == tok.cls_token_id and cut[-1] == tok.sep_token_id
+    got = _vectors(llm.embed(SENTENCES[0], PoolingParams(truncate_prompt_tokens=6), use_tqdm=False))
+    assert torch.equal(got, _vectors(llm.embed({"prompt_token_ids": cut}, use_tqdm=False)))
 
 
 def _tiny_bert(path, **overrides):

@@ -37,15 +37,21 @@ def test_allowed_token_ids_sample_only_among_them(llm):
 
 
 def test_bad_words_ban_a_words_last_token_once_its_others_came(llm):
-    """A word of several tokens (digits here) is cut at its last token: the output equals the free one up to
+    """A word of several tokens is cut at its last token: the output equals the free one up to
     there, then takes another token; a word of one token never appears; with async scheduling (each step launched
     before the last one's token is back: such a request waits for it) the same tokens."""
     tok = llm.get_tokenizer()
     base = greedy(llm, [PROMPT])[0]
-    word = tok.decode(base[8:12]).strip()   # ' 2018' in the free output: four digit tokens
+
+    def found(seq):   # where the free output writes seq, or None
+        return next((i for i in range(len(base)) if base[i:i + len(seq)] == seq), None)
+    # a word of the free output that its encodings write with several tokens (which word depends on the CPU's
+    # kernels: their logits differ in rounding)
+    word, multi = next((w, s) for n in (3, 2, 4) for i in range(1, len(base) - n)
+                       for w in [tok.decode(base[i:i + n]).strip()] if w
+                       for s in bad_words_token_ids([w], tok) if len(s) > 1 and found(s) is not None)
     seqs = bad_words_token_ids([word, "Paris"], tok)
-    multi = next(s for s in seqs if len(s) > 1)
-    at = next(i for i in range(len(base)) if base[i:i + len(multi)] == multi) + len(multi) - 1
+    at = found(multi) + len(multi) - 1
     cut = greedy(llm, [PROMPT, PROMPT], bad_words=[word])
     assert cut[0] == cut[1] and cut[0][:at] == base[:at] and cut[0][at] != base[at]
     no_paris = greedy(llm, [PROMPT], bad_words=["Paris"])[0]
@@ -72,6 +78,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     assert out.outputs[0].token_ids == greedy(llm, [{"prompt_token_ids": ids[-6:]}], max_tokens=8)[0]
     whole = llm.generate([text], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
     assert whole.prompt_token_ids == ids
+    # -1 on a prompt longer than the context: as much of its end as leaves max_tokens of room
+    long = llm.generate([{"prompt_token_ids": ids * 20}], SamplingParams(max_tokens=5, truncate_prompt_tokens=-1),
+                        use_tqdm=False)[0]
+    assert long.prompt_token_ids == (ids * 20)[-251:] and len(long.outputs[0].token_ids) == 5
     with pytest.raises(InvalidRequestError, match="max_model_len") as e:
         llm.generate([text], SamplingParams(max_tokens=1, truncate_prompt_tokens=257), use_tqdm=False)
     assert e.value.param == "truncate_prompt_tokens"
@@ -81,6 +91,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"allowed_token_ids": 5}, "allowed_token_ids"), ({"allowed_token_ids": [1.5]}, "allowed_token_ids"),
     ({"allowed_token_ids": [3], "structured_outputs": {"regex": "a+"}}, "allowed_token_ids"),
+    ({"bad_words": ["a"], "structured_outputs": {"regex": "a+"}}, "bad_words"),
     ({"bad_words": "Paris"}, "bad_words"), ({"bad_words": [""]}, "bad_words"), ({"bad_words": [3]}, "bad_words"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),

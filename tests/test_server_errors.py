@@ -174,6 +174,14 @@ def test_vllm_sampling_extras_work_and_their_bad_values_are_400(server, client):
     cut = client.completions.create(model=MODEL, prompt=[7] * MAX_MODEL_LEN, max_tokens=1,
                                     extra_body={"truncate_prompt_tokens": 8})
     assert cut.usage.prompt_tokens == 8
+    text = "one two three four five six seven"
+    echo = client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0, echo=True, logprobs=0,
+                                     extra_body={"truncate_prompt_tokens": 3})
+    ids = post(server, "/tokenize", {"model": MODEL, "prompt": text}).json()["tokens"][-3:]
+    kept = post(server, "/detokenize", {"model": MODEL, "tokens": ids}).json()["prompt"]
+    lp = echo.choices[0].logprobs
+    assert echo.choices[0].text.startswith(kept) and "".join(lp.tokens[:3]) == kept
+    assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
     for field, value in (("allowed_token_ids", []), ("bad_words", [""]), ("truncate_prompt_tokens", 0)):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={field: value})

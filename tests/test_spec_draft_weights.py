@@ -39,8 +39,8 @@ def test_restricted_head_gives_the_first_columns_of_the_logits(tmp_path, weights
     full_model, model = load_model(config)[0], load_model(config)[0]
     hidden = torch.randn(5, hidden_size, dtype=model.model.norm.weight.dtype)
     model.restrict_vocab(40)
-    for m in (full_model, model):   # as the engine serves them: packed, plain copies released
-        m.prepack()
+    for m in (full_model, model):   # as the engine serves them: packed, plain copies released as they pack
+        m.prepack(release=True)
         release_unpacked_weights(m)
     full, part = full_model.compute_logits(hidden), model.compute_logits(hidden, cut=True)
     cols = 48 if weights == "int8" else 40   # int8 rows come in groups of 16

@@ -211,7 +211,9 @@ class LLMEngine(StepLoop):
         if self.id_in_use(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, token_ids = process_prompt(prompt, self.tokenizer, self.vocab_size)
-        token_ids = truncate_prompt(token_ids, (pooling_params or params).truncate_prompt_tokens, self.max_model_len)
+        room = 0 if pooling_params is not None else max(1, params.max_tokens or 1)   # -1: what leaves this free
+        token_ids = truncate_prompt(token_ids, (pooling_params or params).truncate_prompt_tokens, self.max_model_len,
+                                    min(room, self.max_model_len - 1), self.tokenizer)
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")   # vLLM's place for it in offline prompts
         params.verify_for_model(self.vocab_size)

@@ -84,7 +84,7 @@ class DraftHeads:
         if quant is None:
             head = Linear(self.config.hidden_size, n)
             head.weight = nn.Parameter(src.weight[:n].clone(), requires_grad=False)
-            self._plain_head = src.weight
+            self._plain_head = src.weight.detach()   # a view: packing that consumes the plain weight then spares it
         else:
             part = quant.segments[0]   # an output matrix or embedding table is one segment
             head = self._quantized_head(QuantizedWeight([replace(part, data=part.data[:n])]), src.weight.dtype)

@@ -14,6 +14,7 @@ the fused C++ stack (kvserve/model/fused.py) multiplies by; `rows(layer, ids)` w
 """
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
@@ -255,12 +256,13 @@ def prepack_weights(weights: list[torch.Tensor], onednn: bool = False,
         parts = [part.view(w.dtype) for part, w in
                  zip(kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16).split(sizes), weights)]
     packs: list[LinearMethod] = []
+    seen = collections.Counter(id(w) for w in weights)   # a weight two modules share is packed whole, not consumed
     for i in range(len(weights)):
         w = weights[i]
         if onednn:
             packs.append(OneDNNMethod(w.shape[0], _onednn_pack(w)))
         else:
-            kernels.pack_weight(lib, w, parts[i], consume=consume)
+            kernels.pack_weight(lib, w, parts[i], consume=consume and seen[id(w)] == 1)
             packs.append((PackedF16Method if w.dtype == torch.float16 else PackedBf16Method)(w.shape[0], parts[i],
                                                                                                lib))
         del w

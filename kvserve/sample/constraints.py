@@ -30,16 +30,33 @@ def banned_by_bad_words(sequences: list[list[int]], output_token_ids: list[int])
     return banned
 
 
-def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """The prompt's last `keep` tokens (-1: max_model_len of them; None: all)."""
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int, room: int, tokenizer) -> list[int]:
+    """The prompt cut to `keep` tokens from its end (None: all; -1: as many as leave `room` tokens of the context
+    for the output, max_model_len - room), keeping the special tokens its tokenizer puts first (BOS, [CLS]) where
+    the prompt starts with them, as a tokenizer truncating from the left does."""
     if keep is None:
         return token_ids
     if keep == -1:
-        keep = max_model_len
+        keep = max_model_len - room
     if keep > max_model_len:
         raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is more than max_model_len ({max_model_len})",
                                   "truncate_prompt_tokens")
-    return token_ids[-keep:]
+    if len(token_ids) <= keep:
+        return token_ids
+    head = leading_special_tokens(tokenizer)
+    if not head or token_ids[:len(head)] != head or keep <= len(head):
+        return token_ids[-keep:]
+    return head + token_ids[len(token_ids) - (keep - len(head)):]
+
+
+def leading_special_tokens(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before a text (BOS, [CLS]; none for many)."""
+    with_special = tokenizer.encode("a", add_special_tokens=True)
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    if not plain:
+        return []
+    at = next((i for i in range(len(with_special)) if with_special[i:i + len(plain)] == plain), 0)
+    return with_special[:at]
 
 
 def check_allowed_tokens(params: SamplingParams, eos_token_ids: set[int]) -> None:

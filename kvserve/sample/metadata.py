@@ -158,8 +158,9 @@ def _banned(rows: list[SamplingRow], vocab_size: int, device) -> SparseLogits | 
             _check_ids(banned, vocab_size, "stop_token_ids")
         words = banned_by_bad_words(p.bad_words_token_ids, r.output_token_ids) - banned
         if words and p.allowed_token_ids is not None and set(p.allowed_token_ids) <= banned | words:
-            words = set()   # a bad word's last token, where the only tokens left to sample are such (refused at
-            #                 admission where that holds from the start: sample.constraints.check_allowed_tokens)
+            # the words of several tokens that would leave nothing to sample stay allowed this step (admission
+            # refuses a request that one-token words or min_tokens leave nothing: check_allowed_tokens)
+            words = banned_by_bad_words([s for s in p.bad_words_token_ids if len(s) == 1], []) - banned
         flat_ids += [i * vocab_size + t for t in sorted(banned | {t for t in words if t < vocab_size})]
     if not flat_ids:
         return None
@@ -175,13 +176,16 @@ class AllowedTokens:
 
 
 def _allowed(rows: list[SamplingRow], vocab_size: int, device) -> AllowedTokens:
+    """The rows' masks, built where the logits are from their ids alone (no [R, V] copy from the host)."""
     which = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
-    keep = np.zeros((len(which), vocab_size), dtype=bool)
+    flat = []
     for j, i in enumerate(which):
         ids = rows[i].params.allowed_token_ids
         _check_ids(ids, vocab_size, "allowed_token_ids")
-        keep[j, ids] = True
-    return AllowedTokens(_tensor(which, torch.long, device), to_device(keep, torch.bool, device))
+        flat += [j * vocab_size + t for t in ids]
+    keep = torch.zeros(len(which) * vocab_size, dtype=torch.bool, device=device)
+    keep[_tensor(flat, torch.long, device)] = True
+    return AllowedTokens(_tensor(which, torch.long, device), keep.view(len(which), vocab_size))
 
 
 def _penalties(rows: list[SamplingRow], vocab_size: int, device) -> PenaltyTensors | None:

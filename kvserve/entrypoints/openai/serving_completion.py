@@ -82,9 +82,9 @@ class _CompletionView:
                 text = "".join(st.text)
                 logprobs = None
                 if self.req.echo:
-                    text = self._prompt_text(i) + text
+                    text = self._prompt_text(i, last[i]) + text
                 if self.req.logprobs is not None:
-                    logprobs = self._logprobs(i, st.token_ids, st.logprobs, prompt_lps[i], 0)
+                    logprobs = self._logprobs(i, st.token_ids, st.logprobs, prompt_lps[i], 0, last[i])
                 choices.append(CompletionChoice(index=i * n + j, text=text, logprobs=logprobs,
                                                 finish_reason=st.finish_reason, stop_reason=st.stop_reason))
         num_completion = sum(len(st.token_ids) for per_prompt in states for st in per_prompt)
@@ -111,10 +111,11 @@ class _CompletionView:
                     first = index not in offsets
                     text, logprobs = o.text, None
                     if first and self.req.echo:
-                        text = self._prompt_text(i) + text
+                        text = self._prompt_text(i, out) + text
                     if self.req.logprobs is not None:
                         prompt_lps = out.prompt_logprobs if first else None
-                        logprobs = self._logprobs(i, o.token_ids, o.logprobs or [], prompt_lps, offsets.get(index, 0))
+                        logprobs = self._logprobs(i, o.token_ids, o.logprobs or [], prompt_lps, offsets.get(index, 0),
+                                                  out)
                         offsets[index] = _end_offset(logprobs, offsets.get(index, 0))
                     else:
                         offsets.setdefault(index, 0)
@@ -136,19 +137,24 @@ class _CompletionView:
             chunk.usage = usage_info
         return chunk
 
-    def _prompt_text(self, i: int) -> str:
-        p = self.prompts[i]
-        return p.text if p.text is not None else self.serving.tokenizer.decode(p.token_ids)
+    def _prompt_ids(self, i: int, out: RequestOutput | None) -> list[int]:
+        """The prompt's tokens as the engine ran them (truncate_prompt_tokens may have cut its start)."""
+        return out.prompt_token_ids if out is not None and out.prompt_token_ids is not None else \
+            self.prompts[i].token_ids
+
+    def _prompt_text(self, i: int, out: RequestOutput | None) -> str:
+        p, ids = self.prompts[i], self._prompt_ids(i, out)
+        return p.text if p.text is not None and ids == p.token_ids else self.serving.tokenizer.decode(ids)
 
     def _logprobs(self, i: int, token_ids: list[int], logprobs: list[dict[int, Logprob]], prompt_lps,
-                  offset: int) -> CompletionLogProbs:
+                  offset: int, request_output: RequestOutput | None) -> CompletionLogProbs:
         """OpenAI's completion logprobs; with echo, the prompt's tokens come first (the first has none)."""
         # every field set explicitly: streamed chunks are dumped with exclude_unset
         out = CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
         k = self.req.logprobs
         pairs = list(zip(token_ids, logprobs))
         if self.req.echo and prompt_lps is not None:
-            pairs = list(zip(self.prompts[i].token_ids, prompt_lps)) + pairs
+            pairs = list(zip(self._prompt_ids(i, request_output), prompt_lps)) + pairs
         for tid, position in pairs:
             chosen = (position or {}).get(tid)
             token = chosen.decoded_token if chosen and chosen.decoded_token is not None else \

@@ -135,7 +135,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None   # constrained decoding (docs/structured_outputs.md)
     allowed_token_ids: list[int] | None = None   # sample only among these tokens
     bad_words: list[str] | None = None   # never generate these words (the last token of each, once its others came)
-    truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens; -1: max_model_len of them
+    truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens; -1: all that leave max_tokens
     # filled by the engine, not by users
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
@@ -243,7 +243,7 @@ class SamplingParams:
             bad("bad_words must be a list of non-empty strings", "bad_words")
         k = self.truncate_prompt_tokens
         if k is not None and (not is_int(k) or (k < 1 and k != -1)):
-            bad(f"truncate_prompt_tokens must be a positive integer or -1 (max_model_len), got {k!r}",
+            bad(f"truncate_prompt_tokens must be a positive integer or -1 (as many as fit), got {k!r}",
                 "truncate_prompt_tokens")
 
     def verify_for_model(self, vocab_size: int) -> None:

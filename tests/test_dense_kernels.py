@@ -143,6 +143,29 @@ def test_a_consuming_pack_is_the_same_pack_and_hands_the_plain_weight_back(dtype
 
 
 @needs_kernels
+def test_a_weight_two_modules_share_is_packed_whole_and_a_torch_without_the_use_count_consumes_nothing(monkeypatch):
+    """Two Linears holding one Parameter: consuming it for the first pack would leave zeros for the second, so it is
+    packed whole; where torch lacks the storage use count, discard_pages hands nothing back."""
+    from kvserve import memory
+    from kvserve.model.layers import Linear, prepack_linears
+    if not kernels.load().kvserve_has_packed_matmul():
+        pytest.skip("no packed bf16 matmul here")
+    g = torch.Generator().manual_seed(5)
+    first, second = Linear(576, 4096).to(torch.bfloat16), Linear(576, 4096).to(torch.bfloat16)
+    first.weight.copy_(torch.randn(4096, 576, generator=g))
+    second.weight = first.weight
+    model = torch.nn.Sequential(first, second)
+    x = torch.randn(3, 576, generator=g).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x, first.weight)
+    assert prepack_linears(model, release=True)[0] == 2
+    assert torch.equal(first(x), second(x))
+    torch.testing.assert_close(first(x).float(), want.float(), atol=0.5, rtol=2e-2)   # bf16 rounding apart
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    w = torch.ones(1 << 20)
+    assert memory.discard_pages(w, 0, w.nbytes) == 0 and bool((w == 1).all())
+
+
+@needs_kernels
 def test_the_engines_prepack_hands_every_plain_weight_back_as_it_packs(tmp_path, monkeypatch):
     """A tied bf16 model's prepack (the engine's, release=True) consumes every weight it packs, the embedding table
     (the head's pack) included: the pages handed back come to the plain weights' bytes, less at most two partial

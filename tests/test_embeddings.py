@@ -4,6 +4,8 @@ batching, chunked prefill, preemption, prefix caching and generation requests in
 LLM.score; bad input refused."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,7 +52,7 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm):
     with pytest.raises(InvalidRequestError, match="dimensions"):
         llm.embed("x", PoolingParams(dimensions=385), use_tqdm=False)
     # truncate_prompt_tokens keeps [CLS] and the text's end, as the tokenizer truncating from the left does
-    tok = llm.get_tokenizer()
+    tok = copy.deepcopy(llm.get_tokenizer())
     tok.truncation_side = "left"
     cut = tok(SENTENCES[0], truncation=True, max_length=6)["input_ids"]
     assert len(cut) == 6 and cut[0] == tok.cls_token_id and cut[-1] == tok.sep_token_id

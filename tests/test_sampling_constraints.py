@@ -6,7 +6,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import InvalidRequestError
-from kvserve.sample.constraints import bad_words_token_ids, banned_by_bad_words
+from kvserve.sample.constraints import bad_words_token_ids, banned_by_bad_words, truncate_prompt
 
 PROMPT = "The capital of France is"
 
@@ -51,7 +51,7 @@ def test_bad_words_ban_a_words_last_token_once_its_others_came(llm):
                        for w in [tok.decode(base[i:i + n]).strip()] if w
                        for s in bad_words_token_ids([w], tok) if len(s) > 1 and found(s) is not None)
     seqs = bad_words_token_ids([word, "Paris"], tok)
-    at = found(multi) + len(multi) - 1
+    at = min(found(s) + len(s) - 1 for s in bad_words_token_ids([word], tok) if found(s) is not None)   # either way
     cut = greedy(llm, [PROMPT, PROMPT], bad_words=[word])
     assert cut[0] == cut[1] and cut[0][:at] == base[:at] and cut[0][at] != base[at]
     no_paris = greedy(llm, [PROMPT], bad_words=["Paris"])[0]
@@ -79,7 +79,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     whole = llm.generate([text], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
     assert whole.prompt_token_ids == ids
     # -1 on a prompt longer than the context: as much of its end as leaves max_tokens of room
-    long = llm.generate([{"prompt_token_ids": ids * 20}], SamplingParams(max_tokens=5, truncate_prompt_tokens=-1),
+    long = llm.generate([{"prompt_token_ids": ids * 20}],
+                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, truncate_prompt_tokens=-1),
                         use_tqdm=False)[0]
     assert long.prompt_token_ids == (ids * 20)[-251:] and len(long.outputs[0].token_ids) == 5
     with pytest.raises(InvalidRequestError, match="max_model_len") as e:
@@ -112,3 +113,30 @@ def test_requests_that_leave_nothing_to_sample_are_refused_and_the_engine_goes_o
             llm.generate([PROMPT], params, use_tqdm=False)
         assert e.value.param == "allowed_token_ids"
     assert greedy(llm, [PROMPT])[0] == greedy(llm, [PROMPT])[0]
+
+
+class _BosTokenizer:
+    """A tokenizer that puts BOS (1) first: one token per character, 'a' -> 97."""
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+
+def test_truncation_keeps_a_leading_bos():
+    tok, ids = _BosTokenizer(), [1, 10, 11, 12, 13, 14]
+    assert truncate_prompt(ids, 3, 100, 1, tok) == [1, 13, 14]
+    assert truncate_prompt(ids[1:], 3, 100, 1, tok) == [12, 13, 14]   # token ids without BOS: a plain cut
+    assert truncate_prompt(ids, 1, 100, 1, tok) == [14]               # no room beside BOS: a plain cut
+    assert truncate_prompt(ids, 6, 100, 1, tok) == ids and truncate_prompt(ids, None, 100, 1, tok) == ids
+    assert truncate_prompt(ids * 10, -1, 20, 4, tok) == [1] + (ids * 10)[-15:]   # max_model_len - room
+
+
+def test_a_multi_token_bad_word_yields_where_it_would_leave_nothing_allowed():
+    """Allowed {5, 6}, a one-token bad word 6: after [3], the two-token word [3, 5] would ban the last allowed
+    token, so it yields for that step; the one-token word stays banned."""
+    from kvserve.sample.metadata import SamplingMetadata, SamplingRow
+    params = SamplingParams(temperature=0, allowed_token_ids=[5, 6])
+    params.bad_words_token_ids = [[6], [3, 5], [4, 7]]
+    rows = [SamplingRow(params, [9], [3]), SamplingRow(params, [9], [4])]
+    meta = SamplingMetadata.build(rows, 10, "cpu")
+    assert sorted(meta.banned.flat_ids.tolist()) == [6, 10 + 6, 10 + 7]

@@ -1,6 +1,8 @@
 """GGUF checkpoints: metadata -> ModelConfig, and dequantized tensors under HF names in HF layout."""
 from __future__ import annotations
 
+import collections
+
 import functools
 import mmap
 import os
@@ -263,14 +265,22 @@ class _PagesBehind:
     page a consumer still holds (a fused projection's earlier shards wait for its last) just faults back in from
     the page cache when read."""
 
-    LAG = 64 << 20   # bytes kept mapped behind the tensor being read: a layer's fused shards, as a rule
+    LAG = 64 << 20      # the most bytes kept mapped behind the tensor being read
+    MIN_LAG = 4 << 20
 
     def __init__(self, reader):
         self.mmap = getattr(getattr(reader, "mapping", None), "_mmap", None)
         self.done = 0
+        # two layers' tensors: a layer's fused shards (q, k, v; gate, up) are read before its module is built
+        layers = collections.Counter()
+        for t in reader.tensors:
+            m = _BLOCK_RE.match(t.name)
+            if m:
+                layers[m.group(1)] += int(t.n_bytes)
+        self.lag = min(self.LAG, max(self.MIN_LAG, 2 * max(layers.values(), default=0)))
 
     def release(self, offset: int) -> None:
-        end = (offset - self.LAG) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = (offset - self.lag) // mmap.PAGESIZE * mmap.PAGESIZE
         if self.mmap is None or end <= self.done:
             return
         try:

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from kvserve.attention import fp8, kv_layout
 from kvserve import memory
+from kvserve.attention import fp8, kv_layout
 
 logger = logging.getLogger("kvserve")
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import collections
-
 import functools
 import mmap
 import os

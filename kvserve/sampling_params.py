@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import numpy as np
+
 from kvserve.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
@@ -139,6 +141,7 @@ class SamplingParams:
     # filled by the engine, not by users
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    allowed_ids: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)   # sorted, unique
 
     def __post_init__(self):
         self._verify_numbers()
@@ -165,6 +168,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self._verify()
+        if self.allowed_token_ids is not None:   # built once: each step's mask takes it as it is
+            self.allowed_ids = np.unique(np.asarray(self.allowed_token_ids, dtype=np.int64))
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         for name in ("allowed_token_ids", "bad_words"):   # a ban could leave a grammar's only token forbidden
             if self.structured_outputs is not None and getattr(self, name):

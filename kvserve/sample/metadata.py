@@ -103,8 +103,7 @@ class SamplingMetadata:
             logit_bias=_logit_bias(rows, vocab_size, device) if any(p.logit_bias for p in params) else None,
             banned=(_banned(rows, vocab_size, device) if any(p.min_tokens or p.bad_words_token_ids for p in params)
                     else None),
-            allowed=(_allowed(rows, vocab_size, device) if any(p.allowed_token_ids is not None for p in params)
-                     else None),
+            allowed=_allowed(rows, vocab_size, device) if any(p.allowed_ids is not None for p in params) else None,
             penalties=_penalties(rows, vocab_size, device),
             max_num_logprobs=_max_num_logprobs(rows, vocab_size),
         )
@@ -176,15 +175,17 @@ class AllowedTokens:
 
 
 def _allowed(rows: list[SamplingRow], vocab_size: int, device) -> AllowedTokens:
-    """The rows' masks, built where the logits are from their ids alone (no [R, V] copy from the host)."""
-    which = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
-    flat = []
+    """The rows' masks, built where the logits are from their ids alone (no [R, V] copy from the host), from the
+    arrays their params built once (SamplingParams.allowed_ids)."""
+    which = [i for i, r in enumerate(rows) if r.params.allowed_ids is not None]
+    parts = []
     for j, i in enumerate(which):
-        ids = rows[i].params.allowed_token_ids
-        _check_ids(ids, vocab_size, "allowed_token_ids")
-        flat += [j * vocab_size + t for t in ids]
+        ids = rows[i].params.allowed_ids
+        if ids[0] < 0 or ids[-1] >= vocab_size:
+            _check_ids([int(ids[0]), int(ids[-1])], vocab_size, "allowed_token_ids")
+        parts.append(ids + j * vocab_size)
     keep = torch.zeros(len(which) * vocab_size, dtype=torch.bool, device=device)
-    keep[_tensor(flat, torch.long, device)] = True
+    keep[to_device(np.concatenate(parts), torch.long, device)] = True
     return AllowedTokens(_tensor(which, torch.long, device), keep.view(len(which), vocab_size))
 
 

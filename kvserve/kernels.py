@@ -446,8 +446,8 @@ def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor, out: torch.Tensor, consu
     n, k = weight.shape
     w = weight.contiguous()
     pack = lib.kvserve_gemv_pack_f16 if w.dtype == torch.float16 else lib.kvserve_gemv_pack
-    step = max(16, _CONSUME_BYTES // (k * w.element_size()) // 16 * 16) if consume else n
     row_bytes, done = k * w.element_size(), 0
+    step = max(16, _CONSUME_BYTES // row_bytes // 16 * 16) if consume else n
     for r in range(0, n, step):
         rows = min(step, n - r)
         pack(w[r:].data_ptr(), rows, k, out[r * k:].data_ptr())

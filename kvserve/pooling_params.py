@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequestError
+from kvserve.sampling_params import check_truncate_prompt_tokens
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
@@ -29,7 +30,4 @@ class PoolingParams:
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= hidden_size):
             raise InvalidRequestError(f"dimensions must be an integer in [1, {hidden_size}] (this model's embedding "
                                       f"size), got {d!r}", "dimensions")
-        k = self.truncate_prompt_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
-            raise InvalidRequestError(f"truncate_prompt_tokens must be a positive integer or -1 (max_model_len), "
-                                      f"got {k!r}", "truncate_prompt_tokens")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)

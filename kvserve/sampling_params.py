@@ -246,10 +246,7 @@ class SamplingParams:
             bad("allowed_token_ids must be a non-empty list of non-negative integers", "allowed_token_ids")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             bad("bad_words must be a list of non-empty strings", "bad_words")
-        k = self.truncate_prompt_tokens
-        if k is not None and (not is_int(k) or (k < 1 and k != -1)):
-            bad(f"truncate_prompt_tokens must be a positive integer or -1 (as many as fit), got {k!r}",
-                "truncate_prompt_tokens")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
     def verify_for_model(self, vocab_size: int) -> None:
         """Checks that need the model: token ids in range."""
@@ -259,6 +256,13 @@ class SamplingParams:
                 if not 0 <= t < vocab_size:
                     raise InvalidRequestError(f"{name} has token id {t} outside the vocabulary [0, {vocab_size})",
                                               name)
+
+
+def check_truncate_prompt_tokens(k) -> None:
+    """truncate_prompt_tokens (SamplingParams', PoolingParams'): None, a positive integer, or -1 (as many as fit)."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
+        raise InvalidRequestError(f"truncate_prompt_tokens must be a positive integer or -1 (as many as fit), got "
+                                  f"{k!r}", "truncate_prompt_tokens")
 
 
 def is_finite_number(v) -> bool:

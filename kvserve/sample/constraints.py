@@ -64,7 +64,7 @@ def check_allowed_tokens(params: SamplingParams, eos_token_ids: set[int]) -> Non
     them, has nothing to sample: refused."""
     if params.allowed_token_ids is None:
         return
-    usable = set(params.allowed_token_ids) - {s[0] for s in params.bad_words_token_ids if len(s) == 1}
+    usable = set(params.allowed_token_ids) - banned_by_bad_words(params.bad_words_token_ids, [])   # one-token words
     if params.min_tokens:
         usable -= set(eos_token_ids) | params.all_stop_token_ids
     if not usable:

@@ -159,7 +159,7 @@ def _banned(rows: list[SamplingRow], vocab_size: int, device) -> SparseLogits | 
         if words and p.allowed_token_ids is not None and set(p.allowed_token_ids) <= banned | words:
             # the words of several tokens that would leave nothing to sample stay allowed this step (admission
             # refuses a request that one-token words or min_tokens leave nothing: check_allowed_tokens)
-            words = banned_by_bad_words([s for s in p.bad_words_token_ids if len(s) == 1], []) - banned
+            words = banned_by_bad_words(p.bad_words_token_ids, []) - banned   # the one-token words
         flat_ids += [i * vocab_size + t for t in sorted(banned | {t for t in words if t < vocab_size})]
     if not flat_ids:
         return None
@@ -181,8 +181,7 @@ def _allowed(rows: list[SamplingRow], vocab_size: int, device) -> AllowedTokens:
     parts = []
     for j, i in enumerate(which):
         ids = rows[i].params.allowed_ids
-        if ids[0] < 0 or ids[-1] >= vocab_size:
-            _check_ids([int(ids[0]), int(ids[-1])], vocab_size, "allowed_token_ids")
+        _check_ids((int(ids[0]), int(ids[-1])), vocab_size, "allowed_token_ids")   # sorted: its ends suffice
         parts.append(ids + j * vocab_size)
     keep = torch.zeros(len(which) * vocab_size, dtype=torch.bool, device=device)
     keep[to_device(np.concatenate(parts), torch.long, device)] = True

@@ -146,9 +146,9 @@ MIXED = [PREFIX + p for p in ("Describe a person as JSON.", "The capital of Fran
 
 def mixed_params(**extra):
     so = constrained(json=PERSON, disable_any_whitespace=True)
-    return [SamplingParams(temperature=0, max_tokens=60, structured_outputs=so, **extra),
+    return [SamplingParams(temperature=0, max_tokens=36, structured_outputs=so, **extra),
             SamplingParams(temperature=0, max_tokens=24),
-            SamplingParams(temperature=0, max_tokens=60, structured_outputs=so, **extra),
+            SamplingParams(temperature=0, max_tokens=36, structured_outputs=so, **extra),
             SamplingParams(temperature=0, max_tokens=24)]
 
 
@@ -183,8 +183,10 @@ def test_batched_requests_equal_each_alone(llm, mixed_reference):
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                                          "prompt_lookup_max": 3}], ids=["plain", "ngram"])
 def test_chunked_prefill_preemption_prefix_caching_and_speculation(spec, mixed_reference_block8):
-    # a 32-token budget chunks the later prompts and runs all four at once, so 10 blocks must preempt one
-    stress = LLM(dtype="float32", max_num_batched_tokens=32, num_kv_blocks=10, block_size=8, max_num_seqs=4,
+    # a 32-token budget chunks the later prompts and runs all four at once (about 120 tokens together, their
+    # shared first block once), so 7 blocks (56 tokens, the longest request's room) must preempt, whether the grammar
+    # is compiled by the first step or later (its requests then wait, and the others run first)
+    stress = LLM(dtype="float32", max_num_batched_tokens=32, num_kv_blocks=7, block_size=8, max_num_seqs=4,
                  speculative_config=spec)
     sched = stress.llm_engine.scheduler
     assert run_mixed(stress) + run_mixed(stress) == mixed_reference_block8 + mixed_reference_block8

@@ -346,7 +346,7 @@ def bench_model(name: str, root: Path, tokenizer: str, bandwidth: float) -> dict
     engine.async_scheduling = not engine.async_scheduling   # the same engine, the other way of stepping
     row.update(decode_figures(llm, vocab, wb, kvb, bandwidth, "graphs_other_scheduling"))
     llm.llm_engine.shutdown()
-    del llm
+    del llm, engine, graphs   # every reference to the engine (graphs holds the model): its memory goes back
     empty_cache()
     eager = bench_kvserve(path, tokenizer, prompts, output_lens, w1=False, enforce_eager=True)["llm"]
     row.update(decode_figures(eager, vocab, wb, kvb, bandwidth, "eager"))

@@ -480,3 +480,15 @@ def test_quantized_modules_are_assembled_as_their_shards_arrive(tmp_path):
     with pytest.raises(ModelLoadError, match="appears twice"):
         build_model(cfg).load_weights(weights[:first_q + 1] + [q] + weights[first_q + 1:])
 
+
+
+def test_an_indexed_cuda_device_becomes_the_threads_current_one(monkeypatch):
+    """Triton launches, CUDA events and graph captures go to the calling thread's current device: an engine on
+    cuda:N makes it current (in its constructor's thread and in the server's engine thread); plain cuda and the CPU
+    leave it alone."""
+    from kvserve.model.loader import use_device
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    for device in ("cuda:1", "cuda", "cpu"):
+        use_device(torch.device(device))
+    assert calls == [torch.device("cuda", 1)]

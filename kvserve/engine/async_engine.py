@@ -27,6 +27,7 @@ from kvserve.core.scheduler_stats import SchedulerStats
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import EngineDeadError, InvalidRequestError, KVServeError, RequestFailedError
 from kvserve.metrics import EngineMetrics, StatLogger
+from kvserve.model.loader import use_device
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.structured_output.request import compile_timeout_error
@@ -278,6 +279,7 @@ class AsyncLLMEngine:
         try:
             if self.engine.num_threads is not None:   # thread counts are per OS thread in OpenMP
                 torch.set_num_threads(self.engine.num_threads)
+            use_device(self.engine.device)   # as is the current CUDA device
             while not self._stop:
                 self._run_commands()
                 if not self.engine.has_unfinished_requests():

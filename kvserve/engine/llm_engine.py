@@ -27,6 +27,7 @@ from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVSe
 from kvserve.lora import LoRARequest
 from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
+from kvserve.model.loader import use_device
 from kvserve.model.loader import load_model_config, model_dtype
 from kvserve.model.registry import get_model_class
 from kvserve.outputs import RequestOutput
@@ -50,6 +51,7 @@ class LLMEngine(StepLoop):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        use_device(self.device)
         t0 = time.perf_counter()
         if config.tensor_parallel_size > 1 or config.enable_lora or config.speculative_config:
             _refuse_for_encoders(config)

@@ -101,6 +101,13 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+def use_device(device: torch.device) -> None:
+    """Make an indexed CUDA device (cuda:N) the calling thread's current one (a thread starts on device 0): Triton
+    launches, CUDA events and graph captures go to the current device's stream, not to the tensors' device."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX), where bf16 beats float32."""
     if "AMX" in torch.backends.cpu.get_cpu_capability():

@@ -172,12 +172,16 @@ class KVCacheSetup:
         """Run one forward over a full token budget, then give the KV cache what utilization leaves."""
         bs = config.block_size
         bind_kv_cache(self.model, cdiv(num_tokens, bs), bs, dtype, self.device, self.attention_backend)
+        # the step's own peak: not the process's since it started (an engine before this one, the caller's tensors)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
         sampled = self.profile_step(config, num_tokens)
         torch.cuda.synchronize(self.device)
+        peak_activations = torch.cuda.max_memory_allocated(self.device) - before
         bind_kv_cache(self.model, 0, bs, dtype, self.device, self.attention_backend)   # drop the profiling cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
         budget = int(total * config.gpu_memory_utilization - (total - free) - peak_activations)
         if budget <= 0:
             raise InvalidRequestError(

@@ -20,12 +20,13 @@ def kv_pools(models) -> list[torch.Tensor]:
 
 
 class HostTierStorage:
-    """num_slots blocks of every pool in host memory (pinned where the pools are on a GPU)."""
+    """num_slots blocks of every pool in host memory. Pageable, also where the pools are on a GPU: the copies go
+    through the gathered blocks (index_select), never straight from these buffers, and torch's pinned allocator would
+    round each buffer up to a power of two of page-locked memory."""
 
     def __init__(self, pools: list[torch.Tensor], num_slots: int):
         self.pools = pools
-        pin = bool(pools) and pools[0].is_cuda
-        self.slots = [torch.empty((num_slots, p.shape[1]), dtype=torch.uint8, pin_memory=pin) for p in pools]
+        self.slots = [torch.empty((num_slots, p.shape[1]), dtype=torch.uint8) for p in pools]
 
     @staticmethod
     def bytes_per_slot(pools: list[torch.Tensor]) -> int:

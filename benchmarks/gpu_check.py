@@ -237,9 +237,32 @@ def replay_probe(llm, size: int, into: dict, key: str, times: int = 20):
             end.record()
             sync()
             into[key] = round(start.elapsed_time(end) / times, 3)
+            into[f"{key}_kernels"] = graph_kernels(graph)
         except Exception as e:   # a diagnostic: the step's own figures stand without it
             into[key] = f"failed: {type(e).__name__}: {e}"[:120]
     return probe
+
+
+def graph_kernels(graph, replays: int = 5, top: int = 16) -> list[dict]:
+    """What one replay of a captured graph runs on the device (torch.profiler's CUDA activity, which records the
+    kernels of graph replays): each kernel's launches and microseconds per replay, the longest first, and their sum:
+    which kernels a step's forward spends its time in, and how many there are."""
+    from torch.profiler import ProfilerActivity, profile
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        sync()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "launches": round(e.count / replays, 2), "us": round(us / replays, 1)})
+    rows.sort(key=lambda r: -r["us"])
+    total = {"kernel": "(all)", "launches": round(sum(r["launches"] for r in rows), 1),
+             "us": round(sum(r["us"] for r in rows), 1)}
+    return [total] + rows[:top]
 
 
 def weight_bytes(llm) -> int:

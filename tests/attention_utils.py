@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.attention import build_attention_metadata
+from kvserve.attention import build_attention_metadata, kv_layout
 
 
 def random_batch(seed: int, num_seqs: int, block_size: int, heads: int, kv_heads: int, head_dim: int,
@@ -34,3 +34,30 @@ def random_batch(seed: int, num_seqs: int, block_size: int, heads: int, kv_heads
     v = torch.randn(t, kv_heads * head_dim, generator=g).to(dtype)
     meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
     return q, k, v, k_cache, v_cache, meta
+
+
+def to_tiled(k_cache: torch.Tensor, v_cache: torch.Tensor, fill: float = 0.0):
+    """Standard-layout pools rewritten in the kernel's tiled layout (every slot copied)."""
+    num_blocks, bs, hkv, d = k_cache.shape
+    k_shape, v_shape = kv_layout.cache_shapes(num_blocks, bs, hkv, d, tiled=True)
+    kt, vt = torch.full(k_shape, fill, dtype=k_cache.dtype), torch.full(v_shape, fill, dtype=v_cache.dtype)
+    kv_layout.write_slots(kt, vt, torch.arange(num_blocks * bs), k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d))
+    return kt, vt
+
+
+def to_standard(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    bs, hkv, d = kv_layout.geometry(k_cache)
+    k, v = kv_layout.read_slots(k_cache, v_cache, torch.arange(k_cache.shape[0] * bs))
+    return k.view(-1, bs, hkv, d), v.view(-1, bs, hkv, d)
+
+
+def run(backend, batch, heads: int, upcast: bool = False, tiled: bool = False, window: int | None = None,
+        softcap: float | None = None):
+    """(output, K pool, V pool) of one step; tiled runs on the kernel layout and returns the pools as standard."""
+    q, k, v, k_cache, v_cache, meta = batch
+    if upcast:
+        q, k, v, k_cache, v_cache = (x.float() for x in (q, k, v, k_cache, v_cache))
+    k_cache, v_cache = to_tiled(k_cache, v_cache) if tiled else (k_cache.clone(), v_cache.clone())
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, heads, (q.shape[1] // heads) ** -0.5,
+                          sliding_window=window, softcap=softcap)
+    return (out, *to_standard(k_cache, v_cache)) if tiled else (out, k_cache, v_cache)

@@ -4,7 +4,6 @@ builder equals a plain per-sequence loop. The dense linears and fused bf16 ops: 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -17,36 +16,9 @@ from kvserve import kernels
 from kvserve.attention import (CpuPagedAttention, TorchPagedAttention, build_attention_metadata, get_backend,
                                kv_layout)
 
-from attention_utils import random_batch  # noqa: E402
+from attention_utils import random_batch, run, to_standard, to_tiled  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler")
-
-
-def to_tiled(k_cache: torch.Tensor, v_cache: torch.Tensor, fill: float = 0.0):
-    """Standard-layout pools rewritten in the kernel's tiled layout (every slot copied)."""
-    num_blocks, bs, hkv, d = k_cache.shape
-    k_shape, v_shape = kv_layout.cache_shapes(num_blocks, bs, hkv, d, tiled=True)
-    kt, vt = torch.full(k_shape, fill, dtype=k_cache.dtype), torch.full(v_shape, fill, dtype=v_cache.dtype)
-    kv_layout.write_slots(kt, vt, torch.arange(num_blocks * bs), k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d))
-    return kt, vt
-
-
-def to_standard(k_cache: torch.Tensor, v_cache: torch.Tensor):
-    bs, hkv, d = kv_layout.geometry(k_cache)
-    k, v = kv_layout.read_slots(k_cache, v_cache, torch.arange(k_cache.shape[0] * bs))
-    return k.view(-1, bs, hkv, d), v.view(-1, bs, hkv, d)
-
-
-def run(backend, batch, heads: int, upcast: bool = False, tiled: bool = False, window: int | None = None,
-        softcap: float | None = None):
-    """(output, K pool, V pool) of one step; tiled runs on the kernel layout and returns the pools as standard."""
-    q, k, v, k_cache, v_cache, meta = batch
-    if upcast:
-        q, k, v, k_cache, v_cache = (x.float() for x in (q, k, v, k_cache, v_cache))
-    k_cache, v_cache = to_tiled(k_cache, v_cache) if tiled else (k_cache.clone(), v_cache.clone())
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, heads, (q.shape[1] // heads) ** -0.5,
-                          sliding_window=window, softcap=softcap)
-    return (out, *to_standard(k_cache, v_cache)) if tiled else (out, k_cache, v_cache)
 
 
 SHAPES = [  # heads, kv heads, head dim, block size

@@ -30,6 +30,48 @@ inline int64_t chunk_start(int64_t first, int64_t bs) {
   return first / step * step;
 }
 
+// Key segments: a row whose keys [first, limit] lie in more than one segment of SEG positions (one grid from
+// position 0, on the chunks' grid) runs its online softmax per segment and folds the segments' states in order
+// (fold_segment). Its result then does not depend on whether one work item takes all its segments, or each of
+// several items a run of them and stores each segment's state for a second pass to fold: a step of too few work
+// items for the threads (one sequence decoding, a model with one or two kv heads) splits its sequences' keys so
+// that every thread gets keys to read (flash-decoding). The AVX2 and bf16-tile kernels take them.
+constexpr int64_t SEG = 256;
+static_assert(SEG % KC == 0, "segments are whole chunks");
+inline bool spans_segments(int64_t first, int64_t limit) { return first / SEG != limit / SEG; }
+inline int64_t part_stride(int64_t D) { return D + 16; }
+// what a work item takes: keys [lo, hi) (whole segments); split: one run of a split sequence's segments, whose rows
+// that span segments store each segment's state (the unnormalized accumulator, then the running max and sum) at
+// part[((token * H + head) * nseg + segment) * part_stride(D)]
+struct Segments {
+  int64_t lo = 0, hi = INT64_MAX;
+  float* part = nullptr;
+  int64_t nseg = 1;
+  bool split() const { return part != nullptr; }
+  float* slot(int64_t token, int64_t head, int64_t H, int64_t segment, int64_t D) const {
+    return part + ((token * H + head) * nseg + segment) * part_stride(D);
+  }
+  bool owns(int64_t key) const { return lo <= key && key < hi; }   // a row within one segment: written by its item
+};
+// (A, M, L) <- the fold of a segment's state (a, m, l) into it: M' = max(M, m), A e^(M - M') + a e^(m - M') and
+// L likewise; an empty state (m = -inf) changes nothing. One compiled copy for every caller: an item folds its
+// segments as the second pass folds split items' states.
+__attribute__((noinline, noclone)) void fold_segment(float* A, float& M, float& L, const float* a, float m, float l,
+                                                     int64_t D) {
+  if (m == -INFINITY) return;
+  // one of the two factors is e^0 = 1 exactly: one exp (an empty A, M = -inf, takes e^-inf = 0)
+  const float e1 = M >= m ? 1.f : std::exp(M - m), e2 = M >= m ? std::exp(m - M) : 1.f;
+  for (int64_t d = 0; d < D; ++d) A[d] = std::fma(a[d], e2, A[d] * e1);
+  L = std::fma(l, e2, L * e1);
+  M = std::max(M, m);
+}
+// a segment's state into its slot of a split sequence's states
+inline void store_part(float* slot, const float* a, float m, float l, int64_t D) {
+  std::copy(a, a + D, slot);
+  slot[D] = m;
+  slot[D + 1] = l;
+}
+
 // One query row's online-softmax step over the chunk's keys kf / vf [0, nv) (float32): scores, exps, and P @ V
 // into its accumulator a, with its running max m and sum l.
 inline void row_update(const float* qr, float* a, float& m, float& l, const float (*kf)[MAX_D],
@@ -208,13 +250,24 @@ inline void softmax_chunk(float* s, int64_t lo, int64_t nv, float& m, float& l, 
 // The next chunk's K and V rows are prefetched into L2 while this chunk's scores are computed: a sequence's blocks
 // lie anywhere in the pool, so no hardware prefetcher can tell where its next rows are.
 // KV: the query's type, or an FP8 format (F16C), whose K scale is folded into the queries, V's into the output.
+// a row's output from its accumulator (in load16_halves' order of dims) and sum
+template <typename T, typename KV>
+void store_row_avx2(T* dst, const float* acc, float l, float v_scale, int64_t D) {
+  const float inv = v_scale * kFp8Unit<KV> / l;
+  for (int64_t d = 0; d < D; d += 16)
+    for (int k = 0; k < 16; ++k) store(dst, d + k, acc[d + unpermute16<KV>(k)] * inv);
+}
+
 template <typename T, typename KV>
 void attend_item_avx2(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out, const int32_t* table,
                       int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt, int64_t g, int64_t H,
                       int64_t Hkv, int64_t D, int64_t bs, float scale, float k_scale, float v_scale, int64_t window,
-                      float softcap) {
+                      float softcap, const Segments& sg) {
   const int64_t G = H / Hkv, R = nt * G, n16 = D / 16;
   alignas(32) float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D];
+  alignas(32) float folded[MAX_ROWS][MAX_D];   // rows that span segments: their earlier segments, folded
+  float fm[MAX_ROWS], fl[MAX_ROWS];
+  bool multi[MAX_ROWS];
   alignas(32) float s[MAX_ROWS][KC];
   alignas(32) static const KV zero_row[MAX_D] = {};   // the keys past a chunk's end, up to a multiple of 4
   const KV* kr[KC];
@@ -231,8 +284,11 @@ void attend_item_avx2(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;   // causal: the last key position this token sees
     first[r] = window_first(limit[r], window);
+    multi[r] = spans_segments(first[r], limit[r]);
+    fm[r] = -INFINITY; fl[r] = 0.f;
+    if (multi[r] && !sg.split()) std::fill(folded[r], folded[r] + D, 0.f);
   }
-  const int64_t end = limit[R - 1] + 1;
+  const int64_t end = std::min(limit[R - 1] + 1, sg.hi), start = std::max(chunk_start(first[0], bs), sg.lo);
   const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row, row_bytes = D * int64_t(sizeof(KV));
   const auto rows_of = [&](int64_t p, int64_t n, const KV** k, const KV** v) {   // chunk p's rows, block by block
     for (int64_t j = 0; j < n;) {
@@ -244,9 +300,19 @@ void attend_item_avx2(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out
       }
     }
   };
-  int64_t p = chunk_start(first[0], bs);
+  int64_t p = start;
   if (p < end) rows_of(p, std::min<int64_t>(KC, end - p), nk, nvr);
   for (; p < end; p += KC) {
+    if (p % SEG == 0 && p > start)   // a segment ends: its state folded (or stored), the next starts afresh
+      for (int64_t r = 0; r < R; ++r) {
+        if (!multi[r]) continue;
+        if (sg.split())
+          store_part(sg.slot(t0 + r / G, g * G + r % G, H, p / SEG - 1, D), acc[r], m[r], l[r], D);
+        else
+          fold_segment(folded[r], fm[r], fl[r], acc[r], m[r], l[r], D);
+        for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[r] + d, _mm256_setzero_ps());
+        m[r] = -INFINITY; l[r] = 0.f;
+      }
     const int64_t n = std::min<int64_t>(KC, end - p), n4 = (n + 3) & ~int64_t(3);
     std::copy(nk, nk + n, kr);
     std::copy(nvr, nvr + n, vr);
@@ -310,9 +376,14 @@ void attend_item_avx2(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / G, h = g * G + r % G;
     T* dst = out + ((q_row0 + t) * H + h) * D;
-    const float inv = v_scale * kFp8Unit<KV> / l[r];
-    for (int64_t d = 0; d < D; d += 16)
-      for (int k = 0; k < 16; ++k) store(dst, d + k, acc[r][d + unpermute16<KV>(k)] * inv);
+    if (!multi[r]) {   // a split item writes the rows within its segments
+      if (!sg.split() || sg.owns(first[r])) store_row_avx2<T, KV>(dst, acc[r], l[r], v_scale, D);
+    } else if (sg.split()) {
+      if (start < end) store_part(sg.slot(t, h, H, (end - 1) / SEG, D), acc[r], m[r], l[r], D);
+    } else {
+      fold_segment(folded[r], fm[r], fl[r], acc[r], m[r], l[r], D);
+      store_row_avx2<T, KV>(dst, folded[r], fl[r], v_scale, D);
+    }
   }
 }
 #endif
@@ -632,14 +703,26 @@ inline void softmax_row(__m512 s0, __m512 s1, int64_t lo, int64_t nv, float scal
 // One work item over the kernel layout: sequence b, kv heads [g0, g0 + ng), query tokens [t0, t0 + nt). Rows are
 // kv-head-major (kv head, token, q head of that kv head), so each kv head's rows are one range whose causal
 // limits grow.
+// a row's output from its accumulator and sum
+inline void store_row_tiled(uint16_t* dst, const float* acc, float l, int64_t D) {
+  const __m512 inv = _mm512_set1_ps(1.f / l);
+  for (int64_t d = 0; d < D; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + d), inv)));
+}
+
 void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, uint16_t* out,
                        const int32_t* table, int64_t ctx_len, int64_t q_len, int64_t q_row0, int64_t t0, int64_t nt,
                        int64_t g0, int64_t ng, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale,
-                       int64_t window, float softcap) {
+                       int64_t window, float softcap, const Segments& sg) {
   const int64_t G = H / Hkv, RH = nt * G, R = ng * RH;   // RH: rows per kv head
   const int nd2 = int(D / 2), nseg = int(D / 16);
   const int64_t tile = 16 * D;   // elements of one K (or V) tile
   alignas(64) float acc[MAX_ROWS * MAX_D];
+  alignas(64) float folded[MAX_ROWS * MAX_D];   // rows that span segments: their earlier segments, folded
+  float fm[MAX_ROWS], fl[MAX_ROWS];
+  bool multi[MAX_ROWS];
+  int64_t tok[MAX_ROWS], head[MAX_ROWS];
   alignas(64) int32_t pp[MAX_ROWS][16];
   alignas(64) __m512i vlast[MAX_D / 16];   // a last key pair whose second key lies past the end, that key zeroed
   float m[MAX_ROWS], l[MAX_ROWS], corr[MAX_ROWS];
@@ -649,6 +732,8 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
   int64_t limit[MAX_ROWS], first[MAX_ROWS], hrow[MAX_ROWS];
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + (r % RH) / G, h = (g0 + r / RH) * G + r % G;
+    tok[r] = t;
+    head[r] = h;
     hrow[r] = (q_row0 + t) * H + h;
     qd[r] = reinterpret_cast<const int32_t*>(q + (q_row0 + t) * qs + h * D);
     ppr[r] = pp[r];
@@ -657,13 +742,26 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;
     first[r] = window_first(limit[r], window);
+    multi[r] = spans_segments(first[r], limit[r]);
+    fm[r] = -INFINITY; fl[r] = 0.f;
+    if (multi[r] && !sg.split()) std::memset(folded + r * D, 0, D * sizeof(float));
   }
-  const int64_t end = limit[RH - 1] + 1;
+  const int64_t end = std::min(limit[RH - 1] + 1, sg.hi), start = std::max(chunk_start(first[0], bs), sg.lo);
   // per kv head: rows before r0 have seen all their keys, rows from r1 on have not reached their first
   int64_t r0[MAX_ROWS], r1[MAX_ROWS];
   for (int64_t gi = 0; gi < ng; ++gi) r0[gi] = r1[gi] = gi * RH;
   static_assert(TCH == KC, "the tiled kernel's chunks are on chunk_start's grid");
-  for (int64_t p = chunk_start(first[0], bs); p < end; p += TCH) {
+  for (int64_t p = start; p < end; p += TCH) {
+    if (p % SEG == 0 && p > start)   // a segment ends: its state folded (or stored), the next starts afresh
+      for (int64_t r = 0; r < R; ++r) {
+        if (!multi[r]) continue;
+        if (sg.split())
+          store_part(sg.slot(tok[r], head[r], H, p / SEG - 1, D), accr[r], m[r], l[r], D);
+        else
+          fold_segment(folded + r * D, fm[r], fl[r], accr[r], m[r], l[r], D);
+        std::memset(accr[r], 0, D * sizeof(float));
+        m[r] = -INFINITY; l[r] = 0.f;
+      }
     const int64_t n = std::min<int64_t>(TCH, end - p);
     // the chunk's two groups; a second group past the end reuses the first (its keys are masked out)
     const int64_t base0 = tile_offset(table, p, bs, Hkv, D, g0);
@@ -724,10 +822,14 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
   }
   for (int64_t r = 0; r < R; ++r) {
     uint16_t* dst = out + hrow[r] * D;
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-    for (int64_t d = 0; d < D; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(accr[r] + d), inv)));
+    if (!multi[r]) {   // a split item writes the rows within its segments
+      if (!sg.split() || sg.owns(first[r])) store_row_tiled(dst, accr[r], l[r], D);
+    } else if (sg.split()) {
+      if (start < end) store_part(sg.slot(tok[r], head[r], H, (end - 1) / SEG, D), accr[r], m[r], l[r], D);
+    } else {
+      fold_segment(folded + r * D, fm[r], fl[r], accr[r], m[r], l[r], D);
+      store_row_tiled(dst, folded + r * D, fl[r], D);
+    }
   }
 }
 #endif
@@ -764,11 +866,12 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
   // for decodes; the AVX2 kernel always one. Both prefetch the next chunk's rows of the heads they take; for
   // decodes, one head per item ran faster than whole rows (benchmarks/attention_kernel.py).
   const bool many = B >= 4 * omp_get_max_threads();
-  std::vector<int64_t> first(B + 1, 0), ngs(B), tiles(B);   // first item, kv heads per item, tokens per item
+  // first item, kv heads per item, tokens per item, runs of key segments (items) per tile and kv heads
+  std::vector<int64_t> first(B + 1, 0), ngs(B), tiles(B), runs(B, 1);
   const auto count_items = [&] {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t q_len = query_start[b + 1] - query_start[b];
-      first[b + 1] = first[b] + ((q_len + tiles[b] - 1) / tiles[b]) * (Hkv / ngs[b]);
+      first[b + 1] = first[b] + ((q_len + tiles[b] - 1) / tiles[b]) * (Hkv / ngs[b]) * runs[b];
     }
   };
   for (int64_t b = 0; b < B; ++b) {
@@ -792,19 +895,45 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
     }
     count_items();
   }
+  // still fewer items than threads, or not shared evenly (a sequence or two decoding, 3 kv heads on 2 threads): the
+  // kernels that fold key segments cut each sequence's keys into runs of segments, about 2 items a thread, and a
+  // second pass folds the states of the rows that span segments
+  std::vector<int64_t> part_at(B, -1), segs(B, 1);   // a split sequence's states in `parts`, its segments
+  std::vector<float> parts;
+  if (first[B] > 0 && (first[B] < threads || (first[B] < 2 * threads && first[B] % threads)) && (tiled || avx2)) {
+    const int64_t pieces = (2 * threads + first[B] - 1) / first[B];
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      segs[b] = (seq_lens[b] + SEG - 1) / SEG;
+      if (segs[b] <= 1) continue;
+      runs[b] = std::min(segs[b], pieces);
+      part_at[b] = total;
+      total += (query_start[b + 1] - query_start[b]) * H * segs[b] * part_stride(D);
+    }
+    count_items();
+    parts.assign(total + 16, 0.f);   // (+16: room to align the states to 64 bytes)
+  }
+  float* parts0 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(parts.data()) + 63) & ~uintptr_t(63));
+  for (int64_t i = D; i + 16 < int64_t(parts.size()); i += part_stride(D)) parts0[i] = -INFINITY;   // all empty
   #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < first[B]; ++item) {
     const int64_t b = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
-    const int64_t rest = item - first[b], ng = ngs[b], tile = tiles[b], groups = Hkv / ng;
+    const int64_t ng = ngs[b], tile = tiles[b], groups = Hkv / ng;
+    const int64_t run = (item - first[b]) % runs[b], rest = (item - first[b]) / runs[b];
     const int64_t q_len = query_start[b + 1] - query_start[b];
     const int64_t tile_idx = rest / groups, g = (rest % groups) * ng;
     const int64_t t0 = tile_idx * tile, nt = std::min(tile, q_len - t0);
     const int32_t* table = block_tables + b * table_stride;
+    Segments sg;
+    if (runs[b] > 1) {   // segments [run n / runs, (run + 1) n / runs) of the sequence's n
+      const int64_t n = segs[b];
+      sg = Segments{run * n / runs[b] * SEG, (run + 1) * n / runs[b] * SEG, parts0 + part_at[b], n};
+    }
 #ifdef KV_HAVE_BF16_TILE
     if constexpr (std::is_same<T, uint16_t>::value && std::is_same<KV, uint16_t>::value) {
       if (tiled) {
         attend_item_tiled(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, ng, H, Hkv, D,
-                          bs, scale, window, softcap);
+                          bs, scale, window, softcap, sg);
         continue;
       }
     }
@@ -822,13 +951,42 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
     if constexpr (std::is_same<T, KV>::value || kAvx2Kv<KV>) {
       if (avx2) {
         attend_item_avx2<T, KV>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D,
-                                bs, scale, k_scale, v_scale, window, softcap);
+                                bs, scale, k_scale, v_scale, window, softcap, sg);
         continue;
       }
     }
 #endif
     attend_item<T, KV>(q, qs, kc, vc, out, table, seq_lens[b], q_len, query_start[b], t0, nt, g, H, Hkv, D, bs, scale,
                        k_scale, v_scale, window, softcap);
+  }
+  // split sequences: each row that spans segments folds its segments' states in order, as an unsplit item would
+  for (int64_t b = 0; b < B; ++b) {
+    if (part_at[b] < 0) continue;
+    const int64_t q_len = query_start[b + 1] - query_start[b];
+    #pragma omp parallel for schedule(static) if (q_len * H >= 16)
+    for (int64_t row = 0; row < q_len * H; ++row) {
+      const int64_t t = row / H, limit = seq_lens[b] - q_len + t, f = window_first(limit, window);
+      if (!spans_segments(f, limit)) continue;
+      alignas(64) float acc[MAX_D] = {};
+      float m = -INFINITY, l = 0.f;
+      const float* slot = parts0 + part_at[b] + row * segs[b] * part_stride(D);
+      for (int64_t sgi = f / SEG; sgi <= limit / SEG; ++sgi) {
+        const float* st = slot + sgi * part_stride(D);
+        fold_segment(acc, m, l, st, st[D], st[D + 1], D);
+      }
+      T* dst = out + (query_start[b] * H + row) * D;
+#ifdef KV_HAVE_BF16_TILE
+      if constexpr (std::is_same<T, uint16_t>::value && std::is_same<KV, uint16_t>::value)
+        if (tiled) {
+          store_row_tiled(dst, acc, l, D);
+          continue;
+        }
+#endif
+#ifdef KV_HAVE_AVX2
+      if constexpr (std::is_same<T, KV>::value || kAvx2Kv<KV>) store_row_avx2<T, KV>(dst, acc, l, v_scale, D);
+#endif
+      (void)dst;
+    }
   }
 }
 

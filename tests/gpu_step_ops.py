@@ -1,11 +1,12 @@
 """The kernels one decode step's forward would launch on a GPU, counted on the CPU: a process that takes the GPU's
 ops there (no C++ kernels: torch's matmuls; the Triton layer kernels of kvserve/model/triton_ops.py and the Triton
-attention backend, under Triton's interpreter) runs a decode step of tiny random bf16 Llamas of 2 and 3 layers and
-counts what the forward dispatches: torch ops that launch work (not views or allocations) and Triton launches.
+attention backend, under Triton's interpreter) runs a decode step of tiny random bf16 Llamas and Gemma 3s of 2 and 3
+layers and counts what the forward dispatches: torch ops that launch work (not views or allocations) and Triton
+launches.
 
     KVSERVE_KERNELS=none TRITON_INTERPRET=1 python tests/gpu_step_ops.py DIR
 
-prints JSON {"layers": {n: {"torch": {op: count}, "triton": {kernel: count}}}}. tests/test_gpu_step_ops.py runs it in
+prints JSON {family: {layers: {"torch": {op: count}, "triton": {kernel: count}}}}. tests/test_gpu_step_ops.py runs it in
 a process of its own (the kernel variant and Triton's interpreter are read at import)."""
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_utils import save_tiny_model  # noqa: E402
+from model_utils import GEMMA3, save_tiny_model  # noqa: E402
 
 # ops that launch no work on a GPU: views, metadata, allocations
 NO_KERNEL = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "t", "transpose", "unsqueeze", "squeeze",
@@ -113,13 +114,15 @@ def main(root: Path) -> None:
     counter, launches = Counter(), collections.Counter()
     gpu_ops_on_cpu()
     count_triton(counter, launches)
-    out = {}
-    for n in (2, 3):
-        path = root / f"llama{n}"
-        save_tiny_model("llama", path, num_hidden_layers=n, hidden_size=128, intermediate_size=256,
-                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-        out[n] = decode_step_ops(path, counter, launches)
-    print(json.dumps({"layers": out}))
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    out: dict = {}
+    for family in ("llama", "gemma3"):   # Gemma 3: four norms a layer, q/k norms, GeGLU, local and global layers
+        for n in (2, 3):
+            extra = dict(GEMMA3, layer_types=GEMMA3["layer_types"][:n]) if family == "gemma3" else {}
+            path = root / f"{family}{n}"
+            save_tiny_model(family, path, **{**extra, **shape, "num_hidden_layers": n})
+            out.setdefault(family, {})[n] = decode_step_ops(path, counter, launches)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

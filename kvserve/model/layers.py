@@ -238,6 +238,9 @@ class GeluTanhAndMul(InferenceModule):
             out = x.new_empty(x.shape[0], x.shape[1] // 2)
             lib.kvserve_gelu_tanh_mul_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1] // 2)
             return out
+        ops = _gpu_ops(x)
+        if ops is not None:
+            return ops.gelu_tanh_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 

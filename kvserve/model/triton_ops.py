@@ -1,5 +1,5 @@
 """Triton kernels for the layer ops between the matmuls on a GPU, in bf16/fp16: RMSNorm with its residual add, RoPE
-in place on q|k, and SiLU·mul. torch runs each of them as four to eight elementwise kernels; one kernel each keeps
+in place on q|k, SiLU·mul and GELU(tanh)·mul. torch runs each of them as four to eight elementwise kernels; one kernel each keeps
 a decode step's graph short. They round where the torch ops (kvserve/model/layers.py, the definition) round:
 products and sums in float32, one rounding to the dtype wherever torch stores an intermediate (the GPU compiler may
 still pick native bf16/fp16 instructions for those steps: tests/test_triton_layer_ops.py holds RoPE bit for bit in
@@ -67,6 +67,22 @@ def silu_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n + offs, (silu * up).to(dt), mask=mask)
 
 
+@triton.jit
+def gelu_tanh_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr):
+    """out[row, j] = gelu_tanh(x[row, j]) * x[row, n + j] (GeGLU: Gemma; the gelu rounded first, as torch's two
+    ops): gelu_tanh(g) = g / 2 (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), computed as g / (1 + e^-2z) (the
+    same function: 1 + tanh(z) = 2 / (1 + e^-2z)), which keeps its precision where tanh(z) nears -1."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + n + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    gelu = (gate / (1.0 + tl.exp(-2.0 * z))).to(dt).to(tl.float32)
+    tl.store(out_ptr + row * n + offs, (gelu * up).to(dt), mask=mask)
+
+
 # each kernel's (constexprs, launch options) for a width: the launchers' and kvserve/attention/triton/compile.py's
 def rmsnorm_meta(n: int, has_residual: bool) -> tuple[dict, dict]:
     return dict(HAS_RESIDUAL=has_residual, BLOCK=triton.next_power_of_2(n)), dict(num_warps=4 if n <= 4096 else 8)
@@ -79,6 +95,9 @@ def rope_meta(head_dim: int) -> tuple[dict, dict]:
 
 def silu_mul_meta(n: int) -> tuple[dict, dict]:
     return dict(BLOCK=min(1024, triton.next_power_of_2(n))), {}
+
+
+gelu_tanh_mul_meta = silu_mul_meta
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -104,10 +123,18 @@ def rope_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tens
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a [T, 2I] gate|up tensor with contiguous rows."""
+    return _gated(silu_mul_kernel, silu_mul_meta, x)
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up of a [T, 2I] gate|up tensor with contiguous rows."""
+    return _gated(gelu_tanh_mul_kernel, gelu_tanh_mul_meta, x)
+
+
+def _gated(kernel, meta, x: torch.Tensor) -> torch.Tensor:
     n = x.shape[1] // 2
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    constexprs, options = silu_mul_meta(n)
+    constexprs, options = meta(n)
     if x.shape[0]:
-        silu_mul_kernel[(x.shape[0], triton.cdiv(n, constexprs["BLOCK"]))](x, out, x.stride(0), n, **constexprs,
-                                                                           **options)
+        kernel[(x.shape[0], triton.cdiv(n, constexprs["BLOCK"]))](x, out, x.stride(0), n, **constexprs, **options)
     return out

@@ -156,6 +156,8 @@ def layer_op_sources(dtype: str):
                                                   cos_ptr=f"*{t}", sin_ptr=f"*{t}", x_stride="i32")))
         out.append((f"silu_mul i={inter}", *source(k.silu_mul_kernel, k.silu_mul_meta(inter), x_ptr=f"*{t}",
                                                    out_ptr=f"*{t}", x_stride="i32", n="i32")))
+        out.append((f"gelu_tanh_mul i={inter}", *source(k.gelu_tanh_mul_kernel, k.gelu_tanh_mul_meta(inter),
+                                                        x_ptr=f"*{t}", out_ptr=f"*{t}", x_stride="i32", n="i32")))
     return out
 
 

@@ -237,9 +237,13 @@ def replay_probe(llm, size: int, into: dict, key: str, times: int = 20):
             end.record()
             sync()
             into[key] = round(start.elapsed_time(end) / times, 3)
-            into[f"{key}_kernels"] = graph_kernels(graph)
         except Exception as e:   # a diagnostic: the step's own figures stand without it
             into[key] = f"failed: {type(e).__name__}: {e}"[:120]
+            return
+        try:
+            into[f"{key}_kernels"] = graph_kernels(graph)
+        except Exception as e:   # the replay's time stands without it
+            into[f"{key}_kernels"] = f"failed: {type(e).__name__}: {e}"[:120]
     return probe
 
 

@@ -231,6 +231,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvserve_fp8_attention_path.argtypes = [i64, i64, i64, i64]
     lib.kvserve_fp8_attention_path.restype = ctypes.c_int
     lib.kvserve_bf16_tiles.restype = ctypes.c_int
+    if hasattr(lib, "kvserve_attention_split_steps"):   # (an older tree's build, for an A/B, has none)
+        lib.kvserve_attention_split_steps.restype = ctypes.c_int64
     lib.kvserve_has_packed_matmul.restype = ctypes.c_int
     lib.kvserve_packed_matmul_kind.restype = ctypes.c_int
     lib.kvserve_has_packed_matmul_f16.restype = ctypes.c_int

@@ -1,7 +1,8 @@
 """What a decode step's forward launches on a GPU, counted on the CPU (tests/gpu_step_ops.py: the GPU's ops on CPU
 tensors, Triton under its interpreter). A captured decode graph replays one kernel per launch, and on small models
 their number, not the bytes they read, sets the step's time: each layer is 4 matmuls (q|k|v, o, gate|up, down) and 6
-Triton kernels (RMSNorm with its residual add twice, RoPE on q|k in place, the KV write, the attention, SiLU·mul),
+Triton kernels (RMSNorm with its residual add twice, RoPE on q|k in place, the KV write, the attention, SiLU·mul;
+a decode whose keys split over the GPU adds the merge kernel, which these short contexts do not take),
 and the rest of the forward the embedding, the RoPE tables' gather and the final norm; Gemma 3's layers have more
 norms and GeGLU for SiLU·mul, all in Triton too. An op more per layer (a copy, a cast, an op the Triton kernels should
 have taken) fails here."""

@@ -65,6 +65,7 @@ __attribute__((noinline, noclone)) void fold_segment(float* A, float& M, float& 
   L = std::fma(l, e2, L * e1);
   M = std::max(M, m);
 }
+std::atomic<int64_t> split_steps{0};   // steps whose keys were split so far (kvserve_attention_split_steps)
 // a segment's state into its slot of a split sequence's states
 inline void store_part(float* slot, const float* a, float m, float l, int64_t D) {
   std::copy(a, a + D, slot);
@@ -251,8 +252,9 @@ inline void softmax_chunk(float* s, int64_t lo, int64_t nv, float& m, float& l, 
 // lie anywhere in the pool, so no hardware prefetcher can tell where its next rows are.
 // KV: the query's type, or an FP8 format (F16C), whose K scale is folded into the queries, V's into the output.
 // a row's output from its accumulator (in load16_halves' order of dims) and sum
+// (one compiled copy: an item's rows and the second pass's round alike)
 template <typename T, typename KV>
-void store_row_avx2(T* dst, const float* acc, float l, float v_scale, int64_t D) {
+__attribute__((noinline)) void store_row_avx2(T* dst, const float* acc, float l, float v_scale, int64_t D) {
   const float inv = v_scale * kFp8Unit<KV> / l;
   for (int64_t d = 0; d < D; d += 16)
     for (int k = 0; k < 16; ++k) store(dst, d + k, acc[d + unpermute16<KV>(k)] * inv);
@@ -703,8 +705,8 @@ inline void softmax_row(__m512 s0, __m512 s1, int64_t lo, int64_t nv, float scal
 // One work item over the kernel layout: sequence b, kv heads [g0, g0 + ng), query tokens [t0, t0 + nt). Rows are
 // kv-head-major (kv head, token, q head of that kv head), so each kv head's rows are one range whose causal
 // limits grow.
-// a row's output from its accumulator and sum
-inline void store_row_tiled(uint16_t* dst, const float* acc, float l, int64_t D) {
+// a row's output from its accumulator and sum (one compiled copy: an item's rows and the second pass's round alike)
+__attribute__((noinline)) void store_row_tiled(uint16_t* dst, const float* acc, float l, int64_t D) {
   const __m512 inv = _mm512_set1_ps(1.f / l);
   for (int64_t d = 0; d < D; d += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
@@ -898,23 +900,34 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
   // still fewer items than threads, or not shared evenly (a sequence or two decoding, 3 kv heads on 2 threads): the
   // kernels that fold key segments cut each sequence's keys into runs of segments, about 2 items a thread, and a
   // second pass folds the states of the rows that span segments
-  std::vector<int64_t> part_at(B, -1), segs(B, 1);   // a split sequence's states in `parts`, its segments
-  std::vector<float> parts;
-  if (first[B] > 0 && (first[B] < threads || (first[B] < 2 * threads && first[B] % threads)) && (tiled || avx2)) {
+  // (not inside a parallel region: the fused layer stack's decode shares sequences out between the threads)
+  std::vector<int64_t> part_at(B, -1), segs(B, 1), seg0(B, 0);   // a split sequence's states, segments, first one
+  std::unique_ptr<float[]> parts;
+  float* parts0 = nullptr;
+  if (first[B] > 0 && (first[B] < threads || (first[B] < 2 * threads && first[B] % threads)) && (tiled || avx2) &&
+      !omp_in_parallel()) {
     const int64_t pieces = (2 * threads + first[B] - 1) / first[B];
     int64_t total = 0;
     for (int64_t b = 0; b < B; ++b) {
+      const int64_t q_len = query_start[b + 1] - query_start[b];
       segs[b] = (seq_lens[b] + SEG - 1) / SEG;
-      if (segs[b] <= 1) continue;
-      runs[b] = std::min(segs[b], pieces);
+      seg0[b] = window_first(seq_lens[b] - q_len, window) / SEG;   // the first token's first key (a window's)
+      runs[b] = std::min(segs[b] - seg0[b], pieces);
+      if (runs[b] <= 1) {
+        runs[b] = 1;
+        continue;
+      }
       part_at[b] = total;
-      total += (query_start[b + 1] - query_start[b]) * H * segs[b] * part_stride(D);
+      total += q_len * H * segs[b] * part_stride(D);
     }
     count_items();
-    parts.assign(total + 16, 0.f);   // (+16: room to align the states to 64 bytes)
+    if (total > 0) {
+      split_steps.fetch_add(1, std::memory_order_relaxed);
+      parts.reset(new float[total + 16]);   // (+16: room to align the states to 64 bytes)
+      parts0 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(parts.get()) + 63) & ~uintptr_t(63));
+      for (int64_t i = D; i < total; i += part_stride(D)) parts0[i] = -INFINITY;   // every state empty to begin with
+    }
   }
-  float* parts0 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(parts.data()) + 63) & ~uintptr_t(63));
-  for (int64_t i = D; i + 16 < int64_t(parts.size()); i += part_stride(D)) parts0[i] = -INFINITY;   // all empty
   #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < first[B]; ++item) {
     const int64_t b = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
@@ -925,9 +938,10 @@ void paged_attention(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out,
     const int64_t t0 = tile_idx * tile, nt = std::min(tile, q_len - t0);
     const int32_t* table = block_tables + b * table_stride;
     Segments sg;
-    if (runs[b] > 1) {   // segments [run n / runs, (run + 1) n / runs) of the sequence's n
-      const int64_t n = segs[b];
-      sg = Segments{run * n / runs[b] * SEG, (run + 1) * n / runs[b] * SEG, parts0 + part_at[b], n};
+    if (runs[b] > 1) {   // segments seg0 + [run n / runs, (run + 1) n / runs) of the n from seg0 on
+      const int64_t n = segs[b] - seg0[b];
+      sg = Segments{(seg0[b] + run * n / runs[b]) * SEG, (seg0[b] + (run + 1) * n / runs[b]) * SEG,
+                    parts0 + part_at[b], segs[b]};
     }
 #ifdef KV_HAVE_BF16_TILE
     if constexpr (std::is_same<T, uint16_t>::value && std::is_same<KV, uint16_t>::value) {
@@ -1068,6 +1082,8 @@ int kvserve_fp8_avx2() {
 int kvserve_fp8_attention_path(int64_t H, int64_t Hkv, int64_t D, int64_t fmt) {
   return fmt == FP8_E4M3 ? standard_path<float, fp8_e4m3>(H, Hkv, D) : standard_path<float, fp8_e5m2>(H, Hkv, D);
 }
+// how many attention calls have split their keys into runs of segments (a diagnostic: the tests check a step splits)
+int64_t kvserve_attention_split_steps() { return split_steps.load(); }
 // 1 when bf16 caches can take the kernel layout (AVX-512 BF16)
 int kvserve_bf16_tiles() {
 #ifdef KV_HAVE_BF16_TILE

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <type_traits>
 #include <utility>
+#include <memory>
 #include <vector>
 #include <omp.h>
 

@@ -55,13 +55,20 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, x_stride, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr):
-    """out[row, j] = silu(x[row, j]) * x[row, n + j] (silu rounded first, as torch's two ops)."""
+def _gate_up(x_ptr, x_stride, n, BLOCK: tl.constexpr):
+    """A gated activation's program: (row, its columns, their mask, gate and up in float32) of a [T, 2n] gate|up."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + n + offs, mask=mask, other=0.0).to(tl.float32)
+    return row, offs, mask, gate, up
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr):
+    """out[row, j] = silu(x[row, j]) * x[row, n + j] (silu rounded first, as torch's two ops)."""
+    row, offs, mask, gate, up = _gate_up(x_ptr, x_stride, n, BLOCK)
     dt = out_ptr.dtype.element_ty
     silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
     tl.store(out_ptr + row * n + offs, (silu * up).to(dt), mask=mask)
@@ -72,11 +79,7 @@ def gelu_tanh_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr):
     """out[row, j] = gelu_tanh(x[row, j]) * x[row, n + j] (GeGLU: Gemma; the gelu rounded first, as torch's two
     ops): gelu_tanh(g) = g / 2 (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), computed as g / (1 + e^-2z) (the
     same function: 1 + tanh(z) = 2 / (1 + e^-2z)), which keeps its precision where tanh(z) nears -1."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * x_stride + n + offs, mask=mask, other=0.0).to(tl.float32)
+    row, offs, mask, gate, up = _gate_up(x_ptr, x_stride, n, BLOCK)
     dt = out_ptr.dtype.element_ty
     z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
     gelu = (gate / (1.0 + tl.exp(-2.0 * z))).to(dt).to(tl.float32)

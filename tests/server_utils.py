@@ -74,6 +74,16 @@ class ServerProcess:
         with open(self.log.name) as f:
             return f.read()
 
+    def wait_output(self, text: str, timeout_s: float = 10.0) -> bool:
+        """Whether `text` shows in the server's output within timeout_s: an access log line is written after its
+        response has gone out, so a client can read the log before it is there."""
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

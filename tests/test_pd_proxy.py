@@ -64,7 +64,7 @@ def test_answers_through_the_proxy_equal_one_servers(pd, server):
     r = httpx.post(f"{proxy.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "temperature": -1},
                    headers={"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "pd-bad-temperature"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    assert "pd-bad-temperature" in prefill.output()
+    assert prefill.wait_output("pd-bad-temperature")
     assert all("pd-bad-temperature" not in d.output() for d in decodes)
     assert httpx.post(f"{proxy.url}/v1/completions", content=b"{", timeout=30).status_code == 400
 

@@ -1,6 +1,6 @@
 """Key segments in the C++ attention kernels (kvserve/csrc/attention.cpp, `Segments`): a step of too few work items
 for the threads, or not shared evenly (one or two sequences decoding, a short chunk of a model with one kv head),
-cuts its sequences' keys into runs of 256-key segments, work items of their own that store each segment's state,
+cuts its sequences' keys into runs of 1,024-key segments, work items of their own that store each segment's state,
 and a second pass folds the states of the rows that span segments, in the order an unsplit work item folds them.
 A row's result is the same bit for bit either way, in every kernel that splits (AVX2 and the bf16 tiles) and in
 the ones that do not, and as close to the reference as before."""
@@ -64,14 +64,14 @@ def splits(cpu: CpuPagedAttention) -> int:
 @pytest.mark.parametrize("variant,dtype,tiled", PATHS)
 @pytest.mark.parametrize("window", [None, 300])
 def test_a_long_decode_alone_equals_its_row_in_a_step_of_many(variant, dtype, tiled, window):
-    """One sequence decoding at 1,000 keys (four segments, or two under a window of 300) alone, where its segments
+    """One sequence decoding at 4,100 keys (five segments, or two under a window of 300) alone, where its segments
     are work items of their own, and as one of 40 decoding sequences, where one work item folds them."""
     cpu, splitting = backend(variant, tiled)
     rng = np.random.default_rng(3)
-    seq_lens = [1000] + rng.integers(100, 900, 39).tolist()
+    seq_lens = [4100] + rng.integers(100, 900, 39).tolist()
     k_cache, v_cache, tables = pools(3, seq_lens, 3, 64, dtype)
     many = step(3, [1] * 40, seq_lens, k_cache, v_cache, tables, 9, dtype)
-    alone = (*(x[:1] for x in many[:3]), k_cache, v_cache, build_attention_metadata([1], [1000], tables[:1], BS))
+    alone = (*(x[:1] for x in many[:3]), k_cache, v_cache, build_attention_metadata([1], [4100], tables[:1], BS))
     before = splits(cpu)
     got, _, _ = run(cpu, alone, 9, tiled=tiled, window=window)
     assert splits(cpu) - before == int(splitting)
@@ -84,22 +84,22 @@ def test_a_long_decode_alone_equals_its_row_in_a_step_of_many(variant, dtype, ti
 @pytest.mark.parametrize("variant,dtype,tiled", PATHS)
 @pytest.mark.parametrize("window", [None, 300])
 def test_a_short_chunk_split_equals_it_unsplit_and_its_tokens_alone(variant, dtype, tiled, window):
-    """One kv head (Gemma 3's shape): a chunk of 5 tokens over 995 cached ones gives 3 work items of 2 tokens, which
+    """One kv head (Gemma 3's shape): a chunk of 5 tokens over 4,095 cached ones gives 3 work items of 2 tokens, which
     split into runs of segments, each with several tokens' rows; the same chunk beside 40 decoding sequences does not
     split; each token decoded alone splits again. The same bits for every token."""
     cpu, splitting = backend(variant, tiled)
     rng = np.random.default_rng(4)
-    seq_lens = [1000] + rng.integers(100, 900, 40).tolist()
+    seq_lens = [4100] + rng.integers(100, 900, 40).tolist()
     k_cache, v_cache, tables = pools(4, seq_lens, 1, 128, dtype)
     many = step(4, [5] + [1] * 40, seq_lens, k_cache, v_cache, tables, 4, dtype)
-    chunk = (*(x[:5] for x in many[:3]), k_cache, v_cache, build_attention_metadata([5], [1000], tables[:1], BS))
+    chunk = (*(x[:5] for x in many[:3]), k_cache, v_cache, build_attention_metadata([5], [4100], tables[:1], BS))
     before = splits(cpu)
     together, k_std, v_std = run(cpu, chunk, 4, tiled=tiled, window=window)   # the pools with the chunk's keys
     assert splits(cpu) - before == int(splitting)
     assert torch.equal(together, run(cpu, many, 4, tiled=tiled, window=window)[0][:5])
     q, k, v = chunk[:3]
     for t in range(5):
-        upto = 996 + t
+        upto = 4096 + t
         alone = (q[t:t + 1], k[t:t + 1], v[t:t + 1], k_std, v_std,
                  build_attention_metadata([1], [upto], [tables[0][:-(-upto // BS)]], BS))
         assert torch.equal(run(cpu, alone, 4, tiled=tiled, window=window)[0], together[t:t + 1])
@@ -110,18 +110,18 @@ def test_a_short_chunk_split_equals_it_unsplit_and_its_tokens_alone(variant, dty
 
 @pytest.mark.parametrize("variant,dtype,tiled", PATHS)
 def test_a_chunk_over_segments_equals_its_tokens_decoded_alone(variant, dtype, tiled):
-    """A prefill chunk of 40 tokens over 660 cached ones (rows spanning three segments; enough work items not to
+    """A prefill chunk of 40 tokens over 2,460 cached ones (rows spanning three segments; enough work items not to
     split) and a verification of 6 tokens there, against each token decoded alone (split): the same bits for every
     token, as speculative decoding and preemption by recompute need."""
     cpu, _ = backend(variant, tiled)
-    k_cache, v_cache, tables = pools(4, [700], 3, 64, dtype)
-    chunk = step(4, [40], [700], k_cache, v_cache, tables, 9, dtype)
+    k_cache, v_cache, tables = pools(4, [2500], 3, 64, dtype)
+    chunk = step(4, [40], [2500], k_cache, v_cache, tables, 9, dtype)
     together, k_std, v_std = run(cpu, chunk, 9, tiled=tiled)   # the pools with the chunk's keys written
     q, k, v = chunk[:3]
-    verify = (q[-6:], k[-6:], v[-6:], k_std, v_std, build_attention_metadata([6], [700], tables, BS))
+    verify = (q[-6:], k[-6:], v[-6:], k_std, v_std, build_attention_metadata([6], [2500], tables, BS))
     assert torch.equal(run(cpu, verify, 9, tiled=tiled)[0], together[-6:])
     for t in (0, 17, 34, 39):
-        upto = 661 + t
+        upto = 2461 + t
         alone = (q[t:t + 1], k[t:t + 1], v[t:t + 1], k_std, v_std,
                  build_attention_metadata([1], [upto], [tables[0][:-(-upto // BS)]], BS))
         assert torch.equal(run(cpu, alone, 9, tiled=tiled)[0], together[t:t + 1])

@@ -36,7 +36,7 @@ inline int64_t chunk_start(int64_t first, int64_t bs) {
 // several items a run of them and stores each segment's state for a second pass to fold: a step of too few work
 // items for the threads (one sequence decoding, a model with one or two kv heads) splits its sequences' keys so
 // that every thread gets keys to read (flash-decoding). The AVX2 and bf16-tile kernels take them.
-constexpr int64_t SEG = 256;
+constexpr int64_t SEG = 1024;
 static_assert(SEG % KC == 0, "segments are whole chunks");
 inline bool spans_segments(int64_t first, int64_t limit) { return first / SEG != limit / SEG; }
 inline int64_t part_stride(int64_t D) { return D + 16; }

@@ -169,8 +169,9 @@ COMMANDS = """\
 | `python benchmarks/attention_kernel.py [--num-threads N] [--layers 30]` | the bf16 attention kernel over the tiled KV layout against the AVX-512 kernel over the standard layout and the torch backend, on W1-shaped decode and prefill steps and one sequence verifying 5 drafts, K/V from DRAM (30 layers' pools) or caches (`--layers 1`) |
 | `python benchmarks/matmul.py [--num-threads N] [--rows ...]` | the C++ bf16 matmuls (GEMV, register-tiled GEMM) against oneDNN's packed path for steps of M rows, layer weights and LM head |
 | `python benchmarks/int8_matmul.py [--rows ...] [--num-threads N]` | `--quantization int8`'s matmul (INT8) against the Q8_0 kernels and the dense linear this CPU would run, on Qwen2.5-Coder-1.5B's MLP shapes, for steps of M rows |
-| `python benchmarks/load_memory.py [MODEL] [--kv-cache-memory 256MiB]` | the resident set sampled every 50 ms while an engine starts: its peak (a load's), and where it ends |
+| `python benchmarks/load_memory.py [MODEL] [--kv-cache-memory 256MiB]` | the resident set sampled every 50 ms while an engine starts: its peak (a load's), where it ends, and what the engine added to the runtime's against the model's files |
 | `python benchmarks/quant_ab.py DIR_A DIR_B [--rows ...] [--copies N] [--weights ...]` | two builds of the quantized matmul kernels (two copies of `kvserve/csrc`, e.g. a worktree of the commit before) alternating in one process on real GGUF tensors, streamed from memory or in cache: the A/B behind kernel changes |
+| `python benchmarks/attention_ab.py DIR_A DIR_B [--variant no-avx512] [--layout tiled] [--heads 4 --kv-heads 1 --head-dim 256]` | two builds of the C++ attention kernels (two copies of `kvserve/csrc`) alternating in one process on one attention shape's decode steps (one sequence at 1,000 to 16,000 keys, two, a batch of 64) and a prefill, K/V from DRAM: the A/B behind attention kernel changes |
 | `python benchmarks/widen_gemm_ab.py DIR_A DIR_B [--variant no-avx512bf16]` | two builds of the matmul that widens bf16 weights (two copies of `kvserve/csrc`) alternating in one process on a pass over the bundled model's 30 layers, W from DRAM: the A/B behind its changes |
 | `python benchmarks/bf16_accuracy.py` | bf16 against float32 with each kernel switched in or out (teacher-forced top-1 agreement and logprob error) |
 | `python benchmarks/quantization.py [--models smollm2 qwen1.5b] [--throughput --vllm]` | GGUF kept quantized, int8 and FP8 KV against the dequantized model, llama.cpp and vLLM: TPOT, TTFT, memory, throughput |
@@ -346,6 +347,12 @@ def w1_peers_section() -> list[str]:
     return lines
 
 
+def measured_sections() -> list[str]:
+    """Sections written by hand from a script's run (each names its command and date), kept as they are:
+    benchmarks/results/section_*.md, in the order of their names."""
+    return [path.read_text().strip() + "\n" for path in sorted(RESULTS.glob("section_*.md"))]
+
+
 def gpu_section(path: Path = RESULTS / "gpu_check.md") -> list[str]:
     """The last GPU check's table (`make gpu-check` on a machine with an NVIDIA GPU; docs/gpu.md), when there is one."""
     if not path.exists():
@@ -363,7 +370,7 @@ def report(results: dict, plots: list[str]) -> str:
     """The generated part of docs/benchmarks.md: everything above the optimization log."""
     lines = header(results) + summary(results) + [WORKLOADS] + offline_table(results) + serving_tables(results)
     lines += [f"![{p}]({p})" for p in plots] + ([""] if plots else [])
-    lines += prefix_caching_table() + w1_peers_section() + gpu_section() + [READING, COMMANDS]
+    lines += prefix_caching_table() + w1_peers_section() + measured_sections() + gpu_section() + [READING, COMMANDS]
     return "\n".join(lines)
 
 

@@ -72,6 +72,47 @@ inline void store_part(float* slot, const float* a, float m, float l, int64_t D)
   slot[D] = m;
   slot[D + 1] = l;
 }
+// What a work item keeps for its rows' segments (the AVX2 and bf16-tile kernels alike): which rows span segments,
+// and, in an unsplit item, their finished segments folded.
+struct RowFolds {
+  alignas(64) float folded[MAX_ROWS * MAX_D];
+  float fm[MAX_ROWS], fl[MAX_ROWS];
+  bool multi[MAX_ROWS];
+
+  void init(int64_t r, int64_t first, int64_t limit, const Segments& sg, int64_t D) {
+    multi[r] = spans_segments(first, limit);
+    fm[r] = -INFINITY;
+    fl[r] = 0.f;
+    if (multi[r] && !sg.split()) std::memset(folded + r * D, 0, D * sizeof(float));
+  }
+  // a segment ends before key p: row r's state (acc, m, l; row `token`, `head` of the sequence) folded, or
+  // stored where the item is split, and the next segment started afresh
+  void end_segment(const Segments& sg, int64_t r, int64_t p, int64_t token, int64_t head, int64_t H, float* acc,
+                   float& m, float& l, int64_t D) {
+    if (!multi[r]) return;
+    if (sg.split())
+      store_part(sg.slot(token, head, H, p / SEG - 1, D), acc, m, l, D);
+    else
+      fold_segment(folded + r * D, fm[r], fl[r], acc, m, l, D);
+    std::memset(acc, 0, D * sizeof(float));
+    m = -INFINITY;
+    l = 0.f;
+  }
+  // the item done with row r (keys [first, ...]; the item took [start, end)): store(acc, l) writes its output
+  // where the row is the item's to write, else its last segment's state goes to its slot
+  template <typename Store>
+  void finish(const Segments& sg, int64_t r, int64_t first, int64_t start, int64_t end, int64_t token, int64_t head,
+              int64_t H, float* acc, float m, float l, int64_t D, Store store) {
+    if (!multi[r]) {   // a split item writes the rows within its segments
+      if (!sg.split() || sg.owns(first)) store(acc, l);
+    } else if (sg.split()) {
+      if (start < end) store_part(sg.slot(token, head, H, (end - 1) / SEG, D), acc, m, l, D);
+    } else {
+      fold_segment(folded + r * D, fm[r], fl[r], acc, m, l, D);
+      store(folded + r * D, fl[r]);
+    }
+  }
+};
 
 // One query row's online-softmax step over the chunk's keys kf / vf [0, nv) (float32): scores, exps, and P @ V
 // into its accumulator a, with its running max m and sum l.
@@ -267,9 +308,7 @@ void attend_item_avx2(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out
                       float softcap, const Segments& sg) {
   const int64_t G = H / Hkv, R = nt * G, n16 = D / 16;
   alignas(32) float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D];
-  alignas(32) float folded[MAX_ROWS][MAX_D];   // rows that span segments: their earlier segments, folded
-  float fm[MAX_ROWS], fl[MAX_ROWS];
-  bool multi[MAX_ROWS];
+  RowFolds folds;
   alignas(32) float s[MAX_ROWS][KC];
   alignas(32) static const KV zero_row[MAX_D] = {};   // the keys past a chunk's end, up to a multiple of 4
   const KV* kr[KC];
@@ -286,9 +325,7 @@ void attend_item_avx2(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;   // causal: the last key position this token sees
     first[r] = window_first(limit[r], window);
-    multi[r] = spans_segments(first[r], limit[r]);
-    fm[r] = -INFINITY; fl[r] = 0.f;
-    if (multi[r] && !sg.split()) std::fill(folded[r], folded[r] + D, 0.f);
+    folds.init(r, first[r], limit[r], sg, D);
   }
   const int64_t end = std::min(limit[R - 1] + 1, sg.hi), start = std::max(chunk_start(first[0], bs), sg.lo);
   const int64_t kv_row = Hkv * D, blk_stride = bs * kv_row, row_bytes = D * int64_t(sizeof(KV));
@@ -305,16 +342,8 @@ void attend_item_avx2(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out
   int64_t p = start;
   if (p < end) rows_of(p, std::min<int64_t>(KC, end - p), nk, nvr);
   for (; p < end; p += KC) {
-    if (p % SEG == 0 && p > start)   // a segment ends: its state folded (or stored), the next starts afresh
-      for (int64_t r = 0; r < R; ++r) {
-        if (!multi[r]) continue;
-        if (sg.split())
-          store_part(sg.slot(t0 + r / G, g * G + r % G, H, p / SEG - 1, D), acc[r], m[r], l[r], D);
-        else
-          fold_segment(folded[r], fm[r], fl[r], acc[r], m[r], l[r], D);
-        for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[r] + d, _mm256_setzero_ps());
-        m[r] = -INFINITY; l[r] = 0.f;
-      }
+    if (p % SEG == 0 && p > start)
+      for (int64_t r = 0; r < R; ++r) folds.end_segment(sg, r, p, t0 + r / G, g * G + r % G, H, acc[r], m[r], l[r], D);
     const int64_t n = std::min<int64_t>(KC, end - p), n4 = (n + 3) & ~int64_t(3);
     std::copy(nk, nk + n, kr);
     std::copy(nvr, nvr + n, vr);
@@ -378,14 +407,8 @@ void attend_item_avx2(const T* q, int64_t qs, const KV* kc, const KV* vc, T* out
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = t0 + r / G, h = g * G + r % G;
     T* dst = out + ((q_row0 + t) * H + h) * D;
-    if (!multi[r]) {   // a split item writes the rows within its segments
-      if (!sg.split() || sg.owns(first[r])) store_row_avx2<T, KV>(dst, acc[r], l[r], v_scale, D);
-    } else if (sg.split()) {
-      if (start < end) store_part(sg.slot(t, h, H, (end - 1) / SEG, D), acc[r], m[r], l[r], D);
-    } else {
-      fold_segment(folded[r], fm[r], fl[r], acc[r], m[r], l[r], D);
-      store_row_avx2<T, KV>(dst, folded[r], fl[r], v_scale, D);
-    }
+    folds.finish(sg, r, first[r], start, end, t, h, H, acc[r], m[r], l[r], D,
+                 [&](const float* a, float sum) { store_row_avx2<T, KV>(dst, a, sum, v_scale, D); });
   }
 }
 #endif
@@ -721,9 +744,7 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
   const int nd2 = int(D / 2), nseg = int(D / 16);
   const int64_t tile = 16 * D;   // elements of one K (or V) tile
   alignas(64) float acc[MAX_ROWS * MAX_D];
-  alignas(64) float folded[MAX_ROWS * MAX_D];   // rows that span segments: their earlier segments, folded
-  float fm[MAX_ROWS], fl[MAX_ROWS];
-  bool multi[MAX_ROWS];
+  RowFolds folds;
   int64_t tok[MAX_ROWS], head[MAX_ROWS];
   alignas(64) int32_t pp[MAX_ROWS][16];
   alignas(64) __m512i vlast[MAX_D / 16];   // a last key pair whose second key lies past the end, that key zeroed
@@ -744,9 +765,7 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
     m[r] = -INFINITY; l[r] = 0.f;
     limit[r] = ctx_len - q_len + t;
     first[r] = window_first(limit[r], window);
-    multi[r] = spans_segments(first[r], limit[r]);
-    fm[r] = -INFINITY; fl[r] = 0.f;
-    if (multi[r] && !sg.split()) std::memset(folded + r * D, 0, D * sizeof(float));
+    folds.init(r, first[r], limit[r], sg, D);
   }
   const int64_t end = std::min(limit[RH - 1] + 1, sg.hi), start = std::max(chunk_start(first[0], bs), sg.lo);
   // per kv head: rows before r0 have seen all their keys, rows from r1 on have not reached their first
@@ -754,16 +773,8 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
   for (int64_t gi = 0; gi < ng; ++gi) r0[gi] = r1[gi] = gi * RH;
   static_assert(TCH == KC, "the tiled kernel's chunks are on chunk_start's grid");
   for (int64_t p = start; p < end; p += TCH) {
-    if (p % SEG == 0 && p > start)   // a segment ends: its state folded (or stored), the next starts afresh
-      for (int64_t r = 0; r < R; ++r) {
-        if (!multi[r]) continue;
-        if (sg.split())
-          store_part(sg.slot(tok[r], head[r], H, p / SEG - 1, D), accr[r], m[r], l[r], D);
-        else
-          fold_segment(folded + r * D, fm[r], fl[r], accr[r], m[r], l[r], D);
-        std::memset(accr[r], 0, D * sizeof(float));
-        m[r] = -INFINITY; l[r] = 0.f;
-      }
+    if (p % SEG == 0 && p > start)
+      for (int64_t r = 0; r < R; ++r) folds.end_segment(sg, r, p, tok[r], head[r], H, accr[r], m[r], l[r], D);
     const int64_t n = std::min<int64_t>(TCH, end - p);
     // the chunk's two groups; a second group past the end reuses the first (its keys are masked out)
     const int64_t base0 = tile_offset(table, p, bs, Hkv, D, g0);
@@ -824,14 +835,8 @@ void attend_item_tiled(const uint16_t* q, int64_t qs, const uint16_t* kc, const 
   }
   for (int64_t r = 0; r < R; ++r) {
     uint16_t* dst = out + hrow[r] * D;
-    if (!multi[r]) {   // a split item writes the rows within its segments
-      if (!sg.split() || sg.owns(first[r])) store_row_tiled(dst, accr[r], l[r], D);
-    } else if (sg.split()) {
-      if (start < end) store_part(sg.slot(tok[r], head[r], H, (end - 1) / SEG, D), accr[r], m[r], l[r], D);
-    } else {
-      fold_segment(folded + r * D, fm[r], fl[r], accr[r], m[r], l[r], D);
-      store_row_tiled(dst, folded + r * D, fl[r], D);
-    }
+    folds.finish(sg, r, first[r], start, end, tok[r], head[r], H, accr[r], m[r], l[r], D,
+                 [&](const float* a, float sum) { store_row_tiled(dst, a, sum, D); });
   }
 }
 #endif

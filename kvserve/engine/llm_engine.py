@@ -27,8 +27,7 @@ from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVSe
 from kvserve.lora import LoRARequest
 from kvserve.lora.manager import LoRAManager
 from kvserve.model import load_model, load_tokenizer, resolve_device
-from kvserve.model.loader import use_device
-from kvserve.model.loader import load_model_config, model_dtype
+from kvserve.model.loader import load_model_config, model_dtype, use_device
 from kvserve.model.registry import get_model_class
 from kvserve.outputs import RequestOutput
 from kvserve.pooling_params import PoolingParams

@@ -1,6 +1,6 @@
 """Triton kernels for the layer ops between the matmuls on a GPU, in bf16/fp16: RMSNorm with its residual add, RoPE
-in place on q|k, SiLU·mul and GELU(tanh)·mul. torch runs each of them as four to eight elementwise kernels; one kernel each keeps
-a decode step's graph short. They round where the torch ops (kvserve/model/layers.py, the definition) round:
+in place on q|k, SiLU·mul and GELU(tanh)·mul. torch runs each of them as two to eight elementwise kernels; one kernel
+each keeps a decode step's graph short. They round where the torch ops (kvserve/model/layers.py, the definition) round:
 products and sums in float32, one rounding to the dtype wherever torch stores an intermediate (the GPU compiler may
 still pick native bf16/fp16 instructions for those steps: tests/test_triton_layer_ops.py holds RoPE bit for bit in
 the interpreter, and all three within two steps of the dtype on a GPU). float32 models keep the torch ops (the

@@ -41,8 +41,9 @@ from kvserve.attention import fp8, kv_layout
 logger = logging.getLogger("kvserve")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_FILES = ("common.h", "attention.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "quant_k.cpp", "quant_int8.cpp",
-          "quant_matmul.cpp", "lora.cpp", "layers.cpp", "moe.cpp", "shm.cpp")
+_FILES = ("common.h", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "attention_dispatch.cpp",
+          "ops.cpp", "gemv.cpp", "quant.cpp", "quant_k.cpp", "quant_int8.cpp", "quant_matmul.cpp", "lora.cpp",
+          "layers.cpp", "moe.cpp", "shm.cpp")
 
 
 def _read_source(csrc: Path = CSRC) -> str:

@@ -1,7 +1,7 @@
 """Attention backends: read K/V through block tables, write new K/V by slot mapping.
 
 torch: the reference, plain PyTorch (gathers each group's context, then SDPA with a mask).
-cpu:   C++ kernels (kvserve/csrc/attention.cpp) reading K/V straight from the blocks: float32 and bfloat16 pools, and
+cpu:   C++ kernels (kvserve/csrc/attention*.cpp) reading K/V straight from the blocks: float32 and bfloat16 pools, and
        FP8 pools (kvserve/attention/fp8.py) under float32 or bfloat16 queries.
 triton: Triton kernels (kvserve/attention/triton/): one launch per layer for the whole mixed step, on CUDA tensors (or
        CPU tensors under TRITON_INTERPRET=1): float32, bfloat16 and float16 pools, FP8 pools, sliding windows.

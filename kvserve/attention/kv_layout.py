@@ -2,7 +2,7 @@
 
 standard: K and V are [num_blocks, block_size, num_kv_heads, head_dim]; slot s = block * block_size + offset is
     one contiguous row of num_kv_heads * head_dim elements. The torch backend, float32, FP8 and CUDA use it.
-tiled: the bf16 layout of the C++ kernel (kvserve/csrc/attention.cpp). Each block holds block_size / 16 groups
+tiled: the bf16 layout of the C++ kernel (kvserve/csrc/attention_avx512.cpp). Each block holds block_size / 16 groups
     of 16 keys; per group and kv head, a K tile [head_dim / 2][16][2] (dim pair k of the 16 keys in one 64-byte
     vector) and a V tile [8][head_dim][2] (key pairs interleaved per dim): the operands vdpbf16ps takes, so the
     kernel reads them straight from the cache, in address order, without transposing or copying K/V.

@@ -260,6 +260,8 @@ def load() -> ctypes.CDLL | None:
 
 
 def _load(name: str) -> ctypes.CDLL | None:
+    if not differs_here(name):
+        return load_variant("native")   # it drops what this CPU lacks: the same build
     flags = VARIANTS[name]
     if flags is None:
         _failures[name] = "switched off"

@@ -69,13 +69,17 @@ def count_triton(counter: Counter, launches: collections.Counter) -> None:
                 setattr(module, name, Counted(name, getattr(module, name)))
 
 
+GPU_OPS = {"on": False}   # the prompts' prefill runs torch's layer ops: the interpreter's per-row programs are slow
+
+
 def gpu_ops_on_cpu() -> None:
-    """layers.py's GPU dispatch for CPU tensors: the Triton layer kernels wherever a CUDA tensor would take them."""
+    """layers.py's GPU dispatch for CPU tensors: the Triton layer kernels wherever a CUDA tensor would take them
+    (while GPU_OPS is on)."""
     from kvserve.model import layers, triton_ops
 
     def gpu_ops(x: torch.Tensor):
         ok = x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and x.stride(1) == 1
-        return triton_ops if ok else None
+        return triton_ops if ok and GPU_OPS["on"] else None
     layers._gpu_ops = gpu_ops
 
 
@@ -87,7 +91,7 @@ def decode_step_ops(path: Path, counter: Counter, launches: collections.Counter)
               attention_backend="triton", num_kv_blocks=32, async_scheduling=False)
     engine = llm.llm_engine
     for i in range(4):
-        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(5, 21 + i))},
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(5, 12 + i))},
                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
                                           output_kind=RequestOutputKind.DELTA))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
@@ -102,10 +106,12 @@ def decode_step_ops(path: Path, counter: Counter, launches: collections.Counter)
         with counter:
             return call(self, *args, **kwargs)
     cls.__call__ = counted
+    GPU_OPS["on"] = True
     try:
         engine.step()
     finally:
         cls.__call__ = call
+        GPU_OPS["on"] = False
     engine.shutdown()
     return {"torch": dict(counter.ops), "triton": dict(launches)}
 

@@ -418,3 +418,11 @@ def test_the_setup_command_builds_the_portable_variant_beside_the_native_one(cap
     assert "kvserve kernels, portable variant: built" in out and "kvserve kernels: built" in out
     assert kernels.load_variant("portable") is not None
     assert kernels.main(["--portable"]) == 2
+
+
+@needs_kernels
+def test_a_variant_dropping_what_this_cpu_lacks_is_the_native_library():
+    # no-avx512 on an AVX2 CPU would compile what native compiles: tests ask for it, and must not build it again
+    for name in ("no-avx512", "no-avx512bf16"):
+        same = kernels.load_variant(name) is kernels.load_variant("native")
+        assert same == (not kernels.differs_here(name)), name

@@ -305,6 +305,13 @@ def versions() -> dict:
     return v
 
 
+def cpu_kind() -> str:
+    """What the CPU's vector units offer kvserve's kernels: "AVX-512 BF16", "AVX-512" or "AVX2"."""
+    from kvserve import kernels
+    flags = kernels._cpu_id().split()
+    return "AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+
+
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), or "?"."""
     try:

@@ -333,7 +333,9 @@ def w1_peers_section() -> list[str]:
         r = json.loads(path.read_text())
         how = (" Every engine ran as on an AVX2 CPU: kvserve's kernels, oneDNN and ATen held to AVX2 (vLLM's own "
                "kernels may still use AVX-512).") if r["isa"] == "avx2" else ""
-        lines += [f"## W1 against vLLM's dtypes: {r['cpu']}{', as AVX2' if r['isa'] == 'avx2' else ''}", "",
+        kind = "as AVX2" if r["isa"] == "avx2" else r.get("kind", "AVX-512 BF16")   # before "kind": that machine's
+        kind += " only" if kind == "AVX2" else ""
+        lines += [f"## W1 against vLLM's dtypes: {r['cpu']}, {kind}", "",
                   f"`python benchmarks/w1_peers.py --isa {r['isa']}` ({r['date']}, load average {r['load_avg']}): "
                   f"W1 ({r['num_prompts']} requests), the engines alternating over {r['rounds']} rounds, output tok/s "
                   f"(results in `benchmarks/results/{path.name}`).{how}", "",

@@ -5,13 +5,16 @@ offline throughput of 16 requests (prompts 64-256, outputs 32-128 tokens) per kv
     python benchmarks/quantization.py [--models smollm2 qwen1.5b FILE.gguf]
         [--llama-cpp ~/peers/llama.cpp-src/build/bin]
         [--configs gguf int8 none] [--dtypes auto float32] [--iters 3] [--rounds 1] [--throughput [--vllm]]
-        [--output-json benchmarks/results/quantization.json]
+        [--llama-file gguf|bf16] [--output-json benchmarks/results/quantization.json]
 
 kvserve runs in a subprocess per configuration (`kvserve bench latency`), with a 256 MiB KV pool; its memory is
 the process's resident set after the engine started and its peak (/usr/bin/time). llama.cpp runs llama-bench
 (-p 256 -n 128 -t 2; its figures are tokens/s of a prompt batch and of generation) and its peak resident set.
 Machines of this kind differ from day to day, and drift within minutes: read the ratios, measured in one run, and
 with --rounds N every engine runs N times in turn (the table gives medians, and the TPOT ratio of each round).
+`--llama-file bf16` gives llama.cpp the bf16 GGUF of the model's HF copy (made once with llama.cpp's own
+convert_hf_to_gguf.py, beside the copy under $PEERS) instead of the quantized file: with `--configs none`, a dense
+bf16 checkpoint in both engines, the same weights.
 """
 from __future__ import annotations
 
@@ -53,6 +56,22 @@ def model_file(name: str) -> str:
     if path is None:
         sys.exit(f"{name} is not fetched: run `make models`")
     return str(path)
+
+
+def bf16_gguf(hf_dir: str, llama_bin: str) -> str:
+    """The bf16 GGUF of an HF copy, converted by llama.cpp's convert_hf_to_gguf.py where not there yet."""
+    out = Path(hf_dir).with_name(Path(hf_dir).name + "-bf16.gguf")
+    if not out.exists():
+        convert = Path(llama_bin).parents[1] / "convert_hf_to_gguf.py"   # build/bin -> the source tree
+        if not convert.exists():
+            sys.exit(f"--llama-file bf16: {convert} not found (make peers-llamacpp)")
+        env = {**os.environ, "PYTHONPATH": str(convert.parent / "gguf-py")}
+        proc = subprocess.run([sys.executable, str(convert), hf_dir, "--outtype", "bf16", "--outfile", str(out)],
+                              capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            out.unlink(missing_ok=True)
+            sys.exit(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-3000:]}")
+    return str(out)
 
 
 def peak_rss_mib(time_output: str) -> float:
@@ -164,6 +183,8 @@ def main() -> None:
     p.add_argument("--vllm", action="store_true", help="with --throughput: vLLM's CPU build (bf16) on the same "
                    "workload too (make peers; the bf16 HF copy of make hf-models)")
     p.add_argument("--dtypes", nargs="+", default=["auto"], help="run each configuration in each of these dtypes")
+    p.add_argument("--llama-file", choices=["gguf", "bf16"], default="gguf",
+                   help="llama.cpp's file: the model's GGUF, or the bf16 GGUF of its HF copy (make hf-models)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     results = {}
@@ -173,11 +194,17 @@ def main() -> None:
         sources = {q: hf if q != "gguf" and hf else path for q in args.configs}
         runs = [(q, dt) for q in args.configs for dt in args.dtypes]
         with_llama = os.path.exists(os.path.join(args.llama_cpp, "llama-bench"))
+        llama_file = path
+        if with_llama and args.llama_file == "bf16":
+            if hf is None:
+                sys.exit(f"--llama-file bf16: {name} has no HF copy (make hf-models)")
+            llama_file = bf16_gguf(hf, args.llama_cpp)
         rounds = []   # every engine once per round: a machine whose speed drifts slows all of a round alike
         for _ in range(args.rounds):
             rows = [run_kvserve(sources[q], q, args.iters, dt) for q, dt in runs]
             if with_llama:
-                rows.append(run_llama_cpp(args.llama_cpp, path, args.iters))
+                rows.append({**run_llama_cpp(args.llama_cpp, llama_file, args.iters),
+                             "checkpoint": "GGUF file" if llama_file == path else "bf16 GGUF of the HF copy"})
             rounds.append(rows)
         rows = [merge_rounds([r[i] for r in rounds]) for i in range(len(rounds[0]))]
         tmp = tempfile.TemporaryDirectory()
@@ -197,7 +224,8 @@ def main() -> None:
                              "tpot_ms": None, "ttft_ms": None, "peak_rss_mib": None,
                              "throughput_tok_s": v["output_tokens_per_s"]})
         tmp.cleanup()
-        results[name] = {"file": os.path.basename(path), "rows": rows}
+        results[name] = {"file": os.path.basename(path), "llama_cpp_file": os.path.basename(llama_file),
+                         "rows": rows}
         base = rows[0]["tpot_ms"]
         print(f"\n{name} ({os.path.basename(path)})")
         if args.rounds > 1:

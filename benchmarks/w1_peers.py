@@ -8,8 +8,8 @@ HF bf16 copy of the same weights, `make peers`), alternating, each run in a proc
 `--isa avx2` runs every engine as an AVX2 CPU would (KVSERVE_KERNELS=no-avx512, oneDNN and ATen held to AVX2; vLLM's
 own kernels may still use AVX-512 where its build has them): on an AVX2 machine, leave it at native. vLLM in
 bfloat16 runs in the first round only (on a CPU without AVX-512 BF16 it is several times slower than in float32).
-Needs vLLM's CPU build (`make peers`). Writes benchmarks/results/w1_peers_<isa>.json, which compare_report.py puts in
-docs/benchmarks.md.
+Needs vLLM's CPU build (`make peers`). Writes benchmarks/results/w1_peers_<isa>.json (a native run's <isa> names
+the CPU's kind: native_avx2, native_avx512_bf16, ...), which compare_report.py puts in docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from compare import (RESULTS, cpu_name, ensure_hf_model, kvserve_offline, load_avg, make_workload, vllm_available,
+from compare import (RESULTS, cpu_kind, cpu_name, ensure_hf_model, kvserve_offline, load_avg, make_workload, vllm_available,
                      vllm_offline)
 
 AVX2_ENV = {"KVSERVE_KERNELS": "no-avx512", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
@@ -55,9 +55,12 @@ def main() -> None:
     best_peer = max((r["median"] for r in rows if r["engine"].startswith("vLLM") and r["median"]), default=None)
     for row in rows:
         row["vs_best_vllm"] = round(row["median"] / best_peer, 2) if row["median"] and best_peer else None
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "isa": args.isa, "load_avg": load_avg(),
-              "num_prompts": args.num_prompts, "rounds": args.rounds, "rows": rows}
-    path = RESULTS / f"w1_peers_{args.isa}.json"
+    kind = cpu_kind()
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "kind": kind, "isa": args.isa,
+              "load_avg": load_avg(), "num_prompts": args.num_prompts, "rounds": args.rounds, "rows": rows}
+    # one file per ISA the engines ran: a native run's is the CPU's own kind
+    isa = args.isa if args.isa == "avx2" else "native_" + kind.lower().replace("-", "").replace(" ", "_")
+    path = RESULTS / f"w1_peers_{isa}.json"
     path.write_text(json.dumps(result, indent=1))
     for row in rows:
         print(f"{row['engine']:18s} {row['output_tok_s']} median {row['median']} -> {row['vs_best_vllm']}x vLLM's best")

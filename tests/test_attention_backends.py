@@ -16,7 +16,7 @@ from kvserve import kernels
 from kvserve.attention import (CpuPagedAttention, TorchPagedAttention, build_attention_metadata, get_backend,
                                kv_layout)
 
-from attention_utils import random_batch, run, to_standard, to_tiled  # noqa: E402
+from attention_utils import distinct_paths, random_batch, run, to_standard, to_tiled  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler")
 
@@ -79,6 +79,7 @@ def test_tiled_bfloat16_kernel_is_as_close_to_float32_as_torch(heads, kv_heads, 
 WINDOW_PATHS = [  # kernel variant, dtype, tiled: every C++ attention kernel this CPU builds
     ("native", torch.float32, False), ("native", torch.bfloat16, False), ("native", torch.bfloat16, True),
     ("no-avx512", torch.float32, False), ("no-avx512", torch.bfloat16, False), ("portable", torch.float32, False)]
+WINDOW_PATHS = distinct_paths(WINDOW_PATHS)
 
 
 @needs_kernels

@@ -13,12 +13,13 @@ import torch
 from kvserve import kernels
 from kvserve.attention import CpuPagedAttention, TorchPagedAttention, build_attention_metadata
 
-from attention_utils import run  # noqa: E402
+from attention_utils import distinct_paths, run  # noqa: E402
 
 PATHS = [  # kernel variant, dtype, tiled: the AVX2 kernel (float32 and bf16), the bf16 tiles, and the kernel over the
     # standard layout of a native build: on an AVX-512 CPU the AVX-512 one, which does not split, and must not change
     ("no-avx512", torch.float32, False), ("no-avx512", torch.bfloat16, False), ("native", torch.bfloat16, True),
     ("native", torch.float32, False)]
+PATHS = distinct_paths(PATHS)
 BS = 16
 
 

@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from compare import (RESULTS, cpu_kind, cpu_name, ensure_hf_model, kvserve_offline, load_avg, make_workload, vllm_available,
-                     vllm_offline)
+from compare import (RESULTS, cpu_kind, cpu_name, ensure_hf_model, kvserve_offline, load_avg, make_workload,
+                     vllm_available, vllm_offline)
 
 AVX2_ENV = {"KVSERVE_KERNELS": "no-avx512", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 ENGINES = [("kvserve bf16", "kvserve", "none"), ("kvserve -q int8", "kvserve", "int8"),

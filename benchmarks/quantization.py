@@ -66,11 +66,13 @@ def bf16_gguf(hf_dir: str, llama_bin: str) -> str:
         if not convert.exists():
             sys.exit(f"--llama-file bf16: {convert} not found (make peers-llamacpp)")
         env = {**os.environ, "PYTHONPATH": str(convert.parent / "gguf-py")}
-        proc = subprocess.run([sys.executable, str(convert), hf_dir, "--outtype", "bf16", "--outfile", str(out)],
+        part = out.with_suffix(".part")   # renamed once whole: an interrupted conversion leaves no GGUF behind
+        proc = subprocess.run([sys.executable, str(convert), hf_dir, "--outtype", "bf16", "--outfile", str(part)],
                               capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            out.unlink(missing_ok=True)
+            part.unlink(missing_ok=True)
             sys.exit(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-3000:]}")
+        os.replace(part, out)
     return str(out)
 
 

@@ -112,8 +112,10 @@ _DROPS = {"no-avx512": "avx512f", "no-avx512bf16": "avx512_bf16"}
 
 
 def differs_here(name: str) -> bool:
-    """False for a variant that drops a feature this CPU lacks: it would build what native builds."""
-    return name not in _DROPS or _DROPS[name] in _cpu_id().split()
+    """False for a variant that drops a feature this CPU lacks: it would build what native builds. True where the
+    CPU's flags are unknown (no flags line in /proc/cpuinfo)."""
+    flags = _cpu_id()
+    return name not in _DROPS or not flags.startswith("flags") or _DROPS[name] in flags.split()
 
 
 def _build(cxx: str, source: str | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
@@ -260,8 +262,11 @@ def load() -> ctypes.CDLL | None:
 
 
 def _load(name: str) -> ctypes.CDLL | None:
-    if not differs_here(name):
-        return load_variant("native")   # it drops what this CPU lacks: the same build
+    if not differs_here(name):   # it drops what this CPU lacks: the same build
+        lib = load_variant("native")
+        if lib is None:
+            _failures[name] = _failures.get("native")
+        return lib
     flags = VARIANTS[name]
     if flags is None:
         _failures[name] = "switched off"

@@ -24,7 +24,7 @@ from kvserve import kernels
 
 
 def build(csrc: Path, variant: str) -> ctypes.CDLL:
-    flags = kernels.VARIANTS[variant if kernels.differs_here(variant) else "native"]
+    flags = kernels.VARIANTS[kernels.build_of(variant)]
     return kernels._bind(ctypes.CDLL(str(kernels._build(kernels._compiler(), kernels._read_source(csrc), flags))))
 
 

@@ -22,7 +22,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # SmolLM2-135M's l
 
 
 def build(csrc: Path, variant: str) -> ctypes.CDLL:
-    flags = kernels.VARIANTS[variant if kernels.differs_here(variant) else "native"]
+    flags = kernels.VARIANTS[kernels.build_of(variant)]
     lib = kernels._bind(ctypes.CDLL(str(kernels._build(kernels._compiler(), kernels._read_source(csrc), flags))))
     if lib.kvserve_packed_matmul_kind() != 2:
         raise SystemExit(f"{csrc}: the {variant} build does not widen bf16 weights on this CPU")

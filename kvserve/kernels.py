@@ -118,6 +118,16 @@ def differs_here(name: str) -> bool:
     return name not in _DROPS or not flags.startswith("flags") or _DROPS[name] in flags.split()
 
 
+def build_of(name: str) -> str:
+    """The variant whose build `name` is here: itself, or native for one that drops only what this CPU lacks."""
+    return name if differs_here(name) else "native"
+
+
+def distinct_builds(names) -> list[str]:
+    """`names` as the builds they are here (build_of), each once, in order: what tests and benchmarks compare."""
+    return list(dict.fromkeys(map(build_of, names)))
+
+
 def _build(cxx: str, source: str | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """The cached library for these sources and flags, compiling it first if needed (at most BUILD_TIMEOUT_S)."""
     source = _SOURCE if source is None else source
@@ -262,7 +272,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def _load(name: str) -> ctypes.CDLL | None:
-    if not differs_here(name):   # it drops what this CPU lacks: the same build
+    if build_of(name) != name:   # it drops what this CPU lacks: the same build
         lib = load_variant("native")
         if lib is None:
             _failures[name] = _failures.get("native")

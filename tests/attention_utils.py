@@ -10,8 +10,8 @@ from kvserve.attention import build_attention_metadata, kv_layout
 
 def distinct_paths(paths: list[tuple]) -> list[tuple]:
     """The (kernel variant, ...) cases whose library differs on this CPU: a variant that drops only what the CPU
-    lacks is the native library (kernels.differs_here), so its case runs once, as native."""
-    return list(dict.fromkeys((v if kernels.differs_here(v) else "native", *rest) for v, *rest in paths))
+    lacks is the native library (kernels.build_of), so its case runs once, as native."""
+    return list(dict.fromkeys((kernels.build_of(v), *rest) for v, *rest in paths))
 
 
 def random_batch(seed: int, num_seqs: int, block_size: int, heads: int, kv_heads: int, head_dim: int,

@@ -311,8 +311,7 @@ def test_widening_packed_matmul_is_as_close_to_float32_as_a_rounding(n, k):
     within one bf16 rounding of the exact product, on the same packed weights the AVX-512 BF16 build reads; the AVX2
     build and the AVX-512 one without BF16 (its GEMM tiles on 16 lanes) give the same bits."""
     from kvserve.kernels import load_variant
-    names = [name if kernels.differs_here(name) else "native" for name in ("no-avx512", "no-avx512bf16")]
-    libs = [lib for lib in map(load_variant, dict.fromkeys(names))
+    libs = [lib for lib in map(load_variant, kernels.distinct_builds(("no-avx512", "no-avx512bf16")))
             if lib is not None and lib.kvserve_packed_matmul_kind() == 2]
     if not libs:
         pytest.skip("no build that widens bf16 weights here")
@@ -340,8 +339,7 @@ def test_fp16_packed_matmul_widens_exactly(n, k):
     any fp16 weights it is within one bf16 rounding of the exact product, and the AVX2 build and the AVX-512 one
     without BF16 give the same bits."""
     from kvserve.kernels import load_variant
-    names = [name if kernels.differs_here(name) else "native" for name in ("no-avx512", "no-avx512bf16")]
-    libs = [lib for lib in map(load_variant, dict.fromkeys(names))
+    libs = [lib for lib in map(load_variant, kernels.distinct_builds(("no-avx512", "no-avx512bf16")))
             if lib is not None and lib.kvserve_has_packed_matmul_f16()]
     if not libs:
         pytest.skip("no build with the fp16 widening matmul here")

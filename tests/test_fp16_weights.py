@@ -17,7 +17,7 @@ from kvserve.model.loader import load_model
 from model_utils import save_tiny_model
 from test_fused_layers import _run_steps
 
-NAMES = list(dict.fromkeys(name if kernels.differs_here(name) else "native" for name in ("no-avx512", "no-avx512bf16")))
+NAMES = kernels.distinct_builds(("no-avx512", "no-avx512bf16"))
 pytestmark = pytest.mark.skipif(
     not any(lib is not None and lib.kvserve_has_packed_matmul_f16() for lib in map(kernels.load_variant, NAMES)),
     reason="no build here widens fp16 weights (the C++ kernels with AVX2 and F16C)")

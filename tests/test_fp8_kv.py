@@ -19,7 +19,7 @@ FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 TEXT = "tests/data/gpl-3.0.txt"
 needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="no C++ kernels")
 # the builds whose FP8 paths differ here: no-avx512 on a CPU without AVX-512 is the native library
-VARIANTS = list(dict.fromkeys(v if kernels.differs_here(v) else "native" for v in ("native", "no-avx512", "portable")))
+VARIANTS = kernels.distinct_builds(("native", "no-avx512", "portable"))
 
 
 def _write_both(dtype, k, v, scales, block_size=16, num_blocks=8):

@@ -85,8 +85,7 @@ def test_the_builds_that_widen_bf16_weights_run_the_stack_bit_identical_to_the_m
     GEMM's tiles on 8 and on 16 lanes), each built where the CPU has more: the stack equals the modules, and the two
     builds give the same bits (head dim 16: both run the AVX2 attention kernel; the AVX-512 one, for head dims
     that are multiples of 32, sums in another order)."""
-    names = list(dict.fromkeys(name if kernels.differs_here(name) else "native"
-                               for name in ("no-avx512", "no-avx512bf16")))
+    names = kernels.distinct_builds(("no-avx512", "no-avx512bf16"))
     if any(lib is None or lib.kvserve_packed_matmul_kind() != 2 for lib in map(kernels.load_variant, names)):
         pytest.skip("no build here widens bf16 weights")
     runs = {}

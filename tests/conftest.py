@@ -17,6 +17,9 @@ def _has_cuda() -> bool:
 # a kernel is defined, so before any test imports kvserve.attention.triton
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import lighten
+    lighten()
 
 
 @pytest.fixture(scope="session")

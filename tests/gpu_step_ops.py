@@ -117,6 +117,8 @@ def decode_step_ops(path: Path, counter: Counter, launches: collections.Counter)
 
 
 def main(root: Path) -> None:
+    from triton_interpreter import lighten
+    lighten()
     counter, launches = Counter(), collections.Counter()
     gpu_ops_on_cpu()
     count_triton(counter, launches)

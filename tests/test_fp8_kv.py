@@ -1,7 +1,7 @@
 """FP8 KV cache (kv_cache_dtype="fp8" | "fp8_e4m3" | "fp8_e5m2"): the C++ pool writes are bit-identical to torch's
 conversion, the C++ attention over FP8 pools matches the torch backend, the engine holds 4x float32's tokens
-(2x bf16's) in the same memory with perplexity within 2% of the unquantized cache, scheduling changes nothing,
-calibrated scales, and bad values."""
+(2x bf16's) in the same memory (perplexity within 2% of the unquantized cache: test_perplexity.py), scheduling
+changes nothing, calibrated scales, and bad values."""
 import subprocess
 import sys
 
@@ -12,11 +12,9 @@ from kvserve import LLM, SamplingParams, kernels
 from kvserve.attention import TorchPagedAttention, attention_layers, build_attention_metadata, fp8
 from kvserve.attention.backends import CpuPagedAttention
 from kvserve.config import EngineConfig
-from kvserve.entrypoints.perplexity import perplexity
 from kvserve.errors import InvalidRequestError
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
-TEXT = "tests/data/gpl-3.0.txt"
 needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="no C++ kernels")
 # the builds whose FP8 paths differ here: no-avx512 on a CPU without AVX-512 is the native library
 VARIANTS = kernels.distinct_builds(("native", "no-avx512", "portable"))
@@ -134,22 +132,6 @@ def test_fp8_pools_hold_four_times_float32_tokens_in_the_same_memory(fp8_llm, ba
     assert all(k.dtype == v.dtype == torch.float8_e4m3fn for k, v in pools)
     assert engine.num_kv_blocks == 4 * base.num_kv_blocks   # 1 byte a value against 4 (2x against bf16's 2)
     assert engine.kv_cache_description() == " in fp8_e4m3 (scales 1.0)" and base.kv_cache_description() == ""
-
-
-def test_calibrated_perplexity_within_two_percent_of_the_unquantized_cache():
-    """As `kvserve bench perplexity --kv-cache-dtype fp8 --calculate-kv-scales` runs it: the scales come from the
-    first step, two whole chunks of the text."""
-    # llama-perplexity's context of 512, six chunks, on the dense weights: the C++ kernels and the torch reference
-    # agree on both perplexities to 1e-4, so the ratio measures the FP8 pools alone; both engines take the default
-    # step budget, each chunk in one step (base_llm's steps of STEP tokens take 4x as long); in the serving dtype
-    # (auto: bf16 where the CPU has its kernels; against bf16 pools the ratio is about float32's against float32
-    # pools, in two thirds of the time)
-    text = open(TEXT, encoding="utf-8").read()[:15000]
-    calibrated, dense = (LLM(dtype="auto", kv_cache_dtype=kv, calculate_kv_scales=kv == "fp8",
-                             kv_cache_memory="24MiB", quantization="none") for kv in ("fp8", "auto"))
-    p8, pb = perplexity(calibrated, text, 512), perplexity(dense, text, 512)
-    print(f"perplexity: fp8 KV {p8['ppl']:.4f}, {calibrated.llm_engine.dtype} KV {pb['ppl']:.4f}")
-    assert p8["num_chunks"] == 6 and abs(p8["ppl"] / pb["ppl"] - 1) < 0.02, (p8["ppl"], pb["ppl"])
 
 
 def test_scheduling_changes_nothing_on_fp8_pools(fp8_llm):

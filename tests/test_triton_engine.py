@@ -66,30 +66,43 @@ def qwen2_reference(tiny_models):
     return prompts, hf_greedy(tiny_models["qwen2"][1], prompts, GREEDY.max_tokens)
 
 
+WITH_LOGPROBS = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def qwen2_triton(tiny_models, tokenizer_path, qwen2_reference):
+    """(engine, its greedy outputs with logprobs) on the tiny qwen2 and qwen2_reference's prompts: unsplit steps
+    (the interpreter's programs fall short of the split target)."""
+    llm = engine(tiny_models["qwen2"][0], tokenizer_path)
+    return llm, llm.generate(qwen2_reference[0], WITH_LOGPROBS, use_tqdm=False)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
-def test_greedy_equals_transformers(tiny_models, tokenizer_path, qwen2_reference, family):
+def test_greedy_equals_transformers(tiny_models, tokenizer_path, qwen2_reference, qwen2_triton, family):
     path, model = tiny_models[family]
-    prompts, reference = qwen2_reference if family == "qwen2" else (tiny_prompts(3), None)
-    llm = engine(path, tokenizer_path)
+    if family == "qwen2":
+        (llm, outs), reference = qwen2_triton, qwen2_reference[1]
+    else:
+        prompts = tiny_prompts(3)
+        llm = engine(path, tokenizer_path)
+        outs, reference = llm.generate(prompts, GREEDY, use_tqdm=False), hf_greedy(model, prompts, GREEDY.max_tokens)
     assert llm.llm_engine.runner.attention_backend.name == "triton"
-    reference = reference or hf_greedy(model, prompts, GREEDY.max_tokens)
-    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert tokens(outs) == reference
 
 
-def test_split_kv_decodes_equal_transformers(tiny_models, tokenizer_path, qwen2_reference, monkeypatch):
+def test_split_kv_decodes_equal_transformers(tiny_models, tokenizer_path, qwen2_reference, qwen2_triton,
+                                             monkeypatch):
     """The decode steps split each sequence's keys (split KV, as on a GPU: a target of programs that the tests'
     steps fall short of): the outputs are still transformers', and their logprobs those of unsplit steps."""
     from kvserve.attention.triton import ops
     path, _ = tiny_models["qwen2"]
     prompts, reference = qwen2_reference
-    params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=1)
-    unsplit = [c.cumulative_logprob for o in engine(path, tokenizer_path).generate(prompts, params, use_tqdm=False)
-               for c in o.outputs]
+    unsplit = [c.cumulative_logprob for o in qwen2_triton[1] for c in o.outputs]
     splits = []
     real = ops.decode_splits
     monkeypatch.setattr(ops, "INTERPRETER_SPLIT_TARGET", 64)
     monkeypatch.setattr(ops, "decode_splits", lambda *args: splits.append(real(*args)) or splits[-1])
-    outs = engine(path, tokenizer_path).generate(prompts, params, use_tqdm=False)
+    outs = engine(path, tokenizer_path).generate(prompts, WITH_LOGPROBS, use_tqdm=False)
     assert max(splits) >= 4
     assert tokens(outs) == reference
     assert [c.cumulative_logprob for o in outs for c in o.outputs] == pytest.approx(unsplit, abs=1e-4)

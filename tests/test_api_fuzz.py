@@ -15,6 +15,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.api_server import ServerSettings, build_app
 from kvserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  TokenizeRequest)
+from model_utils import save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +42,16 @@ json_values = st.recursive(
 
 
 @pytest.fixture(scope="module")
-def post():
-    # the priority policy, so that `priority` reaches the scheduler (fcfs ignores it)
-    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_seqs=4,
-                                    scheduling_policy="priority"))
+def post(tmp_path_factory, gguf_path):
+    """The app on a tiny random Llama with the bundled model's tokenizer and vocabulary: the fuzz is about what the
+    server makes of a body, and each of its hundreds of accepted requests runs a step (the bundled model's weights
+    would only make them slower). The priority policy, so that `priority` reaches the scheduler (fcfs ignores
+    it)."""
+    from kvserve.model.tokenizer import load_gguf_tokenizer
+    path = tmp_path_factory.mktemp("fuzz")
+    save_tiny_model("llama", path, vocab_size=len(load_gguf_tokenizer(gguf_path)))
+    engine = LLMEngine(EngineConfig(model=str(path), tokenizer=gguf_path, dtype="float32", max_model_len=128,
+                                    num_kv_blocks=32, max_num_seqs=4, scheduling_policy="priority"))
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, ServerSettings(served_model_names=["m"]))
     loop = asyncio.new_event_loop()

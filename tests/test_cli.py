@@ -1,6 +1,8 @@
-"""The `kvserve` command line as a user runs it: generate, chat, serve's shutdown on a signal, and the errors."""
+"""The `kvserve` command line as a user runs it: generate, chat, serve's shutdown on a signal, and the errors (in
+processes of their own; the further generate and chat runs through the same entry point, cli.main, in this one)."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -28,6 +30,19 @@ def kvserve(*args: str, stdin: str | None = None, timeout: float = 180) -> subpr
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.fixture
+def kvserve_here(capsys, monkeypatch):
+    """`kvserve ARGS` run by the entry point in this process (cli.main, what `kvserve` calls), as a
+    CompletedProcess: the commands past the first subprocess test, without a process's imports each."""
+    def run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        status = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["kvserve", *args], status, out, err)
+    return run
+
+
 @pytest.fixture(scope="module")
 def llm():
     from kvserve import LLM
@@ -53,12 +68,12 @@ def test_generate_prints_the_greedy_completion(llm):
     assert out.stdout == want + "\n"
 
 
-def test_generate_on_the_torch_attention_backend_prints_the_same_completion(llm):
+def test_generate_on_the_torch_attention_backend_prints_the_same_completion(llm, kvserve_here):
     """--attention-backend torch (the reference) against the default C++ kernels; --enforce-eager is accepted on the
     CPU, where every step is eager anyway."""
     want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
-    out = kvserve("generate", PROMPT, "--max-tokens", "8", "--temperature", "0", "--attention-backend", "torch",
-                  "--enforce-eager", *ENGINE_FLAGS)
+    out = kvserve_here("generate", PROMPT, "--max-tokens", "8", "--temperature", "0", "--attention-backend", "torch",
+                       "--enforce-eager", *ENGINE_FLAGS)
     assert out.returncode == 0, out.stderr
     assert out.stdout == want + "\n"
 
@@ -71,24 +86,24 @@ def test_the_triton_backend_on_the_cpu_fails_with_a_clear_message():
     assert "TRITON_INTERPRET" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_generate_with_speculative_decoding_prints_the_same_completion(llm):
+def test_generate_with_speculative_decoding_prints_the_same_completion(llm, kvserve_here):
     prompt = "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat"
     want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
-    out = kvserve("generate", prompt, "--max-tokens", "24", "--temperature", "0", "--speculative-config", spec,
-                  *ENGINE_FLAGS)
+    out = kvserve_here("generate", prompt, "--max-tokens", "24", "--temperature", "0", "--speculative-config", spec,
+                       *ENGINE_FLAGS)
     assert out.returncode == 0, out.stderr
     assert out.stdout == want + "\n"
 
 
-def test_generate_follows_a_json_schema_or_a_choice(tmp_path):
+def test_generate_follows_a_json_schema_or_a_choice(tmp_path, kvserve_here):
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(schema))
     prompt = "The capital of France as JSON:"
-    out = kvserve("generate", prompt, "--max-tokens", "24", "--temperature", "0", "--json-schema", str(path),
-                  *ENGINE_FLAGS)
+    out = kvserve_here("generate", prompt, "--max-tokens", "24", "--temperature", "0", "--json-schema", str(path),
+                       *ENGINE_FLAGS)
     assert out.returncode == 0, out.stderr
     assert set(json.loads(out.stdout)) == {"city"}
     args = cli.build_parser().parse_args(["generate", prompt, "--choice", "Paris", "--choice", "Rome"])
@@ -101,14 +116,14 @@ def test_serve_with_a_bad_speculative_config_fails_with_a_clear_message():
     assert out.returncode == 1 and "unknown method 'medusa'" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_chat_repl_streams_answers_and_keeps_the_conversation(llm):
+def test_chat_repl_streams_answers_and_keeps_the_conversation(llm, kvserve_here):
     params = SamplingParams(temperature=0, max_tokens=6)
     first = [{"role": "user", "content": "Hi"}]
     want1 = llm.chat(first, params, use_tqdm=False)[0].outputs[0].text
     second = first + [{"role": "assistant", "content": want1}, {"role": "user", "content": "Tell me a joke"}]
     want2 = llm.chat(second, params, use_tqdm=False)[0].outputs[0].text
-    out = kvserve("chat", "--max-tokens", "6", "--temperature", "0", *ENGINE_FLAGS,
-                  stdin="Hi\n\nTell me a joke\n/exit\nnever read\n")
+    out = kvserve_here("chat", "--max-tokens", "6", "--temperature", "0", *ENGINE_FLAGS,
+                       stdin="Hi\n\nTell me a joke\n/exit\nnever read\n")
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"{want1}\n{want2}\n"
 

@@ -230,21 +230,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from kvserve.config import parse_size
-    from kvserve.engine.async_engine import AsyncLLMEngine
-    from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.entrypoints.openai.api_server import ServerSettings, run_server
     from kvserve.entrypoints.openai.log_config import configure_logging
-    from kvserve.lora import LoRARequest
-    from kvserve.metrics import EngineMetrics
 
     configure_logging(args.log_format)
     if args.max_waiting_requests < 1:
         raise KVServeError("--max-waiting-requests must be >= 1")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise KVServeError("--enable-auto-tool-choice needs --tool-call-parser")
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args)   # a bad flag fails here, before the engine's imports (torch's seconds)
     if (args.lora_modules or args.enable_runtime_lora_updating) and not config.enable_lora:
         raise KVServeError("--lora-modules and --enable-runtime-lora-updating need --enable-lora")
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.entrypoints.openai.api_server import ServerSettings, run_server
+    from kvserve.lora import LoRARequest
+    from kvserve.metrics import EngineMetrics
     modules = parse_lora_modules(args.lora_modules or [])
     names = args.served_model_name or [config.model or DEFAULT_SERVED_MODEL_NAME]
     if args.data_parallel_size != 1:

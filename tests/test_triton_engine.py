@@ -25,7 +25,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(unavailable_reason(DEVICE) is not None,
                                 reason=f"Triton cannot run here: {unavailable_reason(DEVICE)}")
 # fewer tokens in the interpreter, where each step runs the kernels in Python
-GREEDY = SamplingParams(temperature=0, max_tokens=20 if DEVICE == "cuda" else 12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=20 if DEVICE == "cuda" else 8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_batching_chunked_prefill_preemption_and_prefix_caching(tiny_models, tok
     prefix cache): the outputs are still transformers' (so the torch reference backend's too)."""
     path, _ = tiny_models["qwen2"]
     prompts, reference = qwen2_reference
-    llm = engine(path, tokenizer_path, max_num_batched_tokens=24, num_kv_blocks=8, block_size=16, max_num_seqs=4)
+    llm = engine(path, tokenizer_path, max_num_batched_tokens=24, num_kv_blocks=6, block_size=16, max_num_seqs=4)
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert tokens(llm.generate(prompts[3:], GREEDY, use_tqdm=False)) == reference[3:]
@@ -168,7 +168,7 @@ def test_async_scheduling_through_the_graph_buffers(tiny_models, tokenizer_path,
     for the device."""
     path, _ = tiny_models["qwen2"]
     prompts, reference = qwen2_reference
-    llm = engine(path, tokenizer_path, async_scheduling=True, max_num_seqs=4, num_kv_blocks=8,
+    llm = engine(path, tokenizer_path, async_scheduling=True, max_num_seqs=4, num_kv_blocks=6,
                  max_num_batched_tokens=24)
     runner = llm.llm_engine.runner
     if runner.decode_graphs is None:

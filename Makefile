@@ -17,7 +17,10 @@ KERNELS := $(VENV)/.kernels-stamp
 TEST_KERNELS := $(VENV)/.test-kernels-stamp
 # make test runs the suite in this many pytest processes (pytest-xdist, a test file to a process); their OpenMP
 # threads sleep when idle instead of spinning (OMP_WAIT_POLICY=PASSIVE), or two processes' spinning threads would
-# take the cores from each other's work. TEST_WORKERS=0 runs it in one process
+# take the cores from each other's work. The longest test files go first (tests/conftest.py's LONGEST_FIRST), so no
+# long one starts last. Python caches its bytecode even where the environment says not to (PYTHONDONTWRITEBYTECODE):
+# each pytest process, server and CLI process of the suite would compile kvserve and the tests again, and pytest
+# rewrite the asserts of every module of its plugins' packages. TEST_WORKERS=0 runs it in one process
 TEST_WORKERS ?= 2
 # the peers live outside the repository, shared by every checkout; compare.py reads the same variable
 export PEERS ?= $(HOME)/peers
@@ -64,7 +67,8 @@ run: setup
 	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP) $(TEST_KERNELS)
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 tests
+	OMP_WAIT_POLICY=PASSIVE env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder --durations=10 tests
 
 # every Triton kernel variant compiled for sm_80 and sm_90 on this machine, no GPU needed (registers, spills, shared
 # memory per variant); tests/test_triton_compile.py runs it in make test

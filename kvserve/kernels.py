@@ -42,7 +42,8 @@ logger = logging.getLogger("kvserve")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 _FILES = ("common.h", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "attention_dispatch.cpp",
-          "ops.cpp", "gemv.cpp", "quant.cpp", "quant_k.cpp", "quant_int8.cpp", "quant_matmul.cpp", "lora.cpp",
+          "ops.cpp", "gemv.cpp", "quant.cpp", "quant_avx2.cpp", "quant_dispatch.cpp",
+          "quant_k.cpp", "quant_int8.cpp", "quant_matmul.cpp", "lora.cpp",
           "layers.cpp", "moe.cpp", "shm.cpp")
 
 

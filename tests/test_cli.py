@@ -31,14 +31,15 @@ def kvserve(*args: str, stdin: str | None = None, timeout: float = 180) -> subpr
 
 
 @pytest.fixture
-def kvserve_here(capsys, monkeypatch):
+def kvserve_here(capfd, monkeypatch):
     """`kvserve ARGS` run by the entry point in this process (cli.main, what `kvserve` calls), as a
-    CompletedProcess: the commands past the first subprocess test, without a process's imports each."""
+    CompletedProcess: the commands past the first subprocess test, without a process's imports each. capfd: what
+    any code writes to the file descriptors, as the process's output would hold it."""
     def run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
-        capsys.readouterr()
+        capfd.readouterr()
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
         status = cli.main(list(args))
-        out, err = capsys.readouterr()
+        out, err = capfd.readouterr()
         return subprocess.CompletedProcess(["kvserve", *args], status, out, err)
     return run
 
@@ -110,10 +111,19 @@ def test_generate_follows_a_json_schema_or_a_choice(tmp_path, kvserve_here):
     assert cli.sampling_params_from_args(args).structured_outputs.choice == ["Paris", "Rome"]
 
 
-def test_serve_with_a_bad_speculative_config_fails_with_a_clear_message():
-    out = kvserve("serve", "--port", "0", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}',
-                  timeout=60)
-    assert out.returncode == 1 and "unknown method 'medusa'" in out.stderr and "Traceback" not in out.stderr
+@pytest.mark.parametrize("flags, words", [
+    (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'], "unknown method 'medusa'"),
+    (["--max-request-body-size", "0"], "--max-request-body-size must be positive"),
+    (["--data-parallel-size", "2"], "add --distributed-executor-backend ray"),
+    (["--enable-lora", "--lora-modules", "SmolLM2-135M-Instruct=/x"], "is the base model's name")])
+def test_serve_with_a_bad_flag_fails_with_a_clear_message_before_importing_torch(flags, words, tmp_path):
+    """Every flag is checked before the engine's imports: the error comes at once. The process finds a torch that
+    fails to import: a check after the imports would fail on it instead."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch imported before the flags were checked')")
+    out = subprocess.run([sys.executable, "-m", "kvserve", "serve", "--port", "0", *flags], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 1 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_chat_repl_streams_answers_and_keeps_the_conversation(llm, kvserve_here):

@@ -2,6 +2,8 @@
 with its GGUF weights kept quantized, and with FP8 KV pools whose scales it calibrates, each against the same
 model dequantized on unquantized pools: one dense run the two compare with. In the serving dtype (auto: bf16 where
 the CPU has its kernels), each chunk in one step."""
+from pathlib import Path
+
 import pytest
 
 from kvserve import LLM
@@ -9,7 +11,7 @@ from kvserve.entrypoints.perplexity import perplexity
 from kvserve.errors import InvalidRequestError
 
 # eight chunks: with two or four the quantized ratio swings by ~0.5% with how the engine chunks them (+1.0-1.3%)
-TEXT = open("tests/data/gpl-3.0.txt", encoding="utf-8").read()[:20000]
+TEXT = (Path(__file__).parent / "data" / "gpl-3.0.txt").read_text(encoding="utf-8")[:20000]
 
 
 @pytest.fixture(scope="module")

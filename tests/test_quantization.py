@@ -1,6 +1,6 @@
 """GGUF models served with their quantized weights kept (quantization="gguf"): what is kept, accuracy against the
-dequantized model (logits, greedy tokens; perplexity in test_perplexity.py), the engine's equivalences on the quantized path, and bad
-inputs."""
+dequantized model (logits, greedy tokens; perplexity in test_perplexity.py), the engine's equivalences on the
+quantized path, and bad inputs."""
 import dataclasses
 
 import numpy as np

@@ -1,5 +1,5 @@
-// The quantized matmul itself (kvserve_quant_matmul), over the formats, unpacking and dot products of quant.cpp and
-// quant_k.cpp. The activations are quantized first, per row, to int8 with one float scale per 32 values for the
+// The quantized matmul itself (kvserve_quant_matmul), over the formats, unpacking and dot products of quant.cpp
+// (with quant_avx2.cpp and quant_dispatch.cpp) and quant_k.cpp. The activations are quantized first, per row, to int8 with one float scale per 32 values for the
 // 32-value formats, Q4_K and Q6_K (QX: quant.cpp's octets), per 128 for Q2_K, Q3_K, Q5_K and IQ4_XS (quant_k.cpp's
 // QK: blocks of 256); INT8 segments go to quant_int8.cpp.
 #include "common.h"

@@ -233,34 +233,39 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.openai.log_config import configure_logging
 
     configure_logging(args.log_format)
+    # every flag is checked before the engine's imports (torch's seconds): a bad one fails at once
     if args.max_waiting_requests < 1:
         raise KVServeError("--max-waiting-requests must be >= 1")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise KVServeError("--enable-auto-tool-choice needs --tool-call-parser")
-    config = engine_config_from_args(args)   # a bad flag fails here, before the engine's imports (torch's seconds)
+    config = engine_config_from_args(args)
     if (args.lora_modules or args.enable_runtime_lora_updating) and not config.enable_lora:
         raise KVServeError("--lora-modules and --enable-runtime-lora-updating need --enable-lora")
-    from kvserve.engine.async_engine import AsyncLLMEngine
-    from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.entrypoints.openai.api_server import ServerSettings, run_server
-    from kvserve.lora import LoRARequest
-    from kvserve.metrics import EngineMetrics
     modules = parse_lora_modules(args.lora_modules or [])
     names = args.served_model_name or [config.model or DEFAULT_SERVED_MODEL_NAME]
+    for name, _, _ in modules:
+        if name in names:
+            raise KVServeError(f"--lora-modules: {name!r} is the base model's name; give the adapter another")
     if args.data_parallel_size != 1:
-        engine = _data_parallel_engine(args, config, names[0])
-    else:
-        llm = LLMEngine(config)
-        for name, path, base in modules:
-            if name in names:
-                raise KVServeError(f"--lora-modules: {name!r} is the base model's name; give the adapter another")
-            llm.lora.register(LoRARequest(name, llm.lora.next_id(), path, base_model_name=base or names[0]))
-        engine = AsyncLLMEngine(llm, args.max_waiting_requests, EngineMetrics(names[0]))
+        _check_data_parallel(args, config)
     body_limit = None
     if args.max_request_body_size is not None:
         body_limit = parse_size(args.max_request_body_size, "max_request_body_size")
         if body_limit < 1:
             raise KVServeError("--max-request-body-size must be positive")
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.entrypoints.openai.api_server import ServerSettings, run_server
+    from kvserve.lora import LoRARequest
+    from kvserve.metrics import EngineMetrics
+    if args.data_parallel_size != 1:
+        from kvserve.distributed.dp_engine import DataParallelEngine
+        engine = DataParallelEngine(config, args.data_parallel_size, names[0], args.max_waiting_requests)
+    else:
+        llm = LLMEngine(config)
+        for name, path, base in modules:
+            llm.lora.register(LoRARequest(name, llm.lora.next_id(), path, base_model_name=base or names[0]))
+        engine = AsyncLLMEngine(llm, args.max_waiting_requests, EngineMetrics(names[0]))
     settings = ServerSettings(served_model_names=names, model_path=config.model, api_key=args.api_key,
                               max_request_body_bytes=body_limit, enable_auto_tool_choice=args.enable_auto_tool_choice,
                               tool_call_parser=args.tool_call_parser,
@@ -268,7 +273,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_server(engine, settings, args.host, args.port, args.shutdown_timeout)
 
 
-def _data_parallel_engine(args: argparse.Namespace, config, model_name: str):
+def _check_data_parallel(args: argparse.Namespace, config) -> None:
     """--data-parallel-size N: N replicas on Ray behind this server (kvserve/distributed/dp_engine.py)."""
     if args.data_parallel_size < 1:
         raise KVServeError("--data-parallel-size must be >= 1")
@@ -276,8 +281,6 @@ def _data_parallel_engine(args: argparse.Namespace, config, model_name: str):
         raise KVServeError("--data-parallel-size runs its replicas on Ray: add --distributed-executor-backend ray")
     if config.enable_lora:
         raise KVServeError("LoRA adapters are not served by data-parallel replicas yet")
-    from kvserve.distributed.dp_engine import DataParallelEngine
-    return DataParallelEngine(config, args.data_parallel_size, model_name, args.max_waiting_requests)
 
 
 def parse_lora_modules(values: list[str]) -> list[tuple[str, str, str | None]]:

@@ -15,7 +15,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.api_server import ServerSettings, build_app
 from kvserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  TokenizeRequest)
-from model_utils import save_tiny_model
+from model_utils import save_tiny_model, write_tiny_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -43,15 +43,19 @@ json_values = st.recursive(
 
 @pytest.fixture(scope="module")
 def post(tmp_path_factory, gguf_path):
-    """The app on a tiny random Llama with the bundled model's tokenizer and vocabulary: the fuzz is about what the
+    """The app on a tiny random Llama shaped as the bundled model's file is (a GGUF kept quantized, its embedding
+    table tied to the output head) with the bundled model's tokenizer and vocabulary: the fuzz is about what the
     server makes of a body, and each of its hundreds of accepted requests runs a step (the bundled model's weights
     would only make them slower). The priority policy, so that `priority` reaches the scheduler (fcfs ignores
     it)."""
     from kvserve.model.tokenizer import load_gguf_tokenizer
-    path = tmp_path_factory.mktemp("fuzz")
-    save_tiny_model("llama", path, vocab_size=len(load_gguf_tokenizer(gguf_path)))
+    root = tmp_path_factory.mktemp("fuzz")
+    hf = save_tiny_model("llama", root / "hf", vocab_size=len(load_gguf_tokenizer(gguf_path)),
+                         tie_word_embeddings=True)
+    path = write_tiny_gguf(root / "tiny.gguf", hf, qtype="Q8_0")
     engine = LLMEngine(EngineConfig(model=str(path), tokenizer=gguf_path, dtype="float32", max_model_len=128,
                                     num_kv_blocks=32, max_num_seqs=4, scheduling_policy="priority"))
+    assert engine.weights_summary.startswith("GGUF kept quantized")
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, ServerSettings(served_model_names=["m"]))
     loop = asyncio.new_event_loop()

@@ -22,7 +22,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     lighten()
 
 
-# the test files that take longest, longest first (pytest --durations=0, per file, on an AVX2 and an AVX-512 CPU):
+# the test files that take longest, longest first (pytest --durations=0 summed per file, on an AVX2 CPU):
 # make test's two workers take files in the collection's order (the Makefile's --no-loadscope-reorder; xdist would
 # put the files with the most tests first), so these start first and no long file starts last while the other
 # worker idles. The other files follow in name order

@@ -485,26 +485,5 @@ def packed_numel(n: int, k: int) -> int:
     return -(-n // 16) * 16 * k
 
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of nbytes, 2 MiB aligned, advised to the kernel as transparent huge pages before it is
-    touched (Linux; elsewhere, or when refused, plain pages): weights streamed every step read faster from huge
-    pages (benchmarks/LOG.md)."""
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % _HUGE_PAGE
-    buf = raw[start:start + nbytes]
-    if platform.system() == "Linux" and nbytes >= _HUGE_PAGE:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise(buf.data_ptr(), nbytes - nbytes % _HUGE_PAGE, _MADV_HUGEPAGE)
-        except (OSError, AttributeError):
-            pass
-    return buf
-
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,6 +21,8 @@ def return_freed_memory() -> None:
 
 PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
 
 
 def discard_pages(tensor: torch.Tensor, start: int, end: int) -> int:
@@ -42,6 +44,19 @@ def discard_pages(tensor: torch.Tensor, start: int, end: int) -> int:
     if hi <= lo:
         return 0
     return hi - lo if madvise(lo, hi - lo, _MADV_DONTNEED) == 0 else 0
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of nbytes, 2 MiB aligned, advised to the kernel as transparent huge pages before it is
+    touched (Linux; elsewhere, or when refused, plain pages): weights streamed every step read faster from huge
+    pages (benchmarks/LOG.md)."""
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE_PAGE
+    buf = raw[start:start + nbytes]
+    madvise = _madvise()
+    if madvise is not None and nbytes >= _HUGE_PAGE:
+        madvise(buf.data_ptr(), nbytes - nbytes % _HUGE_PAGE, _MADV_HUGEPAGE)
+    return buf
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve import kernels
+from kvserve import kernels, memory
 from kvserve.model.quantization import QuantizedWeight, embedding_rows, quantized_matmul
 
 
@@ -254,7 +254,7 @@ def prepack_weights(weights: list[torch.Tensor], onednn: bool = False,
     if not onednn:
         sizes = [kernels.packed_numel(*w.shape) for w in weights]
         parts = [part.view(w.dtype) for part, w in
-                 zip(kernels.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16).split(sizes), weights)]
+                 zip(memory.huge_page_buffer(2 * sum(sizes)).view(torch.bfloat16).split(sizes), weights)]
     packs: list[LinearMethod] = []
     seen = collections.Counter(id(w) for w in weights)   # a weight two modules share is packed whole, not consumed
     for i in range(len(weights)):

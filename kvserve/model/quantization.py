@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kvserve import kernels
+from kvserve import kernels, memory
 from kvserve.config import QUANTIZATION_CHOICES
 from kvserve.errors import ModelLoadError
 
@@ -149,7 +149,7 @@ class QuantizedWeight:
             else:
                 groups.append([s])
         nbytes = [sum(s.data.numel() for s in g) for g in groups]
-        self.buffer = kernels.huge_page_buffer(sum(nbytes))   # streamed every step: huge pages read faster
+        self.buffer = memory.huge_page_buffer(sum(nbytes))   # streamed every step: huge pages read faster
         self.segments = []
         for g, part in zip(groups, self.buffer.split(nbytes)):
             for s, piece in zip(g, part.split([s.data.numel() for s in g])):
